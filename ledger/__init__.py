@@ -1,0 +1,1 @@
+"""The task ledger: the only code that knows lease conditions and state transitions."""

@@ -1,0 +1,154 @@
+"""Who may write a task row while it runs: the lease (SPEC §4-5).
+
+A claim issues a fresh ``execution_id``. Every later write by that execution is one
+statement conditional on ``id, run, execution_id`` and ``status = 'RUNNING'`` and checks
+its row count: progress and completion raise :class:`LeaseLost` on 0 rows, a failure
+report returns ``False``. Each function runs inside the caller's connection and
+transaction, so a reminder can put its completion in the same transaction as its
+side effects.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+from ledger.errors import LeaseLost
+from ledger.states import COMPLETED
+
+# The lease condition every write of a running execution carries.
+_LEASE = "id = :task_id AND run = :run AND execution_id = :execution_id AND status = 'RUNNING'"
+
+# Guard: the message's run is the ledger's run and the row is not finished.
+# A RUNNING row may be taken over: that is how a recovered or duplicate delivery
+# replaces a silent execution.
+CLAIM = text("""
+    UPDATE background_tasks
+       SET status = 'RUNNING', execution_id = :execution_id, lease_holder = :holder,
+           attempts = :attempt, progress = 0, updated_at = now()
+     WHERE id = :task_id AND run = :run AND status IN ('WAITING', 'RUNNING')
+    RETURNING kind, team_id, owner_id, scope, filters
+""")
+
+# Guard: the lease. Used before side effects, so a lost lease stops work early;
+# the completion's own guard is what makes it safe.
+CHECK_LEASE = text(f"SELECT 1 FROM background_tasks WHERE {_LEASE}")
+
+# Guard: the lease.
+REPORT_PROGRESS = text(f"""
+    UPDATE background_tasks SET progress = :progress, updated_at = now()
+     WHERE {_LEASE}
+""")
+
+# Guard: the lease. The CSV is kept 24 h from the commit.
+COMPLETE_EXPORT = text(f"""
+    UPDATE background_tasks
+       SET status = 'COMPLETED', progress = 100, result_csv = :csv,
+           result_summary = :summary, expires_at = now() + interval '24 hours',
+           execution_id = NULL, lease_holder = NULL, last_error = NULL, updated_at = now()
+     WHERE {_LEASE}
+""")
+
+# Guard: the lease; the caller's transaction holds the side effects.
+COMPLETE = text(f"""
+    UPDATE background_tasks
+       SET status = 'COMPLETED', progress = 100, result_summary = :summary,
+           execution_id = NULL, lease_holder = NULL, last_error = NULL, updated_at = now()
+     WHERE {_LEASE}
+""")
+
+# Guard: the lease. A WAITING row keeps dispatched_at = when its queue retry is due,
+# so the dispatcher neither publishes it again nor calls it lost before then.
+REPORT_FAILURE = text(f"""
+    UPDATE background_tasks
+       SET status = :status, last_error = :message, execution_id = NULL,
+           lease_holder = NULL, dispatched_at = :retry_at, updated_at = now()
+     WHERE {_LEASE}
+""")
+
+READ_STATE = text("SELECT status, run FROM background_tasks WHERE id = :task_id")
+
+
+@dataclass(frozen=True)
+class Lease:
+    task_id: uuid.UUID
+    run: int
+    execution_id: uuid.UUID
+    attempt: int
+
+    def params(self) -> dict[str, Any]:
+        return {"task_id": self.task_id, "run": self.run, "execution_id": self.execution_id}
+
+
+@dataclass(frozen=True)
+class Claim:
+    lease: Lease
+    kind: str
+    team_id: uuid.UUID
+    owner_id: uuid.UUID
+    scope: str
+    filters: dict[str, Any]
+
+
+def claim(conn: Connection, task_id: uuid.UUID, run: int, attempt: int,
+          holder: str | None = None) -> Claim | None:
+    """Take the lease for ``run`` with a fresh execution id; None means skip the message."""
+    execution_id = uuid.uuid4()
+    row = conn.execute(CLAIM, {"task_id": task_id, "run": run, "attempt": attempt,
+                               "execution_id": execution_id, "holder": holder}).one_or_none()
+    if row is None:
+        return None
+    lease = Lease(task_id=task_id, run=run, execution_id=execution_id, attempt=attempt)
+    return Claim(lease=lease, kind=row.kind, team_id=row.team_id, owner_id=row.owner_id,
+                 scope=row.scope, filters=row.filters)
+
+
+def check_lease(conn: Connection, lease: Lease) -> None:
+    """Raise LeaseLost unless ``lease`` is still the row's lease."""
+    if conn.execute(CHECK_LEASE, lease.params()).first() is None:
+        raise LeaseLost(lease.task_id)
+
+
+def report_progress(conn: Connection, lease: Lease, progress: int) -> None:
+    if not 0 <= progress <= 100:
+        raise ValueError("progress must be within 0..100")
+    _write_or_lose(conn, REPORT_PROGRESS, lease, progress=progress)
+
+
+def complete_export(conn: Connection, lease: Lease, csv: str, summary: str) -> None:
+    _write_or_lose(conn, COMPLETE_EXPORT, lease, csv=csv, summary=summary)
+
+
+def complete_in_transaction(conn: Connection, lease: Lease, summary: str) -> None:
+    """Complete inside the caller's transaction; LeaseLost must roll that transaction back."""
+    _write_or_lose(conn, COMPLETE, lease, summary=summary)
+
+
+def report_failure(conn: Connection, lease: Lease, *, final: bool, message: str,
+                   retry_at: datetime | None = None) -> bool:
+    """FAILED (final) or WAITING until ``retry_at``; False when a newer execution owns it."""
+    status = "FAILED" if final else "WAITING"
+    result = conn.execute(REPORT_FAILURE, {**lease.params(), "status": status,
+                                           "message": message,
+                                           "retry_at": None if final else retry_at})
+    return result.rowcount == 1
+
+
+def read_state(conn: Connection, task_id: uuid.UUID) -> tuple[str, int] | None:
+    row = conn.execute(READ_STATE, {"task_id": task_id}).one_or_none()
+    return None if row is None else (row.status, row.run)
+
+
+def run_completed(conn: Connection, task_id: uuid.UUID, run: int) -> bool:
+    """Whether ``run`` of the task is COMPLETED: decides task.completed vs task.skipped."""
+    return read_state(conn, task_id) == (COMPLETED, run)
+
+
+def _write_or_lose(conn: Connection, stmt: Any, lease: Lease, **values: Any) -> None:
+    if conn.execute(stmt, {**lease.params(), **values}).rowcount != 1:
+        raise LeaseLost(lease.task_id)

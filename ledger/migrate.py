@@ -1,0 +1,37 @@
+"""Apply the Alembic revisions in ``ledger/migrations`` (``teamdesk-tasks migrate``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+
+from teamdesk.db import sqlalchemy_url
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+
+
+def alembic_config(database_url: str) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    url = sqlalchemy_url(database_url)
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(database_url: str, revision: str = "head") -> None:
+    """Bring the schema to ``revision``; running it again changes nothing."""
+    command.upgrade(alembic_config(database_url), revision)
+
+
+def current_revision(database_url: str) -> str | None:
+    import sqlalchemy as sa
+    from alembic.runtime.migration import MigrationContext
+
+    engine = sa.create_engine(sqlalchemy_url(database_url))
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()

@@ -1,0 +1,161 @@
+"""The SPEC §3 tables as SQLAlchemy Core metadata.
+
+The schema is created by the Alembic revisions in ``ledger/migrations``; this module
+describes the same schema so that a test can prove the two never drift apart.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+
+from ledger.states import KINDS, SCOPES, STATUSES
+
+TICKET_STATUSES = ("OPEN", "PENDING", "RESOLVED", "CLOSED")
+TICKET_PRIORITIES = ("LOW", "NORMAL", "HIGH", "URGENT")
+ROLES = ("STAFF", "CUSTOMER")
+
+metadata = sa.MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+def _id() -> sa.Column[object]:
+    return sa.Column("id", UUID(as_uuid=True), primary_key=True,
+                     server_default=sa.text("gen_random_uuid()"))
+
+
+def _created_at() -> sa.Column[object]:
+    return sa.Column("created_at", sa.DateTime(timezone=True), nullable=False,
+                     server_default=sa.func.now())
+
+
+def _fk(name: str, target: str, nullable: bool = False) -> sa.Column[object]:
+    return sa.Column(name, UUID(as_uuid=True), sa.ForeignKey(target), nullable=nullable)
+
+
+teams = sa.Table("teams", metadata, _id(), sa.Column("name", sa.Text, nullable=False),
+                 _created_at())
+
+users = sa.Table(
+    "users", metadata, _id(),
+    sa.Column("email", sa.Text, nullable=False, unique=True),
+    sa.Column("name", sa.Text, nullable=False),
+    _created_at(),
+)
+
+memberships = sa.Table(
+    "memberships", metadata,
+    sa.Column("team_id", UUID(as_uuid=True), sa.ForeignKey("teams.id"), primary_key=True),
+    sa.Column("user_id", UUID(as_uuid=True), sa.ForeignKey("users.id"), primary_key=True),
+    sa.Column("role", sa.Text, nullable=False),
+    _created_at(),
+    sa.CheckConstraint(_in("role", ROLES), name="role"),
+)
+sa.Index("ix_memberships_user_id", memberships.c.user_id)
+
+tickets = sa.Table(
+    "tickets", metadata, _id(),
+    _fk("team_id", "teams.id"),
+    sa.Column("title", sa.Text, nullable=False),
+    sa.Column("status", sa.Text, nullable=False, server_default="OPEN"),
+    sa.Column("priority", sa.Text, nullable=False, server_default="NORMAL"),
+    _fk("requester_id", "users.id"),
+    _fk("assignee_id", "users.id", nullable=True),
+    sa.Column("due_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("version", sa.Integer, nullable=False, server_default="0"),
+    _created_at(),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False,
+              server_default=sa.func.now()),
+    sa.CheckConstraint(_in("status", TICKET_STATUSES), name="status"),
+    sa.CheckConstraint(_in("priority", TICKET_PRIORITIES), name="priority"),
+    sa.CheckConstraint("version >= 0", name="version"),
+)
+# The export reads a team's tickets in (created_at, id) keyset order.
+sa.Index("ix_tickets_team_created", tickets.c.team_id, tickets.c.created_at, tickets.c.id)
+
+background_tasks = sa.Table(
+    "background_tasks", metadata, _id(),
+    sa.Column("kind", sa.Text, nullable=False),
+    _fk("team_id", "teams.id"),
+    _fk("owner_id", "users.id"),
+    sa.Column("scope", sa.Text, nullable=False),
+    sa.Column("filters", JSONB, nullable=False),
+    sa.Column("status", sa.Text, nullable=False, server_default="WAITING"),
+    sa.Column("run", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("progress", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("execution_id", UUID(as_uuid=True), nullable=True),
+    sa.Column("lease_holder", sa.Text, nullable=True),
+    sa.Column("dispatched_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("run_at", sa.DateTime(timezone=True), nullable=False,
+              server_default=sa.func.now()),
+    sa.Column("recoveries", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("last_error", sa.Text, nullable=True),
+    sa.Column("result_csv", sa.Text, nullable=True),
+    sa.Column("result_summary", sa.Text, nullable=True),
+    sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True),
+    _created_at(),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False,
+              server_default=sa.func.now()),
+    sa.CheckConstraint(_in("kind", KINDS), name="kind"),
+    sa.CheckConstraint(_in("scope", SCOPES), name="scope"),
+    sa.CheckConstraint(_in("status", STATUSES), name="status"),
+    sa.CheckConstraint("progress BETWEEN 0 AND 100", name="progress"),
+    sa.CheckConstraint("run >= 0 AND attempts >= 0 AND recoveries >= 0", name="counters"),
+    sa.CheckConstraint("kind = 'EXPORT' OR scope = 'TEAM'", name="reminder_scope"),
+    sa.CheckConstraint("status = 'RUNNING' OR execution_id IS NULL", name="lease_only_running"),
+)
+# Dispatcher step 3: WAITING rows never published, by due time.
+sa.Index("ix_background_tasks_due", background_tasks.c.run_at,
+         postgresql_where=sa.text("status = 'WAITING' AND dispatched_at IS NULL"))
+# Dispatcher step 4: WAITING rows already published, by publish (or retry-due) time.
+sa.Index("ix_background_tasks_dispatched", background_tasks.c.dispatched_at,
+         postgresql_where=sa.text("status = 'WAITING' AND dispatched_at IS NOT NULL"))
+# Dispatcher step 1: RUNNING rows by staleness.
+sa.Index("ix_background_tasks_running", background_tasks.c.updated_at,
+         postgresql_where=sa.text("status = 'RUNNING'"))
+# Dispatcher step 5: CSVs still held, by expiry.
+sa.Index("ix_background_tasks_expiring", background_tasks.c.expires_at,
+         postgresql_where=sa.text("result_csv IS NOT NULL"))
+# API: a team's task list, newest first.
+sa.Index("ix_background_tasks_team_created", background_tasks.c.team_id,
+         background_tasks.c.created_at)
+
+notifications = sa.Table(
+    "notifications", metadata, _id(),
+    _fk("user_id", "users.id"),
+    _fk("ticket_id", "tickets.id"),
+    _fk("task_id", "background_tasks.id"),
+    sa.Column("kind", sa.Text, nullable=False, server_default="TICKET_REMINDER"),
+    _created_at(),
+    sa.UniqueConstraint("task_id", "user_id", name="uq_notifications_task_user"),
+)
+
+system_events = sa.Table(
+    "system_events", metadata, _id(),
+    _fk("team_id", "teams.id"),
+    _fk("ticket_id", "tickets.id", nullable=True),
+    sa.Column("type", sa.Text, nullable=False),
+    sa.Column("payload", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    _created_at(),
+)
+sa.Index("ix_system_events_ticket_id", system_events.c.ticket_id)
+
+api_tokens = sa.Table(
+    "api_tokens", metadata, _id(),
+    sa.Column("token_hash", sa.Text, nullable=False, unique=True),
+    _fk("user_id", "users.id"),
+    sa.Column("name", sa.Text, nullable=True),
+    _created_at(),
+)

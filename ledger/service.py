@@ -1,0 +1,204 @@
+"""What users ask of the ledger: create, read, retry (SPEC §6) and cancel (SPEC §5).
+
+Authorisation lives here so the API and the CLI answer alike: a user sees a task
+when they are a member of its team and either own it or are staff and the task has
+TEAM scope. Everything they cannot see answers :class:`NotFound`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection, RowMapping
+
+from ledger.errors import InvalidInput, InvalidState, NotAllowed, NotFound
+from ledger.filters import validate_filters
+from ledger.states import SCOPES
+
+STAFF = "STAFF"
+
+MSG_SCOPE = "scope must be TEAM or MINE"
+MSG_TEAM_NEEDS_STAFF = "only staff may act on the whole team's tickets"
+MSG_REMINDER_NEEDS_STAFF = "only staff may schedule reminders"
+MSG_TICKET = "ticket_id must name a ticket of this team"
+MSG_RUN_AT = "run_at must be a date and time with a time zone"
+MSG_RETRY_STATE = "only FAILED or CANCELLED tasks can be retried"
+MSG_RETRY_DEMOTED = ("the task's creator is no longer staff; a team export cannot run again; "
+                     "create a new task")
+MSG_RETRY_OWNER_LEFT = "the task's creator is no longer a member of the team; create a new task"
+MSG_CANCEL_STATE = "only WAITING or RUNNING tasks can be cancelled"
+
+ROLE = text("SELECT role FROM memberships WHERE team_id = :team_id AND user_id = :user_id")
+
+INSERT_TASK = text("""
+    INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters, run_at)
+    VALUES (:kind, :team_id, :owner_id, :scope, CAST(:filters AS jsonb), :run_at)
+    RETURNING id
+""")
+
+TASK_COLUMNS = """id, kind, team_id, owner_id, scope, filters, status, run, attempts, progress,
+    last_error, result_summary, run_at, dispatched_at, recoveries, expires_at, created_at,
+    updated_at, (result_csv IS NOT NULL) AS has_csv"""
+
+SELECT_TASK = text(f"SELECT {TASK_COLUMNS} FROM background_tasks WHERE id = :task_id")
+SELECT_TASK_FOR_UPDATE = text(
+    f"SELECT {TASK_COLUMNS} FROM background_tasks WHERE id = :task_id FOR UPDATE")
+
+LIST_TASKS = text(f"""
+    SELECT {TASK_COLUMNS} FROM background_tasks
+     WHERE team_id = :team_id AND (owner_id = :user_id OR (scope = 'TEAM' AND :is_staff))
+     ORDER BY created_at DESC, id DESC
+     LIMIT :limit
+""")
+
+SELECT_CSV = text("SELECT result_csv, expires_at FROM background_tasks WHERE id = :task_id")
+
+# Guard: only a finished-without-result run opens a new one (SPEC §6).
+RETRY = text("""
+    UPDATE background_tasks
+       SET run = run + 1, status = 'WAITING', progress = 0, attempts = 0, last_error = NULL,
+           execution_id = NULL, lease_holder = NULL, dispatched_at = NULL, result_csv = NULL,
+           result_summary = NULL, expires_at = NULL, recoveries = 0, run_at = now(),
+           updated_at = now()
+     WHERE id = :task_id AND status IN ('FAILED', 'CANCELLED')
+    RETURNING run
+""")
+
+# Guard: not finished. Clearing execution_id revokes a running execution's lease.
+CANCEL = text("""
+    UPDATE background_tasks
+       SET status = 'CANCELLED', execution_id = NULL, lease_holder = NULL, updated_at = now()
+     WHERE id = :task_id AND status IN ('WAITING', 'RUNNING')
+""")
+
+TICKET_IN_TEAM = text("SELECT 1 FROM tickets WHERE id = :ticket_id AND team_id = :team_id")
+
+
+@dataclass(frozen=True)
+class TaskView:
+    """A task as its owner may see it (everything but the CSV body)."""
+
+    row: RowMapping
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in self.row.items():
+            if isinstance(value, uuid.UUID):
+                value = str(value)
+            elif isinstance(value, datetime):
+                value = value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+            out[key] = value
+        return out
+
+
+def role_of(conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID) -> str | None:
+    row = conn.execute(ROLE, {"team_id": team_id, "user_id": user_id}).one_or_none()
+    return None if row is None else str(row.role)
+
+
+def _can_see(task: RowMapping, user_id: uuid.UUID, role: str | None) -> bool:
+    if role is None:
+        return False
+    return bool(task["owner_id"] == user_id or (task["scope"] == "TEAM" and role == STAFF))
+
+
+def _visible_task(conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID,
+                  for_update: bool = False) -> RowMapping:
+    stmt = SELECT_TASK_FOR_UPDATE if for_update else SELECT_TASK
+    task = conn.execute(stmt, {"task_id": task_id}).mappings().one_or_none()
+    if task is None or not _can_see(task, user_id, role_of(conn, task["team_id"], user_id)):
+        raise NotFound()
+    return task
+
+
+def _member_role(conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID) -> str:
+    role = role_of(conn, team_id, user_id)
+    if role is None:
+        raise NotFound("Team not found.")
+    return role
+
+
+def _insert(conn: Connection, kind: str, team_id: uuid.UUID, owner_id: uuid.UUID, scope: str,
+            filters: dict[str, Any], run_at: datetime | None) -> uuid.UUID:
+    row = conn.execute(INSERT_TASK, {
+        "kind": kind, "team_id": team_id, "owner_id": owner_id, "scope": scope,
+        "filters": json.dumps(filters), "run_at": run_at or datetime.now(UTC),
+    }).one()
+    return uuid.UUID(str(row.id))
+
+
+def create_export(conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID, scope: Any,
+                  filters: Any) -> uuid.UUID:
+    """Validate and insert a WAITING export; nothing is written when anything is wrong."""
+    if scope not in SCOPES:
+        raise InvalidInput(MSG_SCOPE)
+    validate_filters(filters)
+    role = _member_role(conn, team_id, user_id)
+    if scope == "TEAM" and role != STAFF:
+        raise NotAllowed(MSG_TEAM_NEEDS_STAFF)
+    return _insert(conn, "EXPORT", team_id, user_id, scope, dict(filters), None)
+
+
+def create_reminder(conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID, ticket_id: Any,
+                    run_at: datetime | None = None) -> uuid.UUID:
+    """Validate and insert a WAITING reminder for one ticket, due at ``run_at`` (default now)."""
+    try:
+        ticket = uuid.UUID(str(ticket_id))
+    except ValueError:
+        raise InvalidInput(MSG_TICKET) from None
+    if run_at is not None and run_at.tzinfo is None:
+        raise InvalidInput(MSG_RUN_AT)
+    if _member_role(conn, team_id, user_id) != STAFF:
+        raise NotAllowed(MSG_REMINDER_NEEDS_STAFF)
+    if conn.execute(TICKET_IN_TEAM, {"ticket_id": ticket, "team_id": team_id}).first() is None:
+        raise InvalidInput(MSG_TICKET)
+    return _insert(conn, "REMINDER", team_id, user_id, "TEAM", {"ticket_id": str(ticket)}, run_at)
+
+
+def get_task(conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID) -> TaskView:
+    return TaskView(_visible_task(conn, task_id, user_id))
+
+
+def list_tasks(conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID,
+               limit: int = 100) -> list[TaskView]:
+    role = _member_role(conn, team_id, user_id)
+    rows = conn.execute(LIST_TASKS, {"team_id": team_id, "user_id": user_id,
+                                     "is_staff": role == STAFF, "limit": limit}).mappings()
+    return [TaskView(row) for row in rows]
+
+
+def read_csv(conn: Connection, task_id: uuid.UUID,
+             user_id: uuid.UUID) -> tuple[RowMapping, str | None, datetime | None]:
+    """The task, its CSV (None when not produced or purged) and when it expires."""
+    task = _visible_task(conn, task_id, user_id)
+    row = conn.execute(SELECT_CSV, {"task_id": task_id}).one()
+    return task, row.result_csv, row.expires_at
+
+
+def retry(conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID) -> int:
+    """Open a new run of a FAILED or CANCELLED task; returns the new run number."""
+    task = _visible_task(conn, task_id, user_id, for_update=True)
+    if task["status"] not in ("FAILED", "CANCELLED"):
+        raise InvalidState(MSG_RETRY_STATE)
+    if task["kind"] == "EXPORT":
+        owner_role = role_of(conn, task["team_id"], task["owner_id"])
+        if owner_role is None:
+            raise NotAllowed(MSG_RETRY_OWNER_LEFT)
+        if task["scope"] == "TEAM" and owner_role != STAFF:
+            raise NotAllowed(MSG_RETRY_DEMOTED)
+    row = conn.execute(RETRY, {"task_id": task_id}).one_or_none()
+    if row is None:
+        raise InvalidState(MSG_RETRY_STATE)
+    return int(row.run)
+
+
+def cancel(conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID) -> None:
+    """Cancel a WAITING or RUNNING task; a running execution loses its lease."""
+    _visible_task(conn, task_id, user_id)
+    if conn.execute(CANCEL, {"task_id": task_id}).rowcount != 1:
+        raise InvalidState(MSG_CANCEL_STATE)

@@ -1,0 +1,1 @@
+"""TeamDesk task cluster: process-wide pieces (configuration, logging, database, CLI)."""

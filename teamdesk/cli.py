@@ -1,0 +1,56 @@
+"""``teamdesk-tasks``: the operator's command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from teamdesk.config import settings_or_exit
+from teamdesk.logs import setup_logging
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from ledger.migrate import current_revision, upgrade
+
+    settings = settings_or_exit()
+    try:
+        upgrade(settings.database_url)
+        revision = current_revision(settings.database_url)
+    except Exception as exc:  # the driver's message may hold the address; print the class only
+        print(f"teamdesk-tasks migrate: cannot migrate the database ({type(exc).__name__}); "
+              "check DATABASE_URL and that PostgreSQL is running", file=sys.stderr)
+        return 1
+    print(f"schema at revision {revision}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="teamdesk-tasks",
+        description="TeamDesk task cluster: ledger, dispatcher and worker operations. "
+                    "Configuration comes from the environment (DATABASE_URL, REDIS_URL, ...).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    migrate = sub.add_parser("migrate", help="apply database migrations (idempotent)",
+                             description="Bring the database schema to the newest revision. "
+                                         "Safe to run again and from several hosts at once.")
+    migrate.set_defaults(handler=cmd_migrate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    settings = settings_or_exit()
+    setup_logging("cli", settings.log_level)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    handler: Handler = args.handler
+    return handler(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

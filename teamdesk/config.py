@@ -1,0 +1,154 @@
+"""Configuration: the SPEC §12 environment variables, read and validated once.
+
+Every process calls :func:`get_settings` (or :func:`load_settings` with an explicit
+mapping in tests). A bad value raises :class:`ConfigError` whose message names the
+variable; entry points turn it into one line on stderr and exit code 2 (see
+:func:`settings_or_exit`), never a traceback and never a silent default.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+LOG_LEVELS = ("fatal", "error", "warn", "info", "debug", "trace", "silent")
+
+DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/teamdesk"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+_DATABASE_SCHEMES = ("postgresql", "postgresql+psycopg2", "postgres")
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
+_BROKER_SCHEMES = (*_REDIS_SCHEMES, "amqp", "amqps", "pyamqp")
+
+
+class ConfigError(Exception):
+    """A configuration variable has a value the process cannot run with."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str = DEFAULT_DATABASE_URL
+    redis_url: str = DEFAULT_REDIS_URL
+    broker_url: str = DEFAULT_REDIS_URL
+    queue_prefix: str = "teamdesk"
+    log_level: str = "info"
+    worker_instance_id: str = "localhost"
+    max_task_attempts: int = 3
+    retry_base_delay_s: float = 2.0
+    stale_after_s: float = 120.0
+    scan_interval_s: float = 3.0
+    heartbeat_ttl_s: float = 20.0
+    max_recoveries: int = 2
+    export_max_rows: int = 10_000
+    export_batch_size: int = 500
+    shutdown_timeout_s: float = 75.0
+
+    def with_overrides(self, **changes: object) -> Settings:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+T = TypeVar("T", int, float)
+
+
+def _number(env: Mapping[str, str], name: str, default: T, cast: Callable[[str], T],
+            minimum: T) -> T:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    kind = "a whole number" if cast is int else "a number"
+    try:
+        value = cast(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name} must be {kind}, got {raw!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):  # NaN / inf
+        raise ConfigError(f"{name} must be {kind}, got {raw!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be at least {minimum}, got {raw!r}")
+    return value
+
+
+def _url(env: Mapping[str, str], name: str, default: str, schemes: tuple[str, ...]) -> str:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip()
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError:
+        raise ConfigError(f"{name} is not a valid URL") from None
+    if parts.scheme not in schemes:
+        allowed = ", ".join(f"{s}://" for s in schemes)
+        raise ConfigError(f"{name} must start with one of {allowed}")
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ConfigError(f"{name} must name a host")
+    return value
+
+
+def _text(env: Mapping[str, str], name: str, default: str) -> str:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip()
+    if any(ch.isspace() for ch in value) or "/" in value:
+        raise ConfigError(f"{name} must not contain spaces or '/'")
+    return value
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Read and validate every variable; raise ConfigError naming the first bad one."""
+    env = os.environ if env is None else env
+    level = env.get("LOG_LEVEL", "").strip().lower() or "info"
+    if level not in LOG_LEVELS:
+        raise ConfigError(
+            f"LOG_LEVEL must be one of {'|'.join(LOG_LEVELS)}, got {env.get('LOG_LEVEL')!r}"
+        )
+    redis_url = _url(env, "REDIS_URL", DEFAULT_REDIS_URL, _REDIS_SCHEMES)
+    return Settings(
+        database_url=_url(env, "DATABASE_URL", DEFAULT_DATABASE_URL, _DATABASE_SCHEMES),
+        redis_url=redis_url,
+        broker_url=_url(env, "BROKER_URL", redis_url, _BROKER_SCHEMES),
+        queue_prefix=_text(env, "QUEUE_PREFIX", "teamdesk"),
+        log_level=level,
+        worker_instance_id=_text(env, "WORKER_INSTANCE_ID", socket.gethostname()),
+        max_task_attempts=_number(env, "MAX_TASK_ATTEMPTS", 3, int, 1),
+        retry_base_delay_s=_number(env, "RETRY_BASE_DELAY_S", 2.0, float, 0.0),
+        stale_after_s=_number(env, "STALE_AFTER_S", 120.0, float, 0.001),
+        scan_interval_s=_number(env, "SCAN_INTERVAL_S", 3.0, float, 0.001),
+        heartbeat_ttl_s=_number(env, "HEARTBEAT_TTL_S", 20.0, float, 0.001),
+        max_recoveries=_number(env, "MAX_RECOVERIES", 2, int, 0),
+        export_max_rows=_number(env, "EXPORT_MAX_ROWS", 10_000, int, 1),
+        export_batch_size=_number(env, "EXPORT_BATCH_SIZE", 500, int, 1),
+        shutdown_timeout_s=_number(env, "SHUTDOWN_TIMEOUT_S", 75.0, float, 0.0),
+    )
+
+
+_settings: Settings | None = None
+
+
+def get_settings() -> Settings:
+    """The process-wide settings, validated on first use."""
+    global _settings
+    if _settings is None:
+        _settings = load_settings()
+    return _settings
+
+
+def set_settings(settings: Settings | None) -> None:
+    """Replace the process-wide settings (tests, or a CLI flag that overrides one)."""
+    global _settings
+    _settings = settings
+
+
+def settings_or_exit() -> Settings:
+    """For entry points: the settings, or one clear line on stderr and exit code 2."""
+    try:
+        return get_settings()
+    except ConfigError as exc:
+        print(f"teamdesk-tasks: configuration error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

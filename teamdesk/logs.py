@@ -1,0 +1,149 @@
+"""One JSON log setup for every process (SPEC §10).
+
+Each line is one JSON object with ``time`` (ISO 8601 UTC), ``level``, ``event``,
+``service``, ``pid`` and, for task logs, ``task_id``, ``run``, ``attempt``. Code logs
+events through :func:`log_event` with names from :data:`EVENTS`; lines from libraries
+(Celery, kombu, uvicorn) keep their message under ``message`` with ``event`` set to
+``log``. Secret-named fields and credentials inside URLs are redacted on the way out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from pythonjsonlogger.json import JsonFormatter
+
+EVENTS = frozenset(
+    {
+        "worker.started",
+        "worker.stopping",
+        "worker.stopped",
+        "worker.shutdown_timeout",
+        "worker.fatal",
+        "task.started",
+        "task.attempt_failed",
+        "task.completed",
+        "task.skipped",
+        "task.failed",
+        "task.lease_lost",
+        "task.stalled",
+        "dispatcher.failed",
+        "dispatcher.recovered",
+        "dispatcher.scan",
+        "heartbeat.failed",
+    }
+)
+
+TRACE = 5
+SILENT = logging.CRITICAL + 10
+logging.addLevelName(TRACE, "TRACE")
+
+LEVELS = {
+    "fatal": logging.CRITICAL,
+    "error": logging.ERROR,
+    "warn": logging.WARNING,
+    "info": logging.INFO,
+    "debug": logging.DEBUG,
+    "trace": TRACE,
+    "silent": SILENT,
+}
+_LEVEL_NAMES = {
+    logging.CRITICAL: "fatal",
+    logging.ERROR: "error",
+    logging.WARNING: "warn",
+    logging.INFO: "info",
+    logging.DEBUG: "debug",
+    TRACE: "trace",
+}
+
+REDACTED = "[REDACTED]"
+_SECRET_KEY = re.compile(r"password|passwd|secret|token|cookie|authorization|api[_-]?key",
+                         re.IGNORECASE)
+_URL_CREDENTIALS = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.\-]*://[^:/@\s]*):(?P<pw>[^@\s/]+)@")
+_BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=\-]+")
+
+_RESERVED = ("time", "level", "event", "service", "pid")
+
+
+def redact_text(text: str) -> str:
+    """Hide credentials inside URLs and Authorization-style values in free text."""
+    text = _URL_CREDENTIALS.sub(lambda m: f"{m.group('head')}:{REDACTED}@", text)
+    return _BEARER.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
+
+
+def redact(value: Any, key: str = "") -> Any:
+    """Redact a log field: secret-named keys entirely, URLs and nested values recursively."""
+    if key and _SECRET_KEY.search(key):
+        return REDACTED
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, Mapping):
+        return {k: redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact(v) for v in value]
+    return value
+
+
+class TeamdeskJsonFormatter(JsonFormatter):
+    def __init__(self, service: str) -> None:
+        super().__init__("{message}", style="{")
+        self.service = service
+
+    def add_fields(self, log_record: dict[str, Any], record: logging.LogRecord,
+                   message_dict: dict[str, Any]) -> None:
+        super().add_fields(log_record, record, message_dict)
+        created = datetime.fromtimestamp(record.created, tz=UTC)
+        event = getattr(record, "event", None)
+        ordered = {
+            "time": created.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "level": _LEVEL_NAMES.get(record.levelno, record.levelname.lower()),
+            "event": event or "log",
+            "service": self.service,
+            "pid": os.getpid(),
+        }
+        if event:
+            log_record.pop("message", None)
+        log_record.pop("event", None)
+        rest = dict(log_record)
+        log_record.clear()
+        log_record.update(ordered)
+        log_record.update(rest)
+
+    def process_log_record(self, log_record: dict[str, Any]) -> dict[str, Any]:
+        return {k: (v if k in _RESERVED else redact(v, k)) for k, v in log_record.items()}
+
+
+_configured_service: str | None = None
+
+
+def setup_logging(service: str, level: str = "info", stream: Any = None) -> None:
+    """Install the JSON handler on the root logger; replaces any earlier handlers."""
+    global _configured_service
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(TeamdeskJsonFormatter(service))
+    root.addHandler(handler)
+    root.setLevel(LEVELS[level])
+    # Libraries chatter at INFO (kombu connections, amqp heartbeats); keep them at WARNING
+    # unless the operator asked for debug or trace.
+    quiet = logging.WARNING if LEVELS[level] > logging.DEBUG else LEVELS[level]
+    for name in ("kombu", "amqp", "urllib3", "sqlalchemy.engine", "alembic"):
+        logging.getLogger(name).setLevel(max(quiet, LEVELS[level]))
+    _configured_service = service
+
+
+def log_event(logger: logging.Logger, event: str, level: int = logging.INFO,
+              **fields: Any) -> None:
+    """Log one SPEC §10 event; ``fields`` become top-level JSON keys."""
+    if event not in EVENTS:
+        raise ValueError(f"unknown log event {event!r}")
+    if logger.isEnabledFor(level):
+        logger.log(level, event, extra={"event": event, **fields})

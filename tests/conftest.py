@@ -1,0 +1,100 @@
+"""Shared fixtures: real PostgreSQL and Redis, a database per test, a Redis prefix per test."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+from teamdesk import config, db
+from teamdesk.config import Settings
+from tests.support import databases
+from tests.support.factories import World, make_world
+
+REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+RUN_ID = f"tdt{os.getpid()}_{uuid.uuid4().hex[:6]}"
+
+
+def _answers(url: str, default_port: int) -> bool:
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or default_port),
+                                      timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    missing = []
+    if not _answers(databases.ADMIN_URL, 5432):
+        missing.append("PostgreSQL at 127.0.0.1:5432")
+    if not _answers(REDIS_URL, 6379):
+        missing.append("Redis at 127.0.0.1:6379")
+    if missing:
+        pytest.exit("tests need " + " and ".join(missing) + " (see README: Services)", returncode=3)
+
+
+@pytest.fixture(scope="session")
+def template_db() -> Iterator[str]:
+    name = databases.create_template(RUN_ID)
+    yield name
+    databases.drop_database(name)
+
+
+@pytest.fixture
+def database_url(template_db: str) -> Iterator[str]:
+    name, url = databases.clone_database(template_db, RUN_ID)
+    yield url
+    db.reset_engine()
+    databases.drop_database(name)
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[sa.Engine]:
+    eng = db.make_engine(database_url)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def world(engine: sa.Engine) -> World:
+    return make_world(engine)
+
+
+@pytest.fixture
+def queue_prefix() -> Iterator[str]:
+    prefix = f"tdt-{uuid.uuid4().hex[:10]}"
+    yield prefix
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture
+def redis_client() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def settings(database_url: str, queue_prefix: str) -> Iterator[Settings]:
+    """Process-wide settings pointing at this test's database and Redis prefix."""
+    value = config.load_settings({
+        "DATABASE_URL": database_url, "REDIS_URL": REDIS_URL, "QUEUE_PREFIX": queue_prefix,
+        "WORKER_INSTANCE_ID": "test-host",
+    })
+    config.set_settings(value)
+    db.reset_engine()
+    yield value
+    db.reset_engine()
+    config.set_settings(None)

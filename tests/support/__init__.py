@@ -1,0 +1,1 @@
+"""Test support: databases cloned from a migrated template, factories, gates."""
