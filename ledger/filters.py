@@ -74,8 +74,11 @@ def validate_filters(raw: Any) -> ExportFilters:
         raise InvalidFilters(MSG_Q)
     parsed = ExportFilters(
         status=_choices(raw["status"], TICKET_STATUSES, MSG_STATUS) if "status" in raw else None,
-        priority=(_choices(raw["priority"], TICKET_PRIORITIES, MSG_PRIORITY)
-                  if "priority" in raw else None),
+        priority=(
+            _choices(raw["priority"], TICKET_PRIORITIES, MSG_PRIORITY)
+            if "priority" in raw
+            else None
+        ),
         assignee_id=_uuid(raw["assignee_id"]) if "assignee_id" in raw else None,
         created_from=_date(raw["created_from"], "created_from") if "created_from" in raw else None,
         created_to=_date(raw["created_to"], "created_to") if "created_to" in raw else None,

@@ -95,17 +95,32 @@ class Claim:
     filters: dict[str, Any]
 
 
-def claim(conn: Connection, task_id: uuid.UUID, run: int, attempt: int,
-          holder: str | None = None) -> Claim | None:
+def claim(
+    conn: Connection, task_id: uuid.UUID, run: int, attempt: int, holder: str | None = None
+) -> Claim | None:
     """Take the lease for ``run`` with a fresh execution id; None means skip the message."""
     execution_id = uuid.uuid4()
-    row = conn.execute(CLAIM, {"task_id": task_id, "run": run, "attempt": attempt,
-                               "execution_id": execution_id, "holder": holder}).one_or_none()
+    row = conn.execute(
+        CLAIM,
+        {
+            "task_id": task_id,
+            "run": run,
+            "attempt": attempt,
+            "execution_id": execution_id,
+            "holder": holder,
+        },
+    ).one_or_none()
     if row is None:
         return None
     lease = Lease(task_id=task_id, run=run, execution_id=execution_id, attempt=attempt)
-    return Claim(lease=lease, kind=row.kind, team_id=row.team_id, owner_id=row.owner_id,
-                 scope=row.scope, filters=row.filters)
+    return Claim(
+        lease=lease,
+        kind=row.kind,
+        team_id=row.team_id,
+        owner_id=row.owner_id,
+        scope=row.scope,
+        filters=row.filters,
+    )
 
 
 def check_lease(conn: Connection, lease: Lease) -> None:
@@ -129,13 +144,20 @@ def complete_in_transaction(conn: Connection, lease: Lease, summary: str) -> Non
     _write_or_lose(conn, COMPLETE, lease, summary=summary)
 
 
-def report_failure(conn: Connection, lease: Lease, *, final: bool, message: str,
-                   retry_at: datetime | None = None) -> bool:
+def report_failure(
+    conn: Connection, lease: Lease, *, final: bool, message: str, retry_at: datetime | None = None
+) -> bool:
     """FAILED (final) or WAITING until ``retry_at``; False when a newer execution owns it."""
     status = "FAILED" if final else "WAITING"
-    result = conn.execute(REPORT_FAILURE, {**lease.params(), "status": status,
-                                           "message": message,
-                                           "retry_at": None if final else retry_at})
+    result = conn.execute(
+        REPORT_FAILURE,
+        {
+            **lease.params(),
+            "status": status,
+            "message": message,
+            "retry_at": None if final else retry_at,
+        },
+    )
     return result.rowcount == 1
 
 

@@ -31,31 +31,37 @@ def _in(column: str, values: tuple[str, ...]) -> str:
 
 
 def _id() -> sa.Column[object]:
-    return sa.Column("id", UUID(as_uuid=True), primary_key=True,
-                     server_default=sa.text("gen_random_uuid()"))
+    return sa.Column(
+        "id", UUID(as_uuid=True), primary_key=True, server_default=sa.text("gen_random_uuid()")
+    )
 
 
 def _created_at() -> sa.Column[object]:
-    return sa.Column("created_at", sa.DateTime(timezone=True), nullable=False,
-                     server_default=sa.func.now())
+    return sa.Column(
+        "created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+    )
 
 
 def _fk(name: str, target: str, nullable: bool = False) -> sa.Column[object]:
     return sa.Column(name, UUID(as_uuid=True), sa.ForeignKey(target), nullable=nullable)
 
 
-teams = sa.Table("teams", metadata, _id(), sa.Column("name", sa.Text, nullable=False),
-                 _created_at())
+teams = sa.Table(
+    "teams", metadata, _id(), sa.Column("name", sa.Text, nullable=False), _created_at()
+)
 
 users = sa.Table(
-    "users", metadata, _id(),
+    "users",
+    metadata,
+    _id(),
     sa.Column("email", sa.Text, nullable=False, unique=True),
     sa.Column("name", sa.Text, nullable=False),
     _created_at(),
 )
 
 memberships = sa.Table(
-    "memberships", metadata,
+    "memberships",
+    metadata,
     sa.Column("team_id", UUID(as_uuid=True), sa.ForeignKey("teams.id"), primary_key=True),
     sa.Column("user_id", UUID(as_uuid=True), sa.ForeignKey("users.id"), primary_key=True),
     sa.Column("role", sa.Text, nullable=False),
@@ -65,7 +71,9 @@ memberships = sa.Table(
 sa.Index("ix_memberships_user_id", memberships.c.user_id)
 
 tickets = sa.Table(
-    "tickets", metadata, _id(),
+    "tickets",
+    metadata,
+    _id(),
     _fk("team_id", "teams.id"),
     sa.Column("title", sa.Text, nullable=False),
     sa.Column("status", sa.Text, nullable=False, server_default="OPEN"),
@@ -75,8 +83,9 @@ tickets = sa.Table(
     sa.Column("due_at", sa.DateTime(timezone=True), nullable=True),
     sa.Column("version", sa.Integer, nullable=False, server_default="0"),
     _created_at(),
-    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False,
-              server_default=sa.func.now()),
+    sa.Column(
+        "updated_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+    ),
     sa.CheckConstraint(_in("status", TICKET_STATUSES), name="status"),
     sa.CheckConstraint(_in("priority", TICKET_PRIORITIES), name="priority"),
     sa.CheckConstraint("version >= 0", name="version"),
@@ -85,7 +94,9 @@ tickets = sa.Table(
 sa.Index("ix_tickets_team_created", tickets.c.team_id, tickets.c.created_at, tickets.c.id)
 
 background_tasks = sa.Table(
-    "background_tasks", metadata, _id(),
+    "background_tasks",
+    metadata,
+    _id(),
     sa.Column("kind", sa.Text, nullable=False),
     _fk("team_id", "teams.id"),
     _fk("owner_id", "users.id"),
@@ -98,16 +109,16 @@ background_tasks = sa.Table(
     sa.Column("execution_id", UUID(as_uuid=True), nullable=True),
     sa.Column("lease_holder", sa.Text, nullable=True),
     sa.Column("dispatched_at", sa.DateTime(timezone=True), nullable=True),
-    sa.Column("run_at", sa.DateTime(timezone=True), nullable=False,
-              server_default=sa.func.now()),
+    sa.Column("run_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
     sa.Column("recoveries", sa.Integer, nullable=False, server_default="0"),
     sa.Column("last_error", sa.Text, nullable=True),
     sa.Column("result_csv", sa.Text, nullable=True),
     sa.Column("result_summary", sa.Text, nullable=True),
     sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True),
     _created_at(),
-    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False,
-              server_default=sa.func.now()),
+    sa.Column(
+        "updated_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+    ),
     sa.CheckConstraint(_in("kind", KINDS), name="kind"),
     sa.CheckConstraint(_in("scope", SCOPES), name="scope"),
     sa.CheckConstraint(_in("status", STATUSES), name="status"),
@@ -117,23 +128,38 @@ background_tasks = sa.Table(
     sa.CheckConstraint("status = 'RUNNING' OR execution_id IS NULL", name="lease_only_running"),
 )
 # Dispatcher step 3: WAITING rows never published, by due time.
-sa.Index("ix_background_tasks_due", background_tasks.c.run_at,
-         postgresql_where=sa.text("status = 'WAITING' AND dispatched_at IS NULL"))
+sa.Index(
+    "ix_background_tasks_due",
+    background_tasks.c.run_at,
+    postgresql_where=sa.text("status = 'WAITING' AND dispatched_at IS NULL"),
+)
 # Dispatcher step 4: WAITING rows already published, by publish (or retry-due) time.
-sa.Index("ix_background_tasks_dispatched", background_tasks.c.dispatched_at,
-         postgresql_where=sa.text("status = 'WAITING' AND dispatched_at IS NOT NULL"))
+sa.Index(
+    "ix_background_tasks_dispatched",
+    background_tasks.c.dispatched_at,
+    postgresql_where=sa.text("status = 'WAITING' AND dispatched_at IS NOT NULL"),
+)
 # Dispatcher step 1: RUNNING rows by staleness.
-sa.Index("ix_background_tasks_running", background_tasks.c.updated_at,
-         postgresql_where=sa.text("status = 'RUNNING'"))
+sa.Index(
+    "ix_background_tasks_running",
+    background_tasks.c.updated_at,
+    postgresql_where=sa.text("status = 'RUNNING'"),
+)
 # Dispatcher step 5: CSVs still held, by expiry.
-sa.Index("ix_background_tasks_expiring", background_tasks.c.expires_at,
-         postgresql_where=sa.text("result_csv IS NOT NULL"))
+sa.Index(
+    "ix_background_tasks_expiring",
+    background_tasks.c.expires_at,
+    postgresql_where=sa.text("result_csv IS NOT NULL"),
+)
 # API: a team's task list, newest first.
-sa.Index("ix_background_tasks_team_created", background_tasks.c.team_id,
-         background_tasks.c.created_at)
+sa.Index(
+    "ix_background_tasks_team_created", background_tasks.c.team_id, background_tasks.c.created_at
+)
 
 notifications = sa.Table(
-    "notifications", metadata, _id(),
+    "notifications",
+    metadata,
+    _id(),
     _fk("user_id", "users.id"),
     _fk("ticket_id", "tickets.id"),
     _fk("task_id", "background_tasks.id"),
@@ -143,7 +169,9 @@ notifications = sa.Table(
 )
 
 system_events = sa.Table(
-    "system_events", metadata, _id(),
+    "system_events",
+    metadata,
+    _id(),
     _fk("team_id", "teams.id"),
     _fk("ticket_id", "tickets.id", nullable=True),
     sa.Column("type", sa.Text, nullable=False),
@@ -153,7 +181,9 @@ system_events = sa.Table(
 sa.Index("ix_system_events_ticket_id", system_events.c.ticket_id)
 
 api_tokens = sa.Table(
-    "api_tokens", metadata, _id(),
+    "api_tokens",
+    metadata,
+    _id(),
     sa.Column("token_hash", sa.Text, nullable=False, unique=True),
     _fk("user_id", "users.id"),
     sa.Column("name", sa.Text, nullable=True),

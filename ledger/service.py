@@ -28,8 +28,9 @@ MSG_REMINDER_NEEDS_STAFF = "only staff may schedule reminders"
 MSG_TICKET = "ticket_id must name a ticket of this team"
 MSG_RUN_AT = "run_at must be a date and time with a time zone"
 MSG_RETRY_STATE = "only FAILED or CANCELLED tasks can be retried"
-MSG_RETRY_DEMOTED = ("the task's creator is no longer staff; a team export cannot run again; "
-                     "create a new task")
+MSG_RETRY_DEMOTED = (
+    "the task's creator is no longer staff; a team export cannot run again; create a new task"
+)
 MSG_RETRY_OWNER_LEFT = "the task's creator is no longer a member of the team; create a new task"
 MSG_CANCEL_STATE = "only WAITING or RUNNING tasks can be cancelled"
 
@@ -47,7 +48,8 @@ TASK_COLUMNS = """id, kind, team_id, owner_id, scope, filters, status, run, atte
 
 SELECT_TASK = text(f"SELECT {TASK_COLUMNS} FROM background_tasks WHERE id = :task_id")
 SELECT_TASK_FOR_UPDATE = text(
-    f"SELECT {TASK_COLUMNS} FROM background_tasks WHERE id = :task_id FOR UPDATE")
+    f"SELECT {TASK_COLUMNS} FROM background_tasks WHERE id = :task_id FOR UPDATE"
+)
 
 LIST_TASKS = text(f"""
     SELECT {TASK_COLUMNS} FROM background_tasks
@@ -107,8 +109,9 @@ def _can_see(task: RowMapping, user_id: uuid.UUID, role: str | None) -> bool:
     return bool(task["owner_id"] == user_id or (task["scope"] == "TEAM" and role == STAFF))
 
 
-def _visible_task(conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID,
-                  for_update: bool = False) -> RowMapping:
+def _visible_task(
+    conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID, for_update: bool = False
+) -> RowMapping:
     stmt = SELECT_TASK_FOR_UPDATE if for_update else SELECT_TASK
     task = conn.execute(stmt, {"task_id": task_id}).mappings().one_or_none()
     if task is None or not _can_see(task, user_id, role_of(conn, task["team_id"], user_id)):
@@ -123,17 +126,32 @@ def _member_role(conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID) -> st
     return role
 
 
-def _insert(conn: Connection, kind: str, team_id: uuid.UUID, owner_id: uuid.UUID, scope: str,
-            filters: dict[str, Any], run_at: datetime | None) -> uuid.UUID:
-    row = conn.execute(INSERT_TASK, {
-        "kind": kind, "team_id": team_id, "owner_id": owner_id, "scope": scope,
-        "filters": json.dumps(filters), "run_at": run_at or datetime.now(UTC),
-    }).one()
+def _insert(
+    conn: Connection,
+    kind: str,
+    team_id: uuid.UUID,
+    owner_id: uuid.UUID,
+    scope: str,
+    filters: dict[str, Any],
+    run_at: datetime | None,
+) -> uuid.UUID:
+    row = conn.execute(
+        INSERT_TASK,
+        {
+            "kind": kind,
+            "team_id": team_id,
+            "owner_id": owner_id,
+            "scope": scope,
+            "filters": json.dumps(filters),
+            "run_at": run_at or datetime.now(UTC),
+        },
+    ).one()
     return uuid.UUID(str(row.id))
 
 
-def create_export(conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID, scope: Any,
-                  filters: Any) -> uuid.UUID:
+def create_export(
+    conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID, scope: Any, filters: Any
+) -> uuid.UUID:
     """Validate and insert a WAITING export; nothing is written when anything is wrong."""
     if scope not in SCOPES:
         raise InvalidInput(MSG_SCOPE)
@@ -144,8 +162,13 @@ def create_export(conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID, scop
     return _insert(conn, "EXPORT", team_id, user_id, scope, dict(filters), None)
 
 
-def create_reminder(conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID, ticket_id: Any,
-                    run_at: datetime | None = None) -> uuid.UUID:
+def create_reminder(
+    conn: Connection,
+    team_id: uuid.UUID,
+    user_id: uuid.UUID,
+    ticket_id: Any,
+    run_at: datetime | None = None,
+) -> uuid.UUID:
     """Validate and insert a WAITING reminder for one ticket, due at ``run_at`` (default now)."""
     try:
         ticket = uuid.UUID(str(ticket_id))
@@ -164,16 +187,20 @@ def get_task(conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID) -> TaskVi
     return TaskView(_visible_task(conn, task_id, user_id))
 
 
-def list_tasks(conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID,
-               limit: int = 100) -> list[TaskView]:
+def list_tasks(
+    conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID, limit: int = 100
+) -> list[TaskView]:
     role = _member_role(conn, team_id, user_id)
-    rows = conn.execute(LIST_TASKS, {"team_id": team_id, "user_id": user_id,
-                                     "is_staff": role == STAFF, "limit": limit}).mappings()
+    rows = conn.execute(
+        LIST_TASKS,
+        {"team_id": team_id, "user_id": user_id, "is_staff": role == STAFF, "limit": limit},
+    ).mappings()
     return [TaskView(row) for row in rows]
 
 
-def read_csv(conn: Connection, task_id: uuid.UUID,
-             user_id: uuid.UUID) -> tuple[RowMapping, str | None, datetime | None]:
+def read_csv(
+    conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID
+) -> tuple[RowMapping, str | None, datetime | None]:
     """The task, its CSV (None when not produced or purged) and when it expires."""
     task = _visible_task(conn, task_id, user_id)
     row = conn.execute(SELECT_CSV, {"task_id": task_id}).one()

@@ -9,16 +9,18 @@ from urllib.parse import urlsplit
 
 HINTS = {
     "PostgreSQL": "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
-    "Redis": ("redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save '' "
-              "--appendonly no"),
+    "Redis": (
+        "redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save '' --appendonly no"
+    ),
 }
 
 
 def answers(url: str, default_port: int) -> bool:
     parts = urlsplit(url)
     try:
-        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or default_port),
-                                      timeout=3):
+        with socket.create_connection(
+            (parts.hostname or "127.0.0.1", parts.port or default_port), timeout=3
+        ):
             return True
     except OSError:
         return False
@@ -26,7 +28,11 @@ def answers(url: str, default_port: int) -> bool:
 
 def main() -> int:
     checks = [
-        ("PostgreSQL", os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/x"), 5432),
+        (
+            "PostgreSQL",
+            os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/x"),
+            5432,
+        ),
         ("Redis", os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), 6379),
     ]
     failed = False
@@ -37,8 +43,11 @@ def main() -> int:
             print(f"ok: {name} answers at {where}")
         else:
             failed = True
-            print(f"MISSING: {name} does not answer at {where}. Start it, for example:\n"
-                  f"    {HINTS[name]}", file=sys.stderr)
+            print(
+                f"MISSING: {name} does not answer at {where}. Start it, for example:\n"
+                f"    {HINTS[name]}",
+                file=sys.stderr,
+            )
     return 1 if failed else 0
 
 

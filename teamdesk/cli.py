@@ -21,8 +21,11 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         upgrade(settings.database_url)
         revision = current_revision(settings.database_url)
     except Exception as exc:  # the driver's message may hold the address; print the class only
-        print(f"teamdesk-tasks migrate: cannot migrate the database ({type(exc).__name__}); "
-              "check DATABASE_URL and that PostgreSQL is running", file=sys.stderr)
+        print(
+            f"teamdesk-tasks migrate: cannot migrate the database ({type(exc).__name__}); "
+            "check DATABASE_URL and that PostgreSQL is running",
+            file=sys.stderr,
+        )
         return 1
     print(f"schema at revision {revision}")
     return 0
@@ -32,12 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="teamdesk-tasks",
         description="TeamDesk task cluster: ledger, dispatcher and worker operations. "
-                    "Configuration comes from the environment (DATABASE_URL, REDIS_URL, ...).",
+        "Configuration comes from the environment (DATABASE_URL, REDIS_URL, ...).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    migrate = sub.add_parser("migrate", help="apply database migrations (idempotent)",
-                             description="Bring the database schema to the newest revision. "
-                                         "Safe to run again and from several hosts at once.")
+    migrate = sub.add_parser(
+        "migrate",
+        help="apply database migrations (idempotent)",
+        description="Bring the database schema to the newest revision. "
+        "Safe to run again and from several hosts at once.",
+    )
     migrate.set_defaults(handler=cmd_migrate)
     return parser
 

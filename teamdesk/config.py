@@ -55,8 +55,9 @@ class Settings:
 T = TypeVar("T", int, float)
 
 
-def _number(env: Mapping[str, str], name: str, default: T, cast: Callable[[str], T],
-            minimum: T) -> T:
+def _number(
+    env: Mapping[str, str], name: str, default: T, cast: Callable[[str], T], minimum: T
+) -> T:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default

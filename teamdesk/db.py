@@ -17,7 +17,7 @@ def sqlalchemy_url(url: str) -> str:
     """DATABASE_URL with the psycopg2 driver named (SQLAlchemy 2.1 defaults to psycopg 3)."""
     for prefix in ("postgresql://", "postgres://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg2://" + url[len(prefix):]
+            return "postgresql+psycopg2://" + url[len(prefix) :]
     return url
 
 
@@ -25,10 +25,14 @@ def make_engine(url: str, **kwargs: object) -> Engine:
     """An engine whose connections give up quickly when PostgreSQL is away."""
     url = sqlalchemy_url(url)
     connect_args = {"connect_timeout": 5, "application_name": "teamdesk-tasks"}
-    options = {"pool_pre_ping": True, "pool_size": 5, "max_overflow": 10,
-               "connect_args": connect_args}
+    options: dict[str, object] = {
+        "pool_pre_ping": True,
+        "pool_size": 5,
+        "max_overflow": 10,
+        "connect_args": connect_args,
+    }
     options.update(kwargs)
-    return sa.create_engine(url, **options)  # type: ignore[arg-type]
+    return sa.create_engine(url, **options)
 
 
 def get_engine() -> Engine:

@@ -63,8 +63,9 @@ _LEVEL_NAMES = {
 }
 
 REDACTED = "[REDACTED]"
-_SECRET_KEY = re.compile(r"password|passwd|secret|token|cookie|authorization|api[_-]?key",
-                         re.IGNORECASE)
+_SECRET_KEY = re.compile(
+    r"password|passwd|secret|token|cookie|authorization|api[_-]?key", re.IGNORECASE
+)
 _URL_CREDENTIALS = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.\-]*://[^:/@\s]*):(?P<pw>[^@\s/]+)@")
 _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=\-]+")
 
@@ -95,8 +96,9 @@ class TeamdeskJsonFormatter(JsonFormatter):
         super().__init__("{message}", style="{")
         self.service = service
 
-    def add_fields(self, log_record: dict[str, Any], record: logging.LogRecord,
-                   message_dict: dict[str, Any]) -> None:
+    def add_fields(
+        self, log_record: dict[str, Any], record: logging.LogRecord, message_dict: dict[str, Any]
+    ) -> None:
         super().add_fields(log_record, record, message_dict)
         created = datetime.fromtimestamp(record.created, tz=UTC)
         event = getattr(record, "event", None)
@@ -140,8 +142,7 @@ def setup_logging(service: str, level: str = "info", stream: Any = None) -> None
     _configured_service = service
 
 
-def log_event(logger: logging.Logger, event: str, level: int = logging.INFO,
-              **fields: Any) -> None:
+def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **fields: Any) -> None:
     """Log one SPEC §10 event; ``fields`` become top-level JSON keys."""
     if event not in EVENTS:
         raise ValueError(f"unknown log event {event!r}")

@@ -24,8 +24,9 @@ RUN_ID = f"tdt{os.getpid()}_{uuid.uuid4().hex[:6]}"
 def _answers(url: str, default_port: int) -> bool:
     parts = urlsplit(url)
     try:
-        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or default_port),
-                                      timeout=2):
+        with socket.create_connection(
+            (parts.hostname or "127.0.0.1", parts.port or default_port), timeout=2
+        ):
             return True
     except OSError:
         return False
@@ -89,10 +90,14 @@ def redis_client() -> Iterator[redis.Redis]:
 @pytest.fixture
 def settings(database_url: str, queue_prefix: str) -> Iterator[Settings]:
     """Process-wide settings pointing at this test's database and Redis prefix."""
-    value = config.load_settings({
-        "DATABASE_URL": database_url, "REDIS_URL": REDIS_URL, "QUEUE_PREFIX": queue_prefix,
-        "WORKER_INSTANCE_ID": "test-host",
-    })
+    value = config.load_settings(
+        {
+            "DATABASE_URL": database_url,
+            "REDIS_URL": REDIS_URL,
+            "QUEUE_PREFIX": queue_prefix,
+            "WORKER_INSTANCE_ID": "test-host",
+        }
+    )
     config.set_settings(value)
     db.reset_engine()
     yield value

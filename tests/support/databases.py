@@ -10,7 +10,9 @@ import sqlalchemy as sa
 from ledger.migrate import upgrade
 from teamdesk.db import sqlalchemy_url
 
-ADMIN_URL = os.environ.get("TEST_ADMIN_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+ADMIN_URL = os.environ.get(
+    "TEST_ADMIN_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
 
 
 def _with_db(url: str, name: str) -> str:
@@ -19,8 +21,9 @@ def _with_db(url: str, name: str) -> str:
 
 
 def admin_engine() -> sa.Engine:
-    return sa.create_engine(sqlalchemy_url(ADMIN_URL), isolation_level="AUTOCOMMIT",
-                            poolclass=sa.pool.NullPool)
+    return sa.create_engine(
+        sqlalchemy_url(ADMIN_URL), isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool
+    )
 
 
 def create_template(prefix: str) -> str:

@@ -29,22 +29,29 @@ def _one(conn: Connection, sql: str, **params: Any) -> Any:
 
 def add_user(conn: Connection, name: str) -> uuid.UUID:
     email = f"{name.lower()}-{uuid.uuid4().hex[:6]}@example.test"
-    return _one(conn, "INSERT INTO users (email, name) VALUES (:e, :n) RETURNING id",
-                e=email, n=name)
+    return _one(
+        conn, "INSERT INTO users (email, name) VALUES (:e, :n) RETURNING id", e=email, n=name
+    )
 
 
 def add_member(conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID, role: str) -> None:
-    conn.execute(sa.text("INSERT INTO memberships (team_id, user_id, role) VALUES (:t, :u, :r)"),
-                 {"t": team_id, "u": user_id, "r": role})
+    conn.execute(
+        sa.text("INSERT INTO memberships (team_id, user_id, role) VALUES (:t, :u, :r)"),
+        {"t": team_id, "u": user_id, "r": role},
+    )
 
 
 def set_role(conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID, role: str | None) -> None:
     if role is None:
-        conn.execute(sa.text("DELETE FROM memberships WHERE team_id = :t AND user_id = :u"),
-                     {"t": team_id, "u": user_id})
+        conn.execute(
+            sa.text("DELETE FROM memberships WHERE team_id = :t AND user_id = :u"),
+            {"t": team_id, "u": user_id},
+        )
     else:
-        conn.execute(sa.text("UPDATE memberships SET role = :r WHERE team_id = :t AND user_id = :u"),
-                     {"t": team_id, "u": user_id, "r": role})
+        conn.execute(
+            sa.text("UPDATE memberships SET role = :r WHERE team_id = :t AND user_id = :u"),
+            {"t": team_id, "u": user_id, "r": role},
+        )
 
 
 def make_world(engine: Engine) -> World:
@@ -63,51 +70,96 @@ def make_world(engine: Engine) -> World:
 BASE_TIME = datetime(2026, 1, 5, 9, 0, tzinfo=UTC)
 
 
-def add_ticket(conn: Connection, team_id: uuid.UUID, requester_id: uuid.UUID, title: str = "T",
-               *, status: str = "OPEN", priority: str = "NORMAL",
-               assignee_id: uuid.UUID | None = None, created_at: datetime | None = None,
-               due_at: datetime | None = None) -> uuid.UUID:
-    return _one(conn, """
+def add_ticket(
+    conn: Connection,
+    team_id: uuid.UUID,
+    requester_id: uuid.UUID,
+    title: str = "T",
+    *,
+    status: str = "OPEN",
+    priority: str = "NORMAL",
+    assignee_id: uuid.UUID | None = None,
+    created_at: datetime | None = None,
+    due_at: datetime | None = None,
+) -> uuid.UUID:
+    return _one(
+        conn,
+        """
         INSERT INTO tickets (team_id, title, status, priority, requester_id, assignee_id,
                              due_at, created_at, updated_at)
         VALUES (:team, :title, :status, :priority, :req, :asg, :due, :created, :created)
-        RETURNING id""", team=team_id, title=title, status=status, priority=priority,
-        req=requester_id, asg=assignee_id, due=due_at, created=created_at or BASE_TIME)
+        RETURNING id""",
+        team=team_id,
+        title=title,
+        status=status,
+        priority=priority,
+        req=requester_id,
+        asg=assignee_id,
+        due=due_at,
+        created=created_at or BASE_TIME,
+    )
 
 
-def add_tickets(conn: Connection, team_id: uuid.UUID, requester_id: uuid.UUID, count: int,
-                title: str = "Ticket") -> None:
-    conn.execute(sa.text("""
+def add_tickets(
+    conn: Connection, team_id: uuid.UUID, requester_id: uuid.UUID, count: int, title: str = "Ticket"
+) -> None:
+    conn.execute(
+        sa.text("""
         INSERT INTO tickets (team_id, title, requester_id, created_at, updated_at)
         SELECT :team, :title || ' ' || g, :req, :base + g * interval '1 minute',
                :base + g * interval '1 minute'
           FROM generate_series(1, :n) AS g"""),
-        {"team": team_id, "title": title, "req": requester_id, "base": BASE_TIME, "n": count})
+        {"team": team_id, "title": title, "req": requester_id, "base": BASE_TIME, "n": count},
+    )
 
 
-def insert_task(conn: Connection, world: World, *, kind: str = "EXPORT", scope: str = "TEAM",
-                filters: dict[str, Any] | None = None, owner_id: uuid.UUID | None = None,
-                status: str = "WAITING", run: int = 0) -> uuid.UUID:
-    return _one(conn, """
+def insert_task(
+    conn: Connection,
+    world: World,
+    *,
+    kind: str = "EXPORT",
+    scope: str = "TEAM",
+    filters: dict[str, Any] | None = None,
+    owner_id: uuid.UUID | None = None,
+    status: str = "WAITING",
+    run: int = 0,
+) -> uuid.UUID:
+    return _one(
+        conn,
+        """
         INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters, status, run)
         VALUES (:kind, :team, :owner, :scope, CAST(:filters AS jsonb), :status, :run)
-        RETURNING id""", kind=kind, team=world.team_id, owner=owner_id or world.staff_id,
-        scope=scope, filters=json.dumps(filters or {}), status=status, run=run)
+        RETURNING id""",
+        kind=kind,
+        team=world.team_id,
+        owner=owner_id or world.staff_id,
+        scope=scope,
+        filters=json.dumps(filters or {}),
+        status=status,
+        run=run,
+    )
 
 
 def task_row(engine: Engine, task_id: uuid.UUID) -> dict[str, Any]:
     with engine.connect() as conn:
-        row = conn.execute(sa.text("SELECT * FROM background_tasks WHERE id = :id"),
-                           {"id": task_id}).mappings().one()
+        row = (
+            conn.execute(sa.text("SELECT * FROM background_tasks WHERE id = :id"), {"id": task_id})
+            .mappings()
+            .one()
+        )
     return dict(row)
 
 
 def age_task(engine: Engine, task_id: uuid.UUID, seconds: float) -> None:
     """Move updated_at into the past (compresses the staleness clock; no waiting)."""
     with engine.begin() as conn:
-        conn.execute(sa.text("UPDATE background_tasks SET updated_at = updated_at - "
-                             "make_interval(secs => :s) WHERE id = :id"),
-                     {"s": seconds, "id": task_id})
+        conn.execute(
+            sa.text(
+                "UPDATE background_tasks SET updated_at = updated_at - "
+                "make_interval(secs => :s) WHERE id = :id"
+            ),
+            {"s": seconds, "id": task_id},
+        )
 
 
 def later(seconds: float) -> datetime:

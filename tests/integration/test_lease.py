@@ -1,0 +1,234 @@
+"""Every lease rule of SPEC §5 at ledger level, against real PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import sqlalchemy as sa
+
+from ledger import lease
+from ledger.errors import LeaseLost
+from tests.support.factories import World, insert_task, later, task_row
+
+
+def claim(
+    engine: sa.Engine,
+    task_id: uuid.UUID,
+    run: int = 0,
+    attempt: int = 1,
+    holder: str | None = "host/a",
+) -> lease.Claim | None:
+    with engine.begin() as conn:
+        return lease.claim(conn, task_id, run, attempt, holder)
+
+
+def claimed(engine: sa.Engine, task_id: uuid.UUID, **kw: object) -> lease.Lease:
+    result = claim(engine, task_id, **kw)  # type: ignore[arg-type]
+    assert result is not None
+    return result.lease
+
+
+def test_claim_sets_running_with_fresh_lease(engine: sa.Engine, world: World) -> None:
+    task_id = insert_task_committed(engine, world, filters={"q": "x"})
+    result = claim(engine, task_id, attempt=2, holder="host-1/abc")
+    assert result is not None
+    row = task_row(engine, task_id)
+    assert row["status"] == "RUNNING"
+    assert row["execution_id"] == result.lease.execution_id
+    assert row["lease_holder"] == "host-1/abc"
+    assert row["attempts"] == 2 and row["progress"] == 0
+    assert row["updated_at"] > row["created_at"]
+    assert (result.kind, result.scope, result.filters) == ("EXPORT", "TEAM", {"q": "x"})
+    assert result.team_id == world.team_id and result.owner_id == world.staff_id
+
+
+def insert_task_committed(engine: sa.Engine, world: World, **kw: object) -> uuid.UUID:
+    with engine.begin() as conn:
+        return insert_task(conn, world, **kw)  # type: ignore[arg-type]
+
+
+def test_message_of_an_older_run_is_skipped(engine: sa.Engine, world: World) -> None:
+    task_id = insert_task_committed(engine, world, run=1)
+    before = task_row(engine, task_id)
+    assert claim(engine, task_id, run=0) is None
+    assert task_row(engine, task_id) == before
+
+
+@pytest.mark.parametrize("status", ["COMPLETED", "FAILED", "CANCELLED"])
+def test_finished_rows_are_never_claimed(engine: sa.Engine, world: World, status: str) -> None:
+    task_id = insert_task_committed(engine, world, status=status)
+    before = task_row(engine, task_id)
+    assert claim(engine, task_id) is None
+    assert task_row(engine, task_id) == before
+
+
+def test_new_claim_replaces_running_lease_and_old_writes_change_nothing(
+    engine: sa.Engine, world: World
+) -> None:
+    task_id = insert_task_committed(engine, world)
+    old = claimed(engine, task_id, holder="host/a")
+    new = claimed(engine, task_id, attempt=1, holder="host/b")
+    assert new.execution_id != old.execution_id
+    with engine.begin() as conn:
+        lease.report_progress(conn, new, 40)
+    snapshot = task_row(engine, task_id)
+    assert snapshot["execution_id"] == new.execution_id and snapshot["lease_holder"] == "host/b"
+
+    with pytest.raises(LeaseLost), engine.begin() as conn:
+        lease.report_progress(conn, old, 90)
+    with pytest.raises(LeaseLost), engine.begin() as conn:
+        lease.complete_export(conn, old, "id\n", "old result")
+    with pytest.raises(LeaseLost), engine.begin() as conn:
+        lease.complete_in_transaction(conn, old, "old result")
+    with engine.begin() as conn:
+        assert lease.report_failure(conn, old, final=True, message="boom") is False
+        assert (
+            lease.report_failure(conn, old, final=False, message="boom", retry_at=later(2)) is False
+        )
+    with pytest.raises(LeaseLost), engine.begin() as conn:
+        lease.check_lease(conn, old)
+    assert task_row(engine, task_id) == snapshot
+
+    with engine.begin() as conn:
+        lease.check_lease(conn, new)
+        lease.complete_export(conn, new, "id\r\n", "1 row")
+    done = task_row(engine, task_id)
+    assert done["status"] == "COMPLETED" and done["progress"] == 100
+    assert done["result_csv"] == "id\r\n" and done["result_summary"] == "1 row"
+    assert done["execution_id"] is None and done["lease_holder"] is None
+    assert done["expires_at"] is not None
+    hours = (done["expires_at"] - done["updated_at"]).total_seconds() / 3600
+    assert hours == pytest.approx(24, abs=0.01)
+
+
+def test_failure_report_never_touches_a_completed_row(engine: sa.Engine, world: World) -> None:
+    task_id = insert_task_committed(engine, world)
+    held = claimed(engine, task_id)
+    with engine.begin() as conn:
+        lease.complete_in_transaction(conn, held, "done")
+    completed = task_row(engine, task_id)
+    with engine.begin() as conn:
+        assert lease.report_failure(conn, held, final=True, message="late") is False
+        assert (
+            lease.report_failure(conn, held, final=False, message="late", retry_at=later(1))
+            is False
+        )
+    assert claim(engine, task_id) is None
+    assert task_row(engine, task_id) == completed
+
+
+def test_retryable_failure_sets_waiting_until_retry_is_due(engine: sa.Engine, world: World) -> None:
+    task_id = insert_task_committed(engine, world)
+    held = claimed(engine, task_id)
+    due = later(4)
+    with engine.begin() as conn:
+        assert lease.report_failure(
+            conn, held, final=False, message="Temporary error; will retry.", retry_at=due
+        )
+    row = task_row(engine, task_id)
+    assert row["status"] == "WAITING" and row["execution_id"] is None
+    assert row["lease_holder"] is None and row["last_error"] == "Temporary error; will retry."
+    assert row["dispatched_at"] == due and row["attempts"] == 1
+
+
+def test_final_failure_sets_failed(engine: sa.Engine, world: World) -> None:
+    task_id = insert_task_committed(engine, world)
+    held = claimed(engine, task_id, attempt=3)
+    with engine.begin() as conn:
+        assert lease.report_failure(conn, held, final=True, message="Export failed.")
+    row = task_row(engine, task_id)
+    assert (row["status"], row["execution_id"], row["last_error"], row["attempts"]) == (
+        "FAILED",
+        None,
+        "Export failed.",
+        3,
+    )
+    assert claim(engine, task_id) is None
+
+
+def test_progress_out_of_range_is_refused_before_any_write(engine: sa.Engine, world: World) -> None:
+    task_id = insert_task_committed(engine, world)
+    held = claimed(engine, task_id)
+    before = task_row(engine, task_id)
+    with pytest.raises(ValueError), engine.begin() as conn:
+        lease.report_progress(conn, held, 101)
+    assert task_row(engine, task_id) == before
+
+
+def test_lease_lost_in_a_transaction_rolls_back_its_side_effects(
+    engine: sa.Engine, world: World
+) -> None:
+    task_id = insert_task_committed(engine, world, kind="REMINDER")
+    old = claimed(engine, task_id)
+    claimed(engine, task_id, holder="host/b")
+    snapshot = task_row(engine, task_id)
+    with pytest.raises(LeaseLost), engine.begin() as conn:
+        conn.execute(
+            sa.text("INSERT INTO system_events (team_id, type) VALUES (:t, 'probe')"),
+            {"t": world.team_id},
+        )
+        lease.complete_in_transaction(conn, old, "sent")
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM system_events")).scalar_one() == 0
+    assert task_row(engine, task_id) == snapshot
+
+
+def test_run_completed_tells_completed_from_skipped(engine: sa.Engine, world: World) -> None:
+    task_id = insert_task_committed(engine, world)
+    held = claimed(engine, task_id)
+    with engine.connect() as conn:
+        assert not lease.run_completed(conn, task_id, 0)
+    with engine.begin() as conn:
+        lease.complete_in_transaction(conn, held, "ok")
+    with engine.connect() as conn:
+        assert lease.run_completed(conn, task_id, 0)
+        assert not lease.run_completed(conn, task_id, 1)
+        assert not lease.run_completed(conn, uuid.uuid4(), 0)
+
+
+def test_two_claims_gated_between_read_and_commit_leave_one_lease(
+    engine: sa.Engine, world: World
+) -> None:
+    """Both executions read the row, meet at a barrier, then claim. The second UPDATE waits
+    for the first commit and replaces its lease; only the surviving lease may complete."""
+    task_id = insert_task_committed(engine, world)
+    barrier = threading.Barrier(2, timeout=10)
+    leases: dict[str, lease.Lease] = {}
+    errors: list[BaseException] = []
+
+    def execution(name: str) -> None:
+        try:
+            with engine.begin() as conn:
+                conn.execute(
+                    sa.text("SELECT status FROM background_tasks WHERE id = :id"), {"id": task_id}
+                ).one()
+                barrier.wait()
+                got = lease.claim(conn, task_id, 0, 1, f"host/{name}")
+                assert got is not None
+                leases[name] = got.lease
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=execution, args=(n,)) for n in ("a", "b")]
+    try:
+        for t in threads:
+            t.start()
+    finally:
+        for t in threads:
+            t.join(timeout=20)
+    assert not errors, errors
+    assert all(not t.is_alive() for t in threads)
+    row = task_row(engine, task_id)
+    survivors = [n for n, held in leases.items() if held.execution_id == row["execution_id"]]
+    assert len(survivors) == 1
+    loser = "a" if survivors == ["b"] else "b"
+    with pytest.raises(LeaseLost), engine.begin() as conn:
+        lease.complete_export(conn, leases[loser], "loser\r\n", "loser")
+    assert task_row(engine, task_id) == row
+    with engine.begin() as conn:
+        lease.complete_export(conn, leases[survivors[0]], "winner\r\n", "winner")
+    done = task_row(engine, task_id)
+    assert (done["status"], done["result_csv"]) == ("COMPLETED", "winner\r\n")

@@ -1,0 +1,109 @@
+"""Configuration is validated once; a bad value names its variable and stops the process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from teamdesk.config import ConfigError, Settings, load_settings
+
+
+def test_defaults_match_the_spec() -> None:
+    s = load_settings({})
+    assert (
+        s.max_task_attempts,
+        s.retry_base_delay_s,
+        s.stale_after_s,
+        s.scan_interval_s,
+        s.heartbeat_ttl_s,
+        s.max_recoveries,
+        s.export_max_rows,
+        s.export_batch_size,
+        s.shutdown_timeout_s,
+    ) == (3, 2.0, 120.0, 3.0, 20.0, 2, 10_000, 500, 75.0)
+    assert s.broker_url == s.redis_url == "redis://127.0.0.1:6379/0"
+    assert s.queue_prefix == "teamdesk" and s.log_level == "info"
+    assert s.worker_instance_id
+
+
+def test_values_are_read_and_broker_follows_redis() -> None:
+    s = load_settings(
+        {
+            "REDIS_URL": "redis://cache:6380/2",
+            "STALE_AFTER_S": "1.5",
+            "LOG_LEVEL": "WARN",
+            "MAX_TASK_ATTEMPTS": "5",
+            "WORKER_INSTANCE_ID": "pod-7",
+        }
+    )
+    assert s == Settings(
+        redis_url="redis://cache:6380/2",
+        broker_url="redis://cache:6380/2",
+        stale_after_s=1.5,
+        log_level="warn",
+        max_task_attempts=5,
+        worker_instance_id="pod-7",
+    )
+    assert load_settings(
+        {"BROKER_URL": "amqp://guest:guest@127.0.0.1:5672//"}
+    ).broker_url.startswith("amqp://")
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"MAX_TASK_ATTEMPTS": "three"}, "MAX_TASK_ATTEMPTS must be a whole number"),
+        ({"MAX_TASK_ATTEMPTS": "0"}, "MAX_TASK_ATTEMPTS must be at least 1"),
+        ({"STALE_AFTER_S": "-5"}, "STALE_AFTER_S must be at least"),
+        ({"HEARTBEAT_TTL_S": "nan"}, "HEARTBEAT_TTL_S must be a number"),
+        ({"EXPORT_BATCH_SIZE": "2.5"}, "EXPORT_BATCH_SIZE must be a whole number"),
+        ({"SHUTDOWN_TIMEOUT_S": "-1"}, "SHUTDOWN_TIMEOUT_S must be at least"),
+        (
+            {"LOG_LEVEL": "loud"},
+            "LOG_LEVEL must be one of fatal|error|warn|info|debug|trace|silent",
+        ),
+        ({"DATABASE_URL": "mysql://u@h/db"}, "DATABASE_URL must start with one of"),
+        ({"DATABASE_URL": "postgresql://u@h:notaport/db"}, "DATABASE_URL is not a valid URL"),
+        ({"REDIS_URL": "redis://"}, "REDIS_URL must name a host"),
+        ({"BROKER_URL": "kafka://h"}, "BROKER_URL must start with one of"),
+        ({"QUEUE_PREFIX": "a b"}, "QUEUE_PREFIX must not contain spaces"),
+    ],
+)
+def test_bad_values_name_the_variable(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(env)
+    assert needle in str(info.value)
+
+
+def test_entry_point_refuses_bad_config_without_traceback() -> None:
+    env = {**os.environ, "DATABASE_URL": "postgresql://u:hunter2@h:bad/db"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "teamdesk.cli", "migrate"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "teamdesk-tasks: configuration error: DATABASE_URL is not a valid URL"
+    )
+    assert "Traceback" not in proc.stderr and "hunter2" not in proc.stderr + proc.stdout
+
+
+def test_every_command_has_help() -> None:
+    from teamdesk.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name in sub.choices:  # type: ignore[union-attr]
+        proc = subprocess.run(
+            [sys.executable, "-m", "teamdesk.cli", name, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0 and "usage: teamdesk-tasks" in proc.stdout, name

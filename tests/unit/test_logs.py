@@ -1,0 +1,87 @@
+"""JSON log lines: SPEC §10 fields, levels and redaction, asserted on captured output."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from teamdesk.logs import REDACTED, log_event, redact_text, setup_logging
+
+
+@pytest.fixture
+def capture() -> Iterator[io.StringIO]:
+    stream = io.StringIO()
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    yield stream
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+
+
+def lines(stream: io.StringIO) -> list[dict[str, object]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+def test_event_line_has_spec_fields(capture: io.StringIO) -> None:
+    setup_logging("worker", "info", capture)
+    log_event(logging.getLogger("t"), "task.started", task_id="T", run=0, attempt=1)
+    (line,) = lines(capture)
+    assert list(line)[:5] == ["time", "level", "event", "service", "pid"]
+    assert (line["level"], line["event"], line["service"]) == ("info", "task.started", "worker")
+    assert (line["task_id"], line["run"], line["attempt"]) == ("T", 0, 1)
+    assert isinstance(line["pid"], int)
+    assert str(line["time"]).endswith("Z") and "T" in str(line["time"])
+
+
+def test_secrets_are_redacted(capture: io.StringIO) -> None:
+    setup_logging("api", "info", capture)
+    log = logging.getLogger("t")
+    log_event(
+        log,
+        "dispatcher.failed",
+        database="postgresql://app:hunter2@db:5432/teamdesk",
+        headers={"Authorization": "Bearer abc.def", "Accept": "text/csv"},
+        api_token="tok-123",
+        session_cookie="c=1",
+        password="pw",
+    )
+    log.warning("connect to amqp://guest:s3cret@mq:5672// failed; Bearer zzz123 refused")
+    text = capture.getvalue()
+    for secret in ("hunter2", "abc.def", "tok-123", "c=1", '"pw"', "s3cret", "zzz123"):
+        assert secret not in text
+    first, second = lines(capture)
+    assert first["database"] == f"postgresql://app:{REDACTED}@db:5432/teamdesk"
+    assert first["headers"] == {"Authorization": REDACTED, "Accept": "text/csv"}
+    assert first["api_token"] == first["session_cookie"] == first["password"] == REDACTED
+    assert second["event"] == "log" and second["level"] == "warn"
+    assert second["message"] == (
+        f"connect to amqp://guest:{REDACTED}@mq:5672// failed; Bearer {REDACTED} refused"
+    )
+
+
+def test_warn_level_hides_info(capture: io.StringIO) -> None:
+    setup_logging("worker", "warn", capture)
+    log = logging.getLogger("t")
+    log_event(log, "task.started", task_id="T", run=0, attempt=1)
+    log_event(log, "task.failed", logging.ERROR, task_id="T", run=0, attempt=3, exhausted=True)
+    assert [line["event"] for line in lines(capture)] == ["task.failed"]
+
+
+def test_silent_hides_everything(capture: io.StringIO) -> None:
+    setup_logging("worker", "silent", capture)
+    log_event(logging.getLogger("t"), "worker.fatal", logging.CRITICAL)
+    assert capture.getvalue() == ""
+
+
+def test_unknown_events_are_refused() -> None:
+    with pytest.raises(ValueError):
+        log_event(logging.getLogger("t"), "task.exploded")
+
+
+def test_redact_text_leaves_plain_urls() -> None:
+    assert redact_text("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert redact_text("postgresql://u@h/db") == "postgresql://u@h/db"
