@@ -31,6 +31,12 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    from worker.probe import health_command
+
+    return health_command(settings_or_exit(), args.scope)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="teamdesk-tasks",
@@ -45,6 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
         "Safe to run again and from several hosts at once.",
     )
     migrate.set_defaults(handler=cmd_migrate)
+    health = sub.add_parser(
+        "health",
+        help="check this host's worker heartbeat, Redis and PostgreSQL (exit 0 or 1)",
+        description="Print one JSON line {worker, redis, database, scope} and exit 0 when "
+        "the scope has a live worker heartbeat and Redis and PostgreSQL answer, else 1. "
+        "Reads Redis and PostgreSQL directly (never the broker or the Celery app); "
+        "answers within about 2 s, 4 s at most. Use it as the container health check.",
+    )
+    health.add_argument(
+        "--scope",
+        metavar="S",
+        help="heartbeat scope to check (default: WORKER_INSTANCE_ID, else the hostname)",
+    )
+    health.set_defaults(handler=cmd_health)
     return parser
 
 

@@ -124,13 +124,18 @@ class TeamdeskJsonFormatter(JsonFormatter):
 _configured_service: str | None = None
 
 
+class _JsonHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Ours, so a second setup replaces it and leaves other handlers (pytest's) alone."""
+
+
 def setup_logging(service: str, level: str = "info", stream: Any = None) -> None:
-    """Install the JSON handler on the root logger; replaces any earlier handlers."""
+    """Install the JSON handler on the root logger, replacing one installed earlier."""
     global _configured_service
     root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    handler = logging.StreamHandler(stream or sys.stderr)
+    for old in list(root.handlers):
+        if isinstance(old, _JsonHandler):
+            root.removeHandler(old)
+    handler = _JsonHandler(stream or sys.stderr)
     handler.setFormatter(TeamdeskJsonFormatter(service))
     root.addHandler(handler)
     root.setLevel(LEVELS[level])

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 import pytest
 import redis
 import sqlalchemy as sa
+from celery import Celery
 
 from teamdesk import config, db
 from teamdesk.config import Settings
@@ -103,3 +104,29 @@ def settings(database_url: str, queue_prefix: str) -> Iterator[Settings]:
     yield value
     db.reset_engine()
     config.set_settings(None)
+
+
+@pytest.fixture
+def make_app(settings: Settings) -> Iterator[Callable[..., Celery]]:
+    """Build the Celery app for this test; keyword overrides change settings first
+    (for example ``retry_base_delay_s=0.2``), the way SPEC §12 variables would."""
+    from tasks.app import create_app
+
+    apps: list[Celery] = []
+
+    def build(**overrides: object) -> Celery:
+        current = config.get_settings().with_overrides(**overrides)
+        config.set_settings(current)
+        db.reset_engine()
+        app = create_app(current)
+        apps.append(app)
+        return app
+
+    yield build
+    for app in apps:
+        app.close()
+
+
+@pytest.fixture
+def celery_app(make_app: Callable[..., Celery]) -> Celery:
+    return make_app()

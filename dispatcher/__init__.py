@@ -1,0 +1,1 @@
+"""Dispatcher: the periodic scan (recover, reconcile, dispatch) and worker heartbeats."""

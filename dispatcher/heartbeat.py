@@ -1,0 +1,160 @@
+"""Worker heartbeats in Redis (SPEC §8).
+
+Every process that can take work keeps one member ``<scope>/<uuid4>`` in two sorted
+sets, ``<prefix>:worker-heartbeat:active`` (all processes) and
+``<prefix>:worker-heartbeat:active:<scope>`` (one scope, ``WORKER_INSTANCE_ID``). A
+member's score is Redis ``TIME`` + ``HEARTBEAT_TTL_S``: it is live while its score is
+later than Redis's clock. Only Redis's clock is used, so hosts with skewed clocks agree.
+
+Renewal is one Lua script: read ``TIME``, drop expired members from both sets, add the
+member to both, set both keys' TTL to 2 x ttl (an abandoned set disappears on its own).
+
+Why a tombstone: shutdown removes the member, but a renewal may already be on its way
+to Redis when the stop begins (sent from the worker's timer a moment before, or delayed
+in a socket buffer). If that renewal ran after the removal it would put the member
+back, and the stopped process would look alive for one more TTL, so the dispatcher
+would wait that long before taking its runs back. A Python flag alone cannot stop a
+command that has already left the process. So :meth:`Heartbeat.remove` first sets
+``<prefix>:worker-heartbeat:stopped:<member>`` (TTL at least 2 x ttl) and removes the
+member in the same script, and the renewal script refuses to add a member whose
+tombstone exists. Both scripts are atomic in Redis, so a renewal runs either before the
+removal (and is undone by it) or after it (and is refused). The ``stopping`` flag keeps
+this process from sending new renewals at all.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable
+
+import redis
+
+# A tombstone outlives any renewal that could still be in flight when the process stopped.
+TOMBSTONE_MIN_S = 60.0
+
+_REDIS_NOW = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+local now_text = string.format('%.6f', now)
+"""
+
+# KEYS: global set, scope set, tombstone. ARGV: member, ttl (s). Returns 1, or 0 if stopped.
+_RENEW = (
+    _REDIS_NOW
+    + """
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return 0
+end
+local ttl = tonumber(ARGV[2])
+local score = string.format('%.6f', now + ttl)
+local keep_ms = string.format('%d', math.ceil(ttl * 2000))
+for i = 1, 2 do
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now_text)
+  redis.call('ZADD', KEYS[i], score, ARGV[1])
+  redis.call('PEXPIRE', KEYS[i], keep_ms)
+end
+return 1
+"""
+)
+
+# KEYS: global set, scope set, tombstone. ARGV: member, tombstone TTL (ms).
+_REMOVE = """
+redis.call('SET', KEYS[3], '1', 'PX', ARGV[2])
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+"""
+
+# KEYS: one set. Returns how many members are live after dropping the expired ones.
+_DROP_EXPIRED_AND_COUNT = (
+    _REDIS_NOW
+    + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_text)
+return redis.call('ZCARD', KEYS[1])
+"""
+)
+
+# KEYS: one set. Returns the live members; writes nothing.
+_LIVE_MEMBERS = _REDIS_NOW + "return redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now_text, '+inf')"
+
+
+def active_key(prefix: str, scope: str | None = None) -> str:
+    """The set of every live process, or of one scope's processes."""
+    base = f"{prefix}:worker-heartbeat:active"
+    return base if scope is None else f"{base}:{scope}"
+
+
+def tombstone_key(prefix: str, member: str) -> str:
+    """Set when ``member`` stopped; the renewal script refuses to re-add it."""
+    return f"{prefix}:worker-heartbeat:stopped:{member}"
+
+
+class Heartbeat:
+    """This process's heartbeat member. Give ``client`` short socket timeouts: renewal
+    runs on the worker's timer and must not block it."""
+
+    def __init__(self, client: redis.Redis, prefix: str, scope: str, ttl_s: float) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.scope = scope
+        self.ttl_s = ttl_s
+        self.member = f"{scope}/{uuid.uuid4()}"
+        self._stopping = threading.Event()
+        self._keys = [
+            active_key(prefix),
+            active_key(prefix, scope),
+            tombstone_key(prefix, self.member),
+        ]
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def renew(self) -> bool:
+        """Register or extend the member; False once :meth:`remove` was called."""
+        if self._stopping.is_set():
+            return False
+        return self._run_renewal()
+
+    def renew_if_healthy(self, ping_db: Callable[[], None]) -> bool:
+        """Renew only after ``ping_db`` proved PostgreSQL answers (it raises otherwise).
+
+        The renewal itself is the Redis round trip, so success proves Redis too. Errors
+        from either propagate for the caller to log; the member then simply expires.
+        """
+        if self._stopping.is_set():
+            return False
+        ping_db()
+        return self.renew()
+
+    def remove(self) -> None:
+        """Stop renewing and remove this process's member (only its own) from both sets."""
+        self._stopping.set()
+        tombstone_ms = round(max(2 * self.ttl_s, TOMBSTONE_MIN_S) * 1000)
+        script = self.client.register_script(_REMOVE)
+        script(keys=self._keys, args=[self.member, tombstone_ms])
+
+    def _run_renewal(self) -> bool:
+        """The renewal script alone, without the ``stopping`` check (tests replay a late one)."""
+        script = self.client.register_script(_RENEW)
+        return int(script(keys=self._keys, args=[self.member, repr(float(self.ttl_s))])) == 1
+
+
+def has_heartbeat(client: redis.Redis, prefix: str, scope: str | None = None) -> bool:
+    """Drop expired members (by Redis time), then tell whether one is left."""
+    script = client.register_script(_DROP_EXPIRED_AND_COUNT)
+    return int(script(keys=[active_key(prefix, scope)])) > 0
+
+
+def live_members(client: redis.Redis, prefix: str, scope: str | None = None) -> set[str]:
+    """Members whose score is later than Redis time (read-only)."""
+    script = client.register_script(_LIVE_MEMBERS)
+    members = script(keys=[active_key(prefix, scope)])
+    return {m.decode() if isinstance(m, bytes) else str(m) for m in members}
+
+
+def redis_uptime_s(client: redis.Redis) -> float:
+    """Seconds since the Redis server started; heartbeats are trusted only past one TTL."""
+    info = client.info("server")
+    return float(info["uptime_in_seconds"])

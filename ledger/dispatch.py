@@ -1,0 +1,163 @@
+"""The dispatcher's ledger writes (SPEC §7), each one statement over a bounded batch.
+
+Every selection locks its rows with ``FOR UPDATE SKIP LOCKED`` inside the caller's
+transaction, so overlapping scans split the rows between them instead of handling one
+twice, and every selection walks a partial index, so a scan's cost follows the number
+of rows it has work for, not the size of the table.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import bindparam, text
+from sqlalchemy.dialects.postgresql import ARRAY, TEXT
+from sqlalchemy.engine import Connection
+
+MSG_TOO_MANY_RECOVERIES = "The task stopped responding too many times."
+MSG_QUEUE_FAILED = "The task's queue message failed."
+
+
+@dataclass(frozen=True)
+class RunRef:
+    task_id: uuid.UUID
+    run: int
+    kind: str
+    status: str = "WAITING"
+
+
+# Guard: still RUNNING, and silent (no ledger write since stale_before) or held by a
+# process whose heartbeat member is gone. Past max_recoveries the run FAILS instead.
+RECOVER_STALE = text("""
+    WITH silent AS (
+        SELECT id FROM background_tasks
+         WHERE status = 'RUNNING'
+           AND (updated_at < :stale_before
+                OR (:use_heartbeats AND lease_holder IS NOT NULL
+                    AND lease_holder <> ALL(:live_members)))
+         ORDER BY updated_at
+         LIMIT :batch
+           FOR UPDATE SKIP LOCKED
+    )
+    UPDATE background_tasks t
+       SET status = CASE WHEN t.recoveries >= :max_recoveries THEN 'FAILED' ELSE 'WAITING' END,
+           recoveries = CASE WHEN t.recoveries >= :max_recoveries THEN t.recoveries
+                             ELSE t.recoveries + 1 END,
+           last_error = CASE WHEN t.recoveries >= :max_recoveries THEN :too_many
+                             ELSE t.last_error END,
+           execution_id = NULL, lease_holder = NULL, dispatched_at = NULL, updated_at = now()
+      FROM silent
+     WHERE t.id = silent.id
+    RETURNING t.id, t.run, t.kind, t.status
+""").bindparams(bindparam("live_members", type_=ARRAY(TEXT)))
+
+# Rows due for their first publish of this run (partial index ix_background_tasks_due).
+LOCK_DUE = text("""
+    SELECT id, run, kind FROM background_tasks
+     WHERE status = 'WAITING' AND dispatched_at IS NULL AND run_at <= :now
+     ORDER BY run_at
+     LIMIT :batch
+       FOR UPDATE SKIP LOCKED
+""")
+
+# Guard: the run is WAITING and unpublished; its queue message is known to have failed.
+RECONCILE_FAILED = text("""
+    UPDATE background_tasks
+       SET status = 'FAILED', last_error = :message, updated_at = now()
+     WHERE id = :task_id AND run = :run AND status = 'WAITING' AND dispatched_at IS NULL
+""")
+
+# Guard: the run is WAITING and unpublished (the caller holds the row lock).
+MARK_DISPATCHED = text("""
+    UPDATE background_tasks SET dispatched_at = :now, updated_at = now()
+     WHERE id = :task_id AND run = :run AND status = 'WAITING' AND dispatched_at IS NULL
+""")
+
+# Guard: still the publish this scan stamped; nothing else happened to the row since.
+CLEAR_DISPATCHED = text("""
+    UPDATE background_tasks SET dispatched_at = NULL, updated_at = now()
+     WHERE id = :task_id AND run = :run AND status = 'WAITING' AND dispatched_at = :stamp
+""")
+
+# Published long enough ago that the broker should have delivered it
+# (partial index ix_background_tasks_dispatched).
+LOCK_PUBLISHED_BEFORE = text("""
+    SELECT id, run, kind FROM background_tasks
+     WHERE status = 'WAITING' AND dispatched_at IS NOT NULL AND dispatched_at < :before
+     ORDER BY dispatched_at
+     LIMIT :batch
+       FOR UPDATE SKIP LOCKED
+""")
+
+# Guard: the run is WAITING and was last published at or before ``before``.
+MARK_REDISPATCHED = text("""
+    UPDATE background_tasks SET dispatched_at = :now, updated_at = now()
+     WHERE id = :task_id AND run = :run AND status = 'WAITING' AND dispatched_at < :before
+""")
+
+# CSVs past their 24 h (partial index ix_background_tasks_expiring).
+PURGE_EXPIRED = text("""
+    WITH expired AS (
+        SELECT id FROM background_tasks
+         WHERE result_csv IS NOT NULL AND expires_at < :now
+         ORDER BY expires_at
+         LIMIT :batch
+           FOR UPDATE SKIP LOCKED
+    )
+    UPDATE background_tasks t SET result_csv = NULL, updated_at = now()
+      FROM expired WHERE t.id = expired.id
+""")
+
+
+def _refs(rows: Iterable[object]) -> list[RunRef]:
+    return [RunRef(row.id, row.run, row.kind, getattr(row, "status", "WAITING"))  # type: ignore[attr-defined]
+            for row in rows]
+
+
+def recover_stale(conn: Connection, *, stale_before: datetime, live_members: Collection[str],
+                  use_heartbeats: bool, max_recoveries: int, batch: int) -> list[RunRef]:
+    """Take silent RUNNING rows back to WAITING (or FAILED past ``max_recoveries``)."""
+    rows = conn.execute(RECOVER_STALE, {
+        "stale_before": stale_before, "use_heartbeats": use_heartbeats,
+        "live_members": list(live_members), "max_recoveries": max_recoveries, "batch": batch,
+        "too_many": MSG_TOO_MANY_RECOVERIES,
+    })
+    return _refs(rows)
+
+
+def lock_due(conn: Connection, *, now: datetime, batch: int) -> list[RunRef]:
+    return _refs(conn.execute(LOCK_DUE, {"now": now, "batch": batch}))
+
+
+def reconcile_failed(conn: Connection, ref: RunRef) -> bool:
+    result = conn.execute(RECONCILE_FAILED, {"task_id": ref.task_id, "run": ref.run,
+                                             "message": MSG_QUEUE_FAILED})
+    return result.rowcount == 1
+
+
+def mark_dispatched(conn: Connection, ref: RunRef, now: datetime) -> bool:
+    result = conn.execute(MARK_DISPATCHED, {"task_id": ref.task_id, "run": ref.run, "now": now})
+    return result.rowcount == 1
+
+
+def clear_dispatched(conn: Connection, ref: RunRef, stamp: datetime) -> bool:
+    result = conn.execute(CLEAR_DISPATCHED, {"task_id": ref.task_id, "run": ref.run,
+                                             "stamp": stamp})
+    return result.rowcount == 1
+
+
+def lock_published_before(conn: Connection, *, before: datetime, batch: int) -> list[RunRef]:
+    return _refs(conn.execute(LOCK_PUBLISHED_BEFORE, {"before": before, "batch": batch}))
+
+
+def mark_redispatched(conn: Connection, ref: RunRef, *, now: datetime, before: datetime) -> bool:
+    result = conn.execute(MARK_REDISPATCHED, {"task_id": ref.task_id, "run": ref.run,
+                                              "now": now, "before": before})
+    return result.rowcount == 1
+
+
+def purge_expired(conn: Connection, *, now: datetime, batch: int) -> int:
+    return int(conn.execute(PURGE_EXPIRED, {"now": now, "batch": batch}).rowcount)

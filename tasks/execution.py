@@ -1,0 +1,146 @@
+"""The one execution wrapper both task kinds share: claim (or skip) -> run -> classify.
+
+Outcomes (SPEC §5):
+- success: the body committed under the lease; ``task.completed`` / ``task.skipped`` is
+  decided by re-reading the ledger afterwards.
+- :class:`LeaseLost`: a newer execution (or a cancel, or the dispatcher) owns the row. Log
+  ``task.lease_lost`` and return quietly: no progress 100, no failure, no retry.
+- :class:`TaskRejected`: write FAILED now and end the queue message failed, no retry.
+- anything else: write WAITING and retry with backoff ``RETRY_BASE_DELAY_S * 2^(n-1)``
+  until ``MAX_TASK_ATTEMPTS`` (the first included), then FAILED.
+A failure report that matches 0 rows means a newer execution owns the task: return
+quietly, never raise into the queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from celery import Task
+
+from ledger import lease
+from ledger.errors import LeaseLost, TaskRejected
+from tasks import queueing
+from teamdesk import hooks
+from teamdesk.config import Settings, get_settings
+from teamdesk.db import get_engine
+from teamdesk.logs import log_event
+
+log = logging.getLogger("teamdesk.task")
+
+MSG_RETRYING = "The task hit a temporary error and will be retried."
+MSG_EXHAUSTED = "The task failed after {n} attempts."
+
+
+class TaskFailed(Exception):
+    """The task failed after its last attempt (the queue message ends failed)."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a task body gets: its claim, settings and a progress reporter."""
+
+    claim: lease.Claim
+    settings: Settings
+    report_progress: Callable[[int, int, int], None]
+
+    @property
+    def lease(self) -> lease.Lease:
+        return self.claim.lease
+
+
+Body = Callable[[Context], str]
+
+
+def _fields(task_id: uuid.UUID, run: int, attempt: int, **extra: Any) -> dict[str, Any]:
+    return {"task_id": str(task_id), "run": run, "attempt": attempt, **extra}
+
+
+def execute(task: Task, task_id_text: str, run: int, body: Body) -> dict[str, Any]:
+    """Run one delivery of ``task_id``/``run``; returns a small JSON result for the queue."""
+    settings = get_settings()
+    task_id = uuid.UUID(task_id_text)
+    attempt = int(task.request.retries or 0) + 1
+    queueing.message_started(task_id, run)
+    with get_engine().begin() as conn:
+        claimed = lease.claim(conn, task_id, run, attempt, queueing.lease_holder())
+    if claimed is None:
+        log_event(log, "task.skipped", **_fields(task_id, run, attempt, reason="not claimable"))
+        return {"task_id": task_id_text, "run": run, "outcome": "skipped"}
+    fields = _fields(task_id, run, attempt, execution=str(claimed.lease.execution_id)[:8])
+    log_event(log, "task.started", kind=claimed.kind, **fields)
+    hooks.fire("task.claimed", claim=claimed)
+    context = Context(claimed, settings, _progress_reporter(task, claimed.lease))
+    try:
+        summary = body(context)
+    except LeaseLost:
+        log_event(log, "task.lease_lost", **fields)
+        return {"task_id": task_id_text, "run": run, "outcome": "lease_lost"}
+    except TaskRejected as exc:
+        return _rejected(claimed.lease, exc, fields)
+    except Exception as exc:
+        return _failed_attempt(task, claimed.lease, exc, settings, fields)
+    return _finished(task_id, run, summary, fields)
+
+
+def _finished(task_id: uuid.UUID, run: int, summary: str,
+              fields: dict[str, Any]) -> dict[str, Any]:
+    with get_engine().connect() as conn:
+        completed = lease.run_completed(conn, task_id, run)
+    log_event(log, "task.completed" if completed else "task.skipped", **fields)
+    return {"task_id": str(task_id), "run": run,
+            "outcome": "completed" if completed else "skipped", "summary": summary}
+
+
+def _rejected(held: lease.Lease, exc: TaskRejected, fields: dict[str, Any]) -> dict[str, Any]:
+    with get_engine().begin() as conn:
+        written = lease.report_failure(conn, held, final=True, message=exc.message)
+    if not written:
+        log_event(log, "task.lease_lost", **fields)
+        return {"task_id": str(held.task_id), "run": held.run, "outcome": "lease_lost"}
+    log_event(log, "task.failed", logging.WARNING, exhausted=True, error=type(exc).__name__,
+              reason=exc.message, **fields)
+    raise exc
+
+
+def _failed_attempt(task: Task, held: lease.Lease, exc: Exception, settings: Settings,
+                    fields: dict[str, Any]) -> dict[str, Any]:
+    final = held.attempt >= settings.max_task_attempts
+    delay = settings.retry_base_delay_s * 2 ** (held.attempt - 1)
+    retry_at = datetime.now(UTC) + timedelta(seconds=delay)
+    message = MSG_EXHAUSTED.format(n=held.attempt) if final else MSG_RETRYING
+    report_error: dict[str, str] = {}
+    try:
+        with get_engine().begin() as conn:
+            written = lease.report_failure(conn, held, final=final, message=message,
+                                           retry_at=retry_at)
+    except Exception as report_exc:  # the ledger is unreachable: the queue still decides
+        written, report_error = True, {"report_error": type(report_exc).__name__}
+    if not written:
+        log_event(log, "task.lease_lost", **fields)
+        return {"task_id": str(held.task_id), "run": held.run, "outcome": "lease_lost"}
+    if final:
+        log_event(log, "task.failed", logging.ERROR, exhausted=True,
+                  error=type(exc).__name__, **report_error, **fields)
+        raise TaskFailed(message) from None
+    log_event(log, "task.attempt_failed", logging.WARNING, error=type(exc).__name__,
+              exhausted=False, retry_in_s=delay, **report_error, **fields)
+    with queueing.retry_marker(held.task_id, held.run):
+        raise task.retry(countdown=delay, max_retries=settings.max_task_attempts - 1,
+                         exc=TaskFailed(MSG_RETRYING))
+
+
+def _progress_reporter(task: Task, held: lease.Lease) -> Callable[[int, int, int], None]:
+    """Ledger first (the truth the API shows), then the queue (so Flower shows it too)."""
+
+    def report(percent: int, done: int, total: int) -> None:
+        with get_engine().begin() as conn:
+            lease.report_progress(conn, held, percent)
+        queueing.report_progress(task, percent, done, total)
+
+    return report

@@ -1,0 +1,101 @@
+"""Reminder: one notification, the ticket's version +1 and one system event, committed in
+one transaction with the task's completion under the lease (SPEC §1, §5).
+
+The per-team advisory lock serialises reminders of one team; the claim happens outside
+it, so holding the lock proves nothing about the lease: the completion's own guard
+decides, and a 0-row completion raises LeaseLost, which rolls the whole transaction back
+(returning normally would commit the side effects).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection, Row
+
+from ledger import lease
+from ledger.errors import PermissionLost, TaskRejected
+from ledger.service import role_of
+from tasks.execution import Context
+from teamdesk import hooks
+from teamdesk.db import get_engine
+
+EVENT_TYPE = "ticket.reminder_sent"
+NOTIFICATION_KIND = "TICKET_REMINDER"
+
+MSG_OWNER_LEFT = "The reminder's creator is no longer a member of the team."
+MSG_BAD_TICKET = "The reminder does not name a ticket."
+
+TEAM_LOCK = text("SELECT pg_advisory_xact_lock(hashtextextended('teamdesk.reminder:' || "
+                 ":team_id, 0))")
+TICKET = text("""
+    SELECT id, status, assignee_id FROM tickets
+     WHERE id = :ticket_id AND team_id = :team_id FOR UPDATE
+""")
+INSERT_NOTIFICATION = text("""
+    INSERT INTO notifications (user_id, ticket_id, task_id, kind)
+    VALUES (:user_id, :ticket_id, :task_id, :kind)
+""")
+BUMP_VERSION = text("UPDATE tickets SET version = version + 1, updated_at = now() "
+                    "WHERE id = :ticket_id")
+INSERT_EVENT = text("""
+    INSERT INTO system_events (team_id, ticket_id, type, payload)
+    VALUES (:team_id, :ticket_id, :type, CAST(:payload AS jsonb))
+""")
+
+
+def _ticket_id(ctx: Context) -> uuid.UUID:
+    try:
+        return uuid.UUID(str(ctx.claim.filters["ticket_id"]))
+    except (KeyError, ValueError):
+        raise TaskRejected(MSG_BAD_TICKET) from None
+
+
+def _why_not(conn: Connection, ctx: Context, ticket: Row[object] | None) -> str | None:
+    """The reason to complete without side effects, or None to send the reminder."""
+    if ticket is None:
+        return "cancelled: the ticket no longer exists"
+    if ticket.status in ("RESOLVED", "CLOSED"):
+        return f"cancelled: the ticket is {ticket.status.lower()}"
+    if ticket.assignee_id is None:
+        return "cancelled: the ticket has no assignee"
+    if role_of(conn, ctx.claim.team_id, ticket.assignee_id) is None:
+        return "cancelled: the assignee left the team"
+    return None
+
+
+def run_reminder(ctx: Context) -> str:
+    claim = ctx.claim
+    ticket_id = _ticket_id(ctx)
+    with get_engine().begin() as conn:
+        conn.execute(TEAM_LOCK, {"team_id": str(claim.team_id)})
+        lease.check_lease(conn, claim.lease)
+        hooks.fire("reminder.after_lease_read", claim=claim)
+        if role_of(conn, claim.team_id, claim.owner_id) is None:
+            raise PermissionLost(MSG_OWNER_LEFT)
+        ticket = conn.execute(TICKET, {"ticket_id": ticket_id,
+                                       "team_id": claim.team_id}).one_or_none()
+        reason = _why_not(conn, ctx, ticket)
+        if reason is not None:
+            lease.complete_in_transaction(conn, claim.lease, reason)
+            return reason
+        assert ticket is not None
+        _send(conn, ctx, ticket_id, ticket.assignee_id)
+        hooks.fire("reminder.after_event_insert", claim=claim)
+        summary = f"reminder sent to {ticket.assignee_id}"
+        lease.complete_in_transaction(conn, claim.lease, summary)
+    return summary
+
+
+def _send(conn: Connection, ctx: Context, ticket_id: uuid.UUID, assignee: uuid.UUID) -> None:
+    claim = ctx.claim
+    conn.execute(INSERT_NOTIFICATION, {"user_id": assignee, "ticket_id": ticket_id,
+                                       "task_id": claim.lease.task_id,
+                                       "kind": NOTIFICATION_KIND})
+    conn.execute(BUMP_VERSION, {"ticket_id": ticket_id})
+    payload = {"task_id": str(claim.lease.task_id), "run": claim.lease.run,
+               "assignee_id": str(assignee)}
+    conn.execute(INSERT_EVENT, {"team_id": claim.team_id, "ticket_id": ticket_id,
+                                "type": EVENT_TYPE, "payload": json.dumps(payload)})

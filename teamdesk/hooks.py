@@ -1,0 +1,49 @@
+"""Named points in the task code where tests attach gates (or inject a failure).
+
+Production installs nothing, so :func:`fire` is a dictionary lookup that finds no
+callbacks. Tests use :func:`installed` to pause an execution at an exact point
+(after its read, before its result write, ...) and so force an interleaving
+without sleeping.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+Hook = Callable[..., None]
+
+_hooks: dict[str, list[Hook]] = {}
+_lock = threading.Lock()
+
+POINTS = frozenset(
+    {
+        "task.claimed",  # after the claim committed
+        "export.after_read",  # a batch was read, its progress not yet written
+        "export.before_result_write",  # the final permission check passed
+        "reminder.after_lease_read",  # inside the transaction, lease seen, nothing written
+        "reminder.after_event_insert",  # side effects written, completion not yet
+    }
+)
+
+
+def fire(point: str, **context: Any) -> None:
+    for hook in _hooks.get(point, ()):
+        hook(**context)
+
+
+@contextmanager
+def installed(point: str, hook: Hook) -> Iterator[None]:
+    if point not in POINTS:
+        raise ValueError(f"unknown hook point {point!r}")
+    with _lock:
+        _hooks.setdefault(point, []).append(hook)
+    try:
+        yield
+    finally:
+        with _lock:
+            _hooks[point].remove(hook)
+            if not _hooks[point]:
+                del _hooks[point]

@@ -1,0 +1,197 @@
+"""Worker heartbeats against the real Redis (SPEC §8)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from dispatcher.heartbeat import (
+    TOMBSTONE_MIN_S,
+    Heartbeat,
+    active_key,
+    has_heartbeat,
+    live_members,
+    redis_uptime_s,
+    tombstone_key,
+)
+
+SCOPE = "host-a"
+TTL_S = 20.0
+
+
+def redis_now(client: redis.Redis) -> float:
+    seconds, micros = client.time()
+    return float(seconds) + micros / 1_000_000
+
+
+def both_sets(prefix: str, scope: str = SCOPE) -> list[str]:
+    return [active_key(prefix), active_key(prefix, scope)]
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    """Poll ``condition`` until it is true or the deadline passes (detects, never orders)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_renewal_adds_member_to_both_sets_scored_by_redis_time(
+    redis_client: redis.Redis, queue_prefix: str
+) -> None:
+    beat = Heartbeat(redis_client, queue_prefix, SCOPE, TTL_S)
+    before = redis_now(redis_client)
+
+    assert beat.renew() is True
+
+    after = redis_now(redis_client)
+    scope, _, process_id = beat.member.partition("/")
+    assert scope == SCOPE and uuid.UUID(process_id).version == 4
+    for key in both_sets(queue_prefix):
+        score = redis_client.zscore(key, beat.member)
+        assert score is not None and before + TTL_S - 0.01 <= score <= after + TTL_S + 0.01
+        assert redis_client.zcard(key) == 1
+        assert 2 * TTL_S * 1000 - 1000 <= redis_client.pttl(key) <= 2 * TTL_S * 1000
+    assert has_heartbeat(redis_client, queue_prefix, SCOPE) is True
+    assert has_heartbeat(redis_client, queue_prefix) is True
+    assert has_heartbeat(redis_client, queue_prefix, "host-b") is False
+    assert live_members(redis_client, queue_prefix) == {beat.member}
+    assert live_members(redis_client, queue_prefix, SCOPE) == {beat.member}
+
+
+def test_renewal_extends_score_and_drops_expired_members(
+    redis_client: redis.Redis, queue_prefix: str
+) -> None:
+    beat = Heartbeat(redis_client, queue_prefix, SCOPE, TTL_S)
+    assert beat.renew() is True
+    first = redis_client.zscore(active_key(queue_prefix), beat.member)
+    dead = f"{SCOPE}/{uuid.uuid4()}"
+    for key in both_sets(queue_prefix):
+        redis_client.zadd(key, {dead: redis_now(redis_client) - 1})
+
+    assert beat.renew() is True
+
+    for key in both_sets(queue_prefix):
+        assert redis_client.zrange(key, 0, -1) == [beat.member]
+        score = redis_client.zscore(key, beat.member)
+        assert first is not None and score is not None and score >= first
+
+
+def test_two_processes_in_one_scope_one_leaving_keeps_the_other(
+    redis_client: redis.Redis, queue_prefix: str
+) -> None:
+    leaving = Heartbeat(redis_client, queue_prefix, SCOPE, TTL_S)
+    staying = Heartbeat(redis_client, queue_prefix, SCOPE, TTL_S)
+    assert leaving.renew() is True and staying.renew() is True
+
+    leaving.remove()
+
+    assert leaving.stopping is True and staying.stopping is False
+    assert has_heartbeat(redis_client, queue_prefix, SCOPE) is True
+    assert has_heartbeat(redis_client, queue_prefix) is True
+    for key in both_sets(queue_prefix):
+        assert redis_client.zrange(key, 0, -1) == [staying.member]
+    assert live_members(redis_client, queue_prefix, SCOPE) == {staying.member}
+    assert leaving.renew() is False
+    assert redis_client.zscore(active_key(queue_prefix), leaving.member) is None
+
+
+def test_member_expires_by_redis_time(redis_client: redis.Redis, queue_prefix: str) -> None:
+    beat = Heartbeat(redis_client, queue_prefix, SCOPE, 0.3)
+    assert beat.renew() is True
+    score = redis_client.zscore(active_key(queue_prefix, SCOPE), beat.member)
+    assert score is not None
+
+    expired = wait_for(lambda: not has_heartbeat(redis_client, queue_prefix, SCOPE))
+
+    assert expired, "the member never expired"
+    assert redis_now(redis_client) >= score
+    assert redis_client.zscore(active_key(queue_prefix, SCOPE), beat.member) is None
+    assert live_members(redis_client, queue_prefix) == set()
+    assert has_heartbeat(redis_client, queue_prefix) is False
+    assert redis_client.zcard(active_key(queue_prefix)) == 0
+
+
+def test_renewal_in_flight_when_shutdown_began_does_not_reregister(
+    redis_client: redis.Redis, queue_prefix: str
+) -> None:
+    beat = Heartbeat(redis_client, queue_prefix, SCOPE, TTL_S)
+    assert beat.renew() is True
+
+    beat.remove()
+    # The renewal that was already on its way reaches Redis only now: no Python-side check.
+    replayed = beat._run_renewal()
+
+    assert replayed is False
+    for key in both_sets(queue_prefix):
+        assert redis_client.zscore(key, beat.member) is None
+    assert has_heartbeat(redis_client, queue_prefix, SCOPE) is False
+    assert has_heartbeat(redis_client, queue_prefix) is False
+    tombstone_ttl_ms = redis_client.pttl(tombstone_key(queue_prefix, beat.member))
+    assert tombstone_ttl_ms > max(2 * TTL_S, TOMBSTONE_MIN_S) * 1000 - 5000
+
+
+def test_tombstone_blocks_only_the_stopped_member(
+    redis_client: redis.Redis, queue_prefix: str
+) -> None:
+    stopped = Heartbeat(redis_client, queue_prefix, SCOPE, TTL_S)
+    stopped.remove()
+    successor = Heartbeat(redis_client, queue_prefix, SCOPE, TTL_S)
+
+    assert stopped._run_renewal() is False
+    assert successor.renew() is True
+
+    assert live_members(redis_client, queue_prefix, SCOPE) == {successor.member}
+    assert live_members(redis_client, queue_prefix) == {successor.member}
+
+
+def test_renew_if_healthy_needs_the_database_and_a_running_process(
+    redis_client: redis.Redis, queue_prefix: str
+) -> None:
+    beat = Heartbeat(redis_client, queue_prefix, SCOPE, TTL_S)
+    pings: list[str] = []
+
+    def db_down() -> None:
+        pings.append("down")
+        raise ConnectionError("database unreachable")
+
+    with pytest.raises(ConnectionError):
+        beat.renew_if_healthy(db_down)
+    assert has_heartbeat(redis_client, queue_prefix) is False
+
+    assert beat.renew_if_healthy(lambda: pings.append("up")) is True
+    assert live_members(redis_client, queue_prefix, SCOPE) == {beat.member}
+
+    beat.remove()
+    assert beat.renew_if_healthy(lambda: pings.append("after-stop")) is False
+    assert pings == ["down", "up"]
+    assert has_heartbeat(redis_client, queue_prefix) is False
+
+
+def test_live_members_only_reads_while_has_heartbeat_prunes(
+    redis_client: redis.Redis, queue_prefix: str
+) -> None:
+    key = active_key(queue_prefix)
+    now = redis_now(redis_client)
+    redis_client.zadd(key, {"host-a/old": now - 5, "host-a/new": now + 30})
+
+    assert live_members(redis_client, queue_prefix) == {"host-a/new"}
+    assert redis_client.zcard(key) == 2
+
+    assert has_heartbeat(redis_client, queue_prefix) is True
+    assert redis_client.zrange(key, 0, -1) == ["host-a/new"]
+
+
+def test_redis_uptime_matches_server_info(redis_client: redis.Redis) -> None:
+    reported = float(redis_client.info("server")["uptime_in_seconds"])
+
+    uptime = redis_uptime_s(redis_client)
+
+    assert uptime >= reported >= 0
+    assert uptime - reported < 5

@@ -1,0 +1,257 @@
+"""SPEC §13 bullets 1-3: an old execution A, paused by a gate, cannot commit after a new
+execution B (or the dispatcher, or a failure) took the run over.
+
+Both executions are real deliveries of the same message id to a real in-process worker
+(threads pool, two slots); B is a duplicate publish. Gates order everything; each test
+ends by delivering the message once more to show a completed task gains nothing.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from ledger import dispatch, service
+from ledger.errors import PermissionLost
+from tasks import queueing
+from teamdesk import hooks
+from tests.support.factories import World, add_ticket, add_tickets, age_task, task_row
+from tests.support.gates import Gate
+from tests.support.scenario import event_records, outcomes, side_effects
+from tests.support.waiting import wait_for
+from tests.support.workers import EventLog, running_worker
+
+
+def nth_claim(n: int) -> tuple[list[uuid.UUID], Callable[..., bool]]:
+    """Records every claim's execution id; the predicate is true for the n-th claim."""
+    seen: list[uuid.UUID] = []
+
+    def predicate(claim: object, **_: object) -> bool:
+        seen.append(claim.lease.execution_id)  # type: ignore[attr-defined]
+        return len(seen) == n
+
+    return seen, predicate
+
+
+def export_task(engine: sa.Engine, world: World, rows: int = 1200) -> uuid.UUID:
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, rows)
+        return service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+
+
+def rename_first_ticket(engine: sa.Engine, world: World, title: str) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE tickets SET title = :t WHERE team_id = :team AND "
+                             "title = 'Ticket 1'"), {"t": title, "team": world.team_id})
+
+
+def deliver_again_and_check_nothing_changes(engine: sa.Engine, app: Celery, events: EventLog,
+                                            task_id: uuid.UUID, kind: str) -> None:
+    before = task_row(engine, task_id)
+    message = queueing.message_id(task_id, 0)
+    ended = len(outcomes(events, message))
+    queueing.publish(app, task_id, 0, kind)
+    wait_for(lambda: len(outcomes(events, message)) == ended + 1, what="redelivery to end")
+    assert "'outcome': 'skipped'" in outcomes(events, message)[-1]
+    assert task_row(engine, task_id) == before
+
+
+@pytest.mark.parametrize("pause_at", ["export.after_read", "export.before_result_write"])
+def test_export_takeover_old_execution_cannot_commit(engine: sa.Engine, world: World,
+                                                     celery_app: Celery, pause_at: str,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    task_id = export_task(engine, world)
+    message = queueing.message_id(task_id, 0)
+    gate_a, gate_b = Gate("A paused"), Gate("B claimed")
+    claims, second = nth_claim(2)
+    with (EventLog(celery_app) as events, running_worker(celery_app),
+          hooks.installed("task.claimed", gate_b.hook(when=second)),
+          hooks.installed(pause_at, gate_a.hook())):
+        try:
+            queueing.publish(celery_app, task_id, 0, "EXPORT")
+            gate_a.wait_reached()
+            a_progress = len(events.of_type("task-progress", message))
+            queueing.publish(celery_app, task_id, 0, "EXPORT")
+            gate_b.wait_reached()
+            snapshot = task_row(engine, task_id)
+            assert snapshot["status"] == "RUNNING" and snapshot["execution_id"] == claims[1]
+            assert claims[0] != claims[1]
+            rename_first_ticket(engine, world, "Renamed before B read")
+            gate_a.release()
+            wait_for(lambda: outcomes(events, message), what="A to return")
+            assert "'outcome': 'lease_lost'" in outcomes(events, message)[0]
+            assert task_row(engine, task_id) == snapshot
+            assert len(events.of_type("task-progress", message)) == a_progress
+        finally:
+            gate_a.release()
+            gate_b.release()
+        wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="B to finish")
+        row = task_row(engine, task_id)
+        assert (row["progress"], row["attempts"], row["execution_id"]) == (100, 1, None)
+        assert "Renamed before B read" in row["result_csv"]
+        assert "\nTicket 1," not in row["result_csv"]
+        assert row["result_summary"] == "1200 rows"
+        b_progress = [e["percent"] for e in events.of_type("task-progress", message)]
+        assert 100 not in b_progress
+        assert b_progress[a_progress:] == [41, 83, 99]
+        assert len(event_records(caplog, "task.lease_lost", task_id)) == 1
+        deliver_again_and_check_nothing_changes(engine, celery_app, events, task_id, "EXPORT")
+
+
+@pytest.mark.parametrize("late_error", [PermissionLost("late rejection"),
+                                        ConnectionError("network went away")])
+def test_late_error_of_old_execution_changes_nothing(engine: sa.Engine, world: World,
+                                                     make_app: Callable[..., Celery],
+                                                     late_error: Exception,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    app = make_app(retry_base_delay_s=0.05)
+    task_id = export_task(engine, world)
+    message = queueing.message_id(task_id, 0)
+    gate_a, gate_b = Gate("A paused"), Gate("B claimed")
+    claims, second = nth_claim(2)
+
+    def fail_late(**_: object) -> None:
+        raise late_error
+
+    with (EventLog(app) as events, running_worker(app),
+          hooks.installed("task.claimed", gate_b.hook(when=second)),
+          hooks.installed("export.after_read", gate_a.hook(then=fail_late))):
+        try:
+            queueing.publish(app, task_id, 0, "EXPORT")
+            gate_a.wait_reached()
+            queueing.publish(app, task_id, 0, "EXPORT")
+            gate_b.wait_reached()
+            snapshot = task_row(engine, task_id)
+            gate_a.release()
+            wait_for(lambda: outcomes(events, message), what="A to return")
+            assert "'outcome': 'lease_lost'" in outcomes(events, message)[0]
+            assert task_row(engine, task_id) == snapshot
+            assert not queueing.marker_present(task_id, 0), "A must not schedule a retry"
+            assert events.of_type("task-retried", message) == []
+            assert events.of_type("task-failed", message) == []
+        finally:
+            gate_a.release()
+            gate_b.release()
+        wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="B to finish")
+        row = task_row(engine, task_id)
+        assert (row["attempts"], row["last_error"], row["execution_id"]) == (1, None, None)
+        assert row["execution_id"] is None and claims[1] != claims[0]
+        assert event_records(caplog, "task.failed", task_id) == []
+        assert event_records(caplog, "task.attempt_failed", task_id) == []
+        deliver_again_and_check_nothing_changes(engine, app, events, task_id, "EXPORT")
+
+
+def reminder_task(engine: sa.Engine, world: World) -> tuple[uuid.UUID, uuid.UUID]:
+    with engine.begin() as conn:
+        ticket = add_ticket(conn, world.team_id, world.customer_id, "Printer on fire",
+                            assignee_id=world.staff2_id)
+        task_id = service.create_reminder(conn, world.team_id, world.staff_id, ticket)
+    return task_id, ticket
+
+
+def test_reminder_takeover_by_new_claim_rolls_old_transaction_back(
+        engine: sa.Engine, world: World, celery_app: Celery) -> None:
+    task_id, ticket = reminder_task(engine, world)
+    message = queueing.message_id(task_id, 0)
+    before = side_effects(engine, ticket)
+    gate_a, gate_b = Gate("A read its lease"), Gate("B claimed")
+    _, second = nth_claim(2)
+    with (EventLog(celery_app) as events, running_worker(celery_app),
+          hooks.installed("task.claimed", gate_b.hook(when=second)),
+          hooks.installed("reminder.after_lease_read", gate_a.hook())):
+        try:
+            queueing.publish(celery_app, task_id, 0, "REMINDER")
+            gate_a.wait_reached()
+            queueing.publish(celery_app, task_id, 0, "REMINDER")
+            gate_b.wait_reached()
+            snapshot = task_row(engine, task_id)
+            gate_a.release()
+            wait_for(lambda: outcomes(events, message), what="A to return")
+            assert "'outcome': 'lease_lost'" in outcomes(events, message)[0]
+            assert side_effects(engine, ticket) == before
+            assert task_row(engine, task_id) == snapshot
+        finally:
+            gate_a.release()
+            gate_b.release()
+        wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="B to finish")
+        after = side_effects(engine, ticket)
+        assert (after.notifications, after.events, after.version) == (1, 1, before.version + 1)
+        row = task_row(engine, task_id)
+        assert row["result_summary"] == f"reminder sent to {world.staff2_id}"
+        assert (row["progress"], row["execution_id"]) == (100, None)
+        deliver_again_and_check_nothing_changes(engine, celery_app, events, task_id, "REMINDER")
+    assert side_effects(engine, ticket) == after
+
+
+def test_reminder_lease_cleared_by_dispatcher_rolls_old_transaction_back(
+        engine: sa.Engine, world: World, celery_app: Celery) -> None:
+    task_id, ticket = reminder_task(engine, world)
+    message = queueing.message_id(task_id, 0)
+    before = side_effects(engine, ticket)
+    gate_a = Gate("A read its lease")
+    with (EventLog(celery_app) as events, running_worker(celery_app),
+          hooks.installed("reminder.after_lease_read", gate_a.hook())):
+        try:
+            queueing.publish(celery_app, task_id, 0, "REMINDER")
+            gate_a.wait_reached()
+            age_task(engine, task_id, 3600)
+            with engine.begin() as conn:
+                recovered = dispatch.recover_stale(
+                    conn, stale_before=datetime.now(UTC) - timedelta(seconds=120),
+                    live_members=[], use_heartbeats=False, max_recoveries=2, batch=10)
+            assert [(r.task_id, r.status) for r in recovered] == [(task_id, "WAITING")]
+            snapshot = task_row(engine, task_id)
+            assert (snapshot["execution_id"], snapshot["recoveries"]) == (None, 1)
+            gate_a.release()
+            wait_for(lambda: outcomes(events, message), what="A to return")
+            assert "'outcome': 'lease_lost'" in outcomes(events, message)[0]
+            assert side_effects(engine, ticket) == before
+            assert task_row(engine, task_id) == snapshot
+        finally:
+            gate_a.release()
+        queueing.publish(celery_app, task_id, 0, "REMINDER")
+        wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="redelivery")
+        after = side_effects(engine, ticket)
+        assert (after.notifications, after.events, after.version) == (1, 1, before.version + 1)
+        deliver_again_and_check_nothing_changes(engine, celery_app, events, task_id, "REMINDER")
+    assert side_effects(engine, ticket) == after
+
+
+def test_reminder_failure_after_event_insert_rolls_back_and_second_attempt_is_the_only_result(
+        engine: sa.Engine, world: World, make_app: Callable[..., Celery]) -> None:
+    app = make_app(retry_base_delay_s=0.1)
+    task_id, ticket = reminder_task(engine, world)
+    before = side_effects(engine, ticket)
+    failures: list[int] = []
+
+    def fail_once(**_: object) -> None:
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("connection reset after INSERT")
+
+    gate_retry = Gate("second attempt claimed")
+    _, second = nth_claim(2)
+    with (EventLog(app) as events, running_worker(app),
+          hooks.installed("reminder.after_event_insert", fail_once),
+          hooks.installed("task.claimed", gate_retry.hook(when=second))):
+        try:
+            queueing.publish(app, task_id, 0, "REMINDER")
+            gate_retry.wait_reached()
+            assert side_effects(engine, ticket) == before
+            row = task_row(engine, task_id)
+            assert (row["status"], row["attempts"]) == ("RUNNING", 2)
+            assert row["last_error"] == "The task hit a temporary error and will be retried."
+        finally:
+            gate_retry.release()
+        wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="attempt 2")
+        after = side_effects(engine, ticket)
+        assert (after.notifications, after.events, after.version) == (1, 1, before.version + 1)
+        row = task_row(engine, task_id)
+        assert (row["attempts"], row["last_error"], row["progress"]) == (2, None, 100)
+        deliver_again_and_check_nothing_changes(engine, app, events, task_id, "REMINDER")
+    assert side_effects(engine, ticket) == after

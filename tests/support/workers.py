@@ -1,0 +1,68 @@
+"""In-process Celery workers on the real broker (``celery.contrib.testing``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from tasks.app import EXPORTS_QUEUE, REMINDERS_QUEUE
+
+
+@contextmanager
+def running_worker(app: Celery, *, pool: str = "threads", concurrency: int = 2,
+                   queues: tuple[str, ...] = (EXPORTS_QUEUE, REMINDERS_QUEUE),
+                   **kwargs: Any) -> Iterator[Any]:
+    with start_worker(app, pool=pool, concurrency=concurrency, perform_ping_check=False,
+                      queues=list(queues), loglevel="WARNING", shutdown_timeout=30,
+                      **kwargs) as worker:
+        yield worker
+
+
+class EventLog:
+    """Captures the cluster's Celery events in a thread, the way Flower receives them."""
+
+    def __init__(self, app: Celery) -> None:
+        import threading
+
+        self.app = app
+        self.events: list[dict[str, Any]] = []
+        self.state = app.events.State()
+        self.ready = threading.Event()
+        self._lock = threading.Lock()
+        self._receiver: Any = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        with self._lock:
+            self.events.append(event)
+            self.state.event(event)
+
+    def _run(self) -> None:
+        with self.app.connection_for_read() as conn:
+            self._receiver = self.app.events.Receiver(conn, handlers={"*": self._on_event})
+            self.ready.set()
+            try:
+                self._receiver.capture(limit=None, timeout=None, wakeup=False)
+            except Exception:
+                if not getattr(self._receiver, "should_stop", False):
+                    raise
+
+    def __enter__(self) -> EventLog:
+        self._thread.start()
+        assert self.ready.wait(10), "event receiver did not start"
+        # Wait until the receiver's subscription is live: it sees its own test event.
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._receiver is not None:
+            self._receiver.should_stop = True
+        self._thread.join(timeout=10)
+
+    def of_type(self, type_: str, uuid: str | None = None) -> list[dict[str, Any]]:
+        with self._lock:
+            return [e for e in self.events if e.get("type") == type_
+                    and (uuid is None or e.get("uuid") == uuid)]

@@ -1,0 +1,1 @@
+"""Worker process: lifecycle, heartbeat renewal and the health probe."""

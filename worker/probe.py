@@ -1,0 +1,174 @@
+"""``teamdesk-tasks health``: the container health check (SPEC §8).
+
+Prints one JSON line ``{"worker": bool, "redis": bool, "database": bool, "scope": str}``
+and returns 0 only when the scope has a live heartbeat member, Redis answered and
+PostgreSQL answered ``SELECT 1``. It reads Redis and PostgreSQL directly: it never
+imports the Celery app or talks to the broker, so it stays cheap and cannot disturb a
+busy worker.
+
+Time bounds: both checks run at once in daemon threads, each with its own socket and
+statement timeouts, and the probe stops waiting for them after ``CHECK_DEADLINE_S``
+(leaving room for interpreter start within the 2 s budget). A check that did not
+finish counts as failed: ``"redis": false`` means "this check did not complete", not
+"never connected". A watchdog enforces the hard cap: should anything still hang at
+``HARD_CAP_S`` (a frozen Redis that accepted the connection, a stuck exit), it prints
+what is known and ends the process with exit 1.
+
+The output never holds addresses or exception text; only the four fields above.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import psycopg2
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from dispatcher.heartbeat import has_heartbeat
+from teamdesk.config import Settings
+
+CHECK_DEADLINE_S = 1.25  # stop waiting for the checks (the whole probe, started: under 2 s)
+OPERATION_TIMEOUT_S = 1.0  # Redis connect/read, PostgreSQL statement
+HARD_CAP_S = 3.5  # watchdog, counted from the probe's start (under 4 s with interpreter start)
+DB_CONNECT_TIMEOUT_S = 2  # libpq takes whole seconds and treats anything lower as 2
+
+Outcomes = dict[str, bool]
+
+
+def redis_check(settings: Settings, scope: str, timeout_s: float) -> bool:
+    """Whether ``scope`` has a live member; raises when Redis does not answer in time."""
+    client = redis.Redis.from_url(
+        settings.redis_url,
+        socket_connect_timeout=timeout_s,
+        socket_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+    )
+    try:
+        return has_heartbeat(client, settings.queue_prefix, scope)
+    finally:
+        client.close()
+
+
+def database_check(database_url: str, timeout_s: float) -> bool:
+    """Whether PostgreSQL answers ``SELECT 1``; raises when it cannot be reached."""
+    conn = psycopg2.connect(
+        _libpq_url(database_url),
+        connect_timeout=DB_CONNECT_TIMEOUT_S,
+        options=f"-c statement_timeout={round(timeout_s * 1000)}",
+        application_name="teamdesk-health",
+    )
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT 1")
+            return bool(cur.fetchone() == (1,))
+    finally:
+        conn.close()
+
+
+def _libpq_url(url: str) -> str:
+    """DATABASE_URL as libpq reads it (it does not know SQLAlchemy's ``+driver``)."""
+    return url.replace("postgresql+psycopg2://", "postgresql://", 1)
+
+
+def report(outcomes: Outcomes, scope: str) -> dict[str, Any]:
+    """The JSON fields; a check missing from ``outcomes`` did not complete."""
+    return {
+        "worker": outcomes.get("redis") is True,
+        "redis": "redis" in outcomes,
+        "database": outcomes.get("database") is True,
+        "scope": scope,
+    }
+
+
+def is_healthy(fields: dict[str, Any]) -> bool:
+    return bool(fields["worker"] and fields["redis"] and fields["database"])
+
+
+class HealthProbe:
+    """One run of the health check; :meth:`emit` prints what is known, once."""
+
+    def __init__(self, settings: Settings, scope: str, out: TextIO) -> None:
+        self.settings = settings
+        self.scope = scope
+        self._out = out
+        self._outcomes: Outcomes = {}
+        self._print_lock = threading.Lock()
+        self._printed = False
+
+    def run(self, deadline_s: float, timeout_s: float) -> int:
+        """Run both checks at once, wait at most ``deadline_s``, print, return 0 or 1."""
+        threads = [
+            self._start_check("redis", lambda: redis_check(self.settings, self.scope, timeout_s)),
+            self._start_check(
+                "database", lambda: database_check(self.settings.database_url, timeout_s)
+            ),
+        ]
+        deadline = time.monotonic() + deadline_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        fields = self.emit()
+        return 0 if is_healthy(fields) else 1
+
+    def emit(self) -> dict[str, Any]:
+        """Print the result line unless it was printed already; returns the fields."""
+        fields = report(dict(self._outcomes), self.scope)
+        if self._print_lock.acquire(timeout=0.2):
+            try:
+                if not self._printed:
+                    self._out.write(json.dumps(fields) + "\n")
+                    self._out.flush()
+                    self._printed = True
+            finally:
+                self._print_lock.release()
+        return fields
+
+    def _start_check(self, name: str, check: Callable[[], bool]) -> threading.Thread:
+        """Run ``check`` in a daemon thread; its result is recorded only if it returns."""
+
+        def target() -> None:
+            try:
+                self._outcomes[name] = check()
+            except Exception:  # failed; the text may hold an address, so it is dropped
+                return
+
+        thread = threading.Thread(target=target, name=f"health-{name}", daemon=True)
+        thread.start()
+        return thread
+
+
+def health_command(
+    settings: Settings,
+    scope: str | None = None,
+    *,
+    deadline_s: float = CHECK_DEADLINE_S,
+    timeout_s: float = OPERATION_TIMEOUT_S,
+    hard_cap_s: float = HARD_CAP_S,
+) -> int:
+    """Run the probe, print its line, return 0 or 1 (``teamdesk-tasks health``).
+
+    For the CLI process only: a watchdog ends the process with exit 1, after printing
+    what is known, if it is still running at ``hard_cap_s``.
+    """
+    probe = HealthProbe(settings, scope or settings.worker_instance_id, sys.stdout)
+    _start_watchdog(hard_cap_s, probe.emit)
+    return probe.run(deadline_s, timeout_s)
+
+
+def _start_watchdog(cap_s: float, emit: Callable[[], object]) -> None:
+    def fire() -> None:
+        try:
+            emit()
+        finally:
+            os._exit(1)
+
+    timer = threading.Timer(cap_s, fire)
+    timer.daemon = True
+    timer.start()
