@@ -34,6 +34,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # Every broker key (queues, unacked messages, their index) lives under the prefix,
         # so two clusters, or two test runs, can share one Redis.
         broker_options["global_keyprefix"] = prefix
+        # A delivered message another consumer may take once its holder stopped renewing
+        # it (worker/liveness.py renews it while the task runs); swept every few seconds.
+        broker_options["visibility_timeout"] = settings.stale_after_s
+        broker_options["unacked_restore_interval"] = max(1.0, min(10.0, settings.stale_after_s / 4))
+        broker_options["unacked_restore_throttle"] = 1
     return {
         "broker_url": settings.broker_url,
         "broker_transport_options": broker_options,
@@ -73,8 +78,12 @@ def create_app(settings: Settings | None = None) -> Celery:
     app = Celery("teamdesk", set_as_current=False)
     app.conf.update(celery_config(settings))
     from tasks.definitions import register
+    from worker import lifecycle
+    from worker.steps import LivenessStep
 
     register(app, settings)
+    app.steps["worker"].add(LivenessStep)
+    lifecycle.connect()
     return app
 
 

@@ -88,13 +88,16 @@ def execute(task: Task, task_id_text: str, run: int, body: Body) -> dict[str, An
     return _finished(task_id, run, summary, fields)
 
 
-def _finished(task_id: uuid.UUID, run: int, summary: str,
-              fields: dict[str, Any]) -> dict[str, Any]:
+def _finished(task_id: uuid.UUID, run: int, summary: str, fields: dict[str, Any]) -> dict[str, Any]:
     with get_engine().connect() as conn:
         completed = lease.run_completed(conn, task_id, run)
     log_event(log, "task.completed" if completed else "task.skipped", **fields)
-    return {"task_id": str(task_id), "run": run,
-            "outcome": "completed" if completed else "skipped", "summary": summary}
+    return {
+        "task_id": str(task_id),
+        "run": run,
+        "outcome": "completed" if completed else "skipped",
+        "summary": summary,
+    }
 
 
 def _rejected(held: lease.Lease, exc: TaskRejected, fields: dict[str, Any]) -> dict[str, Any]:
@@ -103,13 +106,21 @@ def _rejected(held: lease.Lease, exc: TaskRejected, fields: dict[str, Any]) -> d
     if not written:
         log_event(log, "task.lease_lost", **fields)
         return {"task_id": str(held.task_id), "run": held.run, "outcome": "lease_lost"}
-    log_event(log, "task.failed", logging.WARNING, exhausted=True, error=type(exc).__name__,
-              reason=exc.message, **fields)
+    log_event(
+        log,
+        "task.failed",
+        logging.WARNING,
+        exhausted=True,
+        error=type(exc).__name__,
+        reason=exc.message,
+        **fields,
+    )
     raise exc
 
 
-def _failed_attempt(task: Task, held: lease.Lease, exc: Exception, settings: Settings,
-                    fields: dict[str, Any]) -> dict[str, Any]:
+def _failed_attempt(
+    task: Task, held: lease.Lease, exc: Exception, settings: Settings, fields: dict[str, Any]
+) -> dict[str, Any]:
     final = held.attempt >= settings.max_task_attempts
     delay = settings.retry_base_delay_s * 2 ** (held.attempt - 1)
     retry_at = datetime.now(UTC) + timedelta(seconds=delay)
@@ -117,22 +128,41 @@ def _failed_attempt(task: Task, held: lease.Lease, exc: Exception, settings: Set
     report_error: dict[str, str] = {}
     try:
         with get_engine().begin() as conn:
-            written = lease.report_failure(conn, held, final=final, message=message,
-                                           retry_at=retry_at)
+            written = lease.report_failure(
+                conn, held, final=final, message=message, retry_at=retry_at
+            )
     except Exception as report_exc:  # the ledger is unreachable: the queue still decides
         written, report_error = True, {"report_error": type(report_exc).__name__}
     if not written:
         log_event(log, "task.lease_lost", **fields)
         return {"task_id": str(held.task_id), "run": held.run, "outcome": "lease_lost"}
     if final:
-        log_event(log, "task.failed", logging.ERROR, exhausted=True,
-                  error=type(exc).__name__, **report_error, **fields)
+        log_event(
+            log,
+            "task.failed",
+            logging.ERROR,
+            exhausted=True,
+            error=type(exc).__name__,
+            **report_error,
+            **fields,
+        )
         raise TaskFailed(message) from None
-    log_event(log, "task.attempt_failed", logging.WARNING, error=type(exc).__name__,
-              exhausted=False, retry_in_s=delay, **report_error, **fields)
+    log_event(
+        log,
+        "task.attempt_failed",
+        logging.WARNING,
+        error=type(exc).__name__,
+        exhausted=False,
+        retry_in_s=delay,
+        **report_error,
+        **fields,
+    )
     with queueing.retry_marker(held.task_id, held.run):
-        raise task.retry(countdown=delay, max_retries=settings.max_task_attempts - 1,
-                         exc=TaskFailed(MSG_RETRYING))
+        raise task.retry(
+            countdown=delay,
+            max_retries=settings.max_task_attempts - 1,
+            exc=TaskFailed(MSG_RETRYING),
+        )
 
 
 def _progress_reporter(task: Task, held: lease.Lease) -> Callable[[int, int, int], None]:

@@ -14,6 +14,7 @@ end with LF; a cell starting with ``=``, ``+``, ``-`` or ``@`` gets a leading ``
 from __future__ import annotations
 
 import io
+import itertools
 import time
 import uuid
 from collections.abc import Iterator
@@ -39,7 +40,7 @@ MSG_OWNER_LEFT = "The task's creator is no longer a member of the team."
 MSG_NOT_STAFF = "A team export needs a staff member; the task's creator is no longer staff."
 MSG_TOO_MANY = "The export matches more than {limit} tickets; narrow the filters."
 
-_TS = "'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'"
+_TS = '\'YYYY-MM-DD"T"HH24:MI:SS"Z"\''
 CSV_COLUMNS = f"""id,
     CASE WHEN left(title, 1) IN ('=', '+', '-', '@') THEN '''' || title ELSE title END,
     status, priority, requester_id, assignee_id,
@@ -104,16 +105,22 @@ class TicketReader:
     def count_up_to(self, limit: int) -> int:
         self.cursor.execute(
             f"SELECT count(*) FROM (SELECT 1 FROM tickets WHERE {self.where} LIMIT %(lim)s) s",
-            {**self.params, "lim": limit})
-        return int(self.cursor.fetchone()[0])
+            {**self.params, "lim": limit},
+        )
+        row = self.cursor.fetchone()
+        assert row is not None
+        return int(row[0])
 
     def boundaries(self, batch_size: int) -> list[tuple[datetime, uuid.UUID]]:
         """The (created_at, id) key closing every full batch, in order."""
-        self.cursor.execute(f"""
+        self.cursor.execute(
+            f"""
             SELECT created_at, id FROM (
                 SELECT created_at, id, row_number() OVER (ORDER BY created_at, id) AS rn
                   FROM tickets WHERE {self.where}) s
-             WHERE rn %% %(batch)s = 0 ORDER BY rn""", {**self.params, "batch": batch_size})
+             WHERE rn %% %(batch)s = 0 ORDER BY rn""",
+            {**self.params, "batch": batch_size},
+        )
         return [(row[0], row[1]) for row in self.cursor.fetchall()]
 
     def batches(self, batch_size: int, total: int) -> Iterator[str]:
@@ -121,7 +128,7 @@ class TicketReader:
         keys: list[Any] = [None, *self.boundaries(batch_size)]
         if total % batch_size:
             keys.append(None)
-        for low, high in zip(keys, keys[1:], strict=False):
+        for low, high in itertools.pairwise(keys):
             yield self._render(low, high)
 
     def _render(self, low: Any, high: Any) -> str:
@@ -133,7 +140,8 @@ class TicketReader:
             where += " AND (created_at, id) <= (%(hi_at)s, %(hi_id)s)"
             params.update(hi_at=high[0], hi_id=high[1])
         query = self.cursor.mogrify(
-            f"SELECT {CSV_COLUMNS} FROM tickets WHERE {where} ORDER BY created_at, id", params)
+            f"SELECT {CSV_COLUMNS} FROM tickets WHERE {where} ORDER BY created_at, id", params
+        )
         out = io.StringIO()
         self.cursor.copy_expert(f"COPY ({query.decode()}) TO STDOUT WITH (FORMAT csv)", out)
         return out.getvalue()
@@ -153,8 +161,9 @@ def run_export(ctx: Context) -> str:
         with conn.begin():
             conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
             conn.execute(text(f"SET LOCAL statement_timeout = '{READ_BUDGET_S}s'"))
-            conn.execute(text(f"SET LOCAL idle_in_transaction_session_timeout = "
-                              f"'{READ_BUDGET_S}s'"))
+            conn.execute(
+                text(f"SET LOCAL idle_in_transaction_session_timeout = '{READ_BUDGET_S}s'")
+            )
             reader = TicketReader(conn, where, params)
             total = reader.count_up_to(limit + 1)
             if total > limit:

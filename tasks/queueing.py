@@ -93,8 +93,9 @@ def publish(app: Celery, task_id: uuid.UUID, run: int, kind: str) -> None:
     client = marker_redis()
     client.set(key, "1", ex=MARKER_TTL_S)
     try:
-        app.send_task(name, args=[str(task_id), run], task_id=message_id(task_id, run),
-                      queue=QUEUE_OF[name])
+        app.send_task(
+            name, args=[str(task_id), run], task_id=message_id(task_id, run), queue=QUEUE_OF[name]
+        )
     except BaseException:
         client.delete(key)
         raise

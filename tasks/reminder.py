@@ -28,8 +28,9 @@ NOTIFICATION_KIND = "TICKET_REMINDER"
 MSG_OWNER_LEFT = "The reminder's creator is no longer a member of the team."
 MSG_BAD_TICKET = "The reminder does not name a ticket."
 
-TEAM_LOCK = text("SELECT pg_advisory_xact_lock(hashtextextended('teamdesk.reminder:' || "
-                 ":team_id, 0))")
+TEAM_LOCK = text(
+    "SELECT pg_advisory_xact_lock(hashtextextended('teamdesk.reminder:' || :team_id, 0))"
+)
 TICKET = text("""
     SELECT id, status, assignee_id FROM tickets
      WHERE id = :ticket_id AND team_id = :team_id FOR UPDATE
@@ -38,8 +39,9 @@ INSERT_NOTIFICATION = text("""
     INSERT INTO notifications (user_id, ticket_id, task_id, kind)
     VALUES (:user_id, :ticket_id, :task_id, :kind)
 """)
-BUMP_VERSION = text("UPDATE tickets SET version = version + 1, updated_at = now() "
-                    "WHERE id = :ticket_id")
+BUMP_VERSION = text(
+    "UPDATE tickets SET version = version + 1, updated_at = now() WHERE id = :ticket_id"
+)
 INSERT_EVENT = text("""
     INSERT INTO system_events (team_id, ticket_id, type, payload)
     VALUES (:team_id, :ticket_id, :type, CAST(:payload AS jsonb))
@@ -75,8 +77,9 @@ def run_reminder(ctx: Context) -> str:
         hooks.fire("reminder.after_lease_read", claim=claim)
         if role_of(conn, claim.team_id, claim.owner_id) is None:
             raise PermissionLost(MSG_OWNER_LEFT)
-        ticket = conn.execute(TICKET, {"ticket_id": ticket_id,
-                                       "team_id": claim.team_id}).one_or_none()
+        ticket = conn.execute(
+            TICKET, {"ticket_id": ticket_id, "team_id": claim.team_id}
+        ).one_or_none()
         reason = _why_not(conn, ctx, ticket)
         if reason is not None:
             lease.complete_in_transaction(conn, claim.lease, reason)
@@ -91,11 +94,27 @@ def run_reminder(ctx: Context) -> str:
 
 def _send(conn: Connection, ctx: Context, ticket_id: uuid.UUID, assignee: uuid.UUID) -> None:
     claim = ctx.claim
-    conn.execute(INSERT_NOTIFICATION, {"user_id": assignee, "ticket_id": ticket_id,
-                                       "task_id": claim.lease.task_id,
-                                       "kind": NOTIFICATION_KIND})
+    conn.execute(
+        INSERT_NOTIFICATION,
+        {
+            "user_id": assignee,
+            "ticket_id": ticket_id,
+            "task_id": claim.lease.task_id,
+            "kind": NOTIFICATION_KIND,
+        },
+    )
     conn.execute(BUMP_VERSION, {"ticket_id": ticket_id})
-    payload = {"task_id": str(claim.lease.task_id), "run": claim.lease.run,
-               "assignee_id": str(assignee)}
-    conn.execute(INSERT_EVENT, {"team_id": claim.team_id, "ticket_id": ticket_id,
-                                "type": EVENT_TYPE, "payload": json.dumps(payload)})
+    payload = {
+        "task_id": str(claim.lease.task_id),
+        "run": claim.lease.run,
+        "assignee_id": str(assignee),
+    }
+    conn.execute(
+        INSERT_EVENT,
+        {
+            "team_id": claim.team_id,
+            "ticket_id": ticket_id,
+            "type": EVENT_TYPE,
+            "payload": json.dumps(payload),
+        },
+    )

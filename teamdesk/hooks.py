@@ -34,12 +34,16 @@ def fire(point: str, **context: Any) -> None:
         hook(**context)
 
 
-@contextmanager
-def installed(point: str, hook: Hook) -> Iterator[None]:
+def install(point: str, hook: Hook) -> None:
     if point not in POINTS:
         raise ValueError(f"unknown hook point {point!r}")
     with _lock:
         _hooks.setdefault(point, []).append(hook)
+
+
+@contextmanager
+def installed(point: str, hook: Hook) -> Iterator[None]:
+    install(point, hook)
     try:
         yield
     finally:
@@ -47,3 +51,17 @@ def installed(point: str, hook: Hook) -> Iterator[None]:
             _hooks[point].remove(hook)
             if not _hooks[point]:
                 del _hooks[point]
+
+
+TEST_HOOKS_ENV = "TEAMDESK_TEST_HOOKS"
+
+
+def load_from_env() -> None:
+    """Test seam for subprocess workers: import the module named by TEAMDESK_TEST_HOOKS
+    (it installs its own hooks). Unset in production, where this does nothing."""
+    import importlib
+    import os
+
+    name = os.environ.get(TEST_HOOKS_ENV)
+    if name:
+        importlib.import_module(name)

@@ -124,7 +124,7 @@ class TeamdeskJsonFormatter(JsonFormatter):
 _configured_service: str | None = None
 
 
-class _JsonHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class _JsonHandler(logging.StreamHandler):
     """Ours, so a second setup replaces it and leaves other handlers (pytest's) alone."""
 
 

@@ -46,12 +46,15 @@ def export_task(engine: sa.Engine, world: World, rows: int = 1200) -> uuid.UUID:
 
 def rename_first_ticket(engine: sa.Engine, world: World, title: str) -> None:
     with engine.begin() as conn:
-        conn.execute(sa.text("UPDATE tickets SET title = :t WHERE team_id = :team AND "
-                             "title = 'Ticket 1'"), {"t": title, "team": world.team_id})
+        conn.execute(
+            sa.text("UPDATE tickets SET title = :t WHERE team_id = :team AND title = 'Ticket 1'"),
+            {"t": title, "team": world.team_id},
+        )
 
 
-def deliver_again_and_check_nothing_changes(engine: sa.Engine, app: Celery, events: EventLog,
-                                            task_id: uuid.UUID, kind: str) -> None:
+def deliver_again_and_check_nothing_changes(
+    engine: sa.Engine, app: Celery, events: EventLog, task_id: uuid.UUID, kind: str
+) -> None:
     before = task_row(engine, task_id)
     message = queueing.message_id(task_id, 0)
     ended = len(outcomes(events, message))
@@ -62,20 +65,32 @@ def deliver_again_and_check_nothing_changes(engine: sa.Engine, app: Celery, even
 
 
 @pytest.mark.parametrize("pause_at", ["export.after_read", "export.before_result_write"])
-def test_export_takeover_old_execution_cannot_commit(engine: sa.Engine, world: World,
-                                                     celery_app: Celery, pause_at: str,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_export_takeover_old_execution_cannot_commit(
+    engine: sa.Engine,
+    world: World,
+    celery_app: Celery,
+    pause_at: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     task_id = export_task(engine, world)
     message = queueing.message_id(task_id, 0)
     gate_a, gate_b = Gate("A paused"), Gate("B claimed")
     claims, second = nth_claim(2)
-    with (EventLog(celery_app) as events, running_worker(celery_app),
-          hooks.installed("task.claimed", gate_b.hook(when=second)),
-          hooks.installed(pause_at, gate_a.hook())):
+    with (
+        EventLog(celery_app) as events,
+        running_worker(celery_app),
+        hooks.installed("task.claimed", gate_b.hook(when=second)),
+        hooks.installed(pause_at, gate_a.hook()),
+    ):
         try:
             queueing.publish(celery_app, task_id, 0, "EXPORT")
             gate_a.wait_reached()
-            a_progress = len(events.of_type("task-progress", message))
+            # A parked before its first progress, or after all three batches' progress.
+            a_progress = 0 if pause_at == "export.after_read" else 3
+            wait_for(
+                lambda: len(events.of_type("task-progress", message)) == a_progress,
+                what="A's progress events",
+            )
             queueing.publish(celery_app, task_id, 0, "EXPORT")
             gate_b.wait_reached()
             snapshot = task_row(engine, task_id)
@@ -103,12 +118,16 @@ def test_export_takeover_old_execution_cannot_commit(engine: sa.Engine, world: W
         deliver_again_and_check_nothing_changes(engine, celery_app, events, task_id, "EXPORT")
 
 
-@pytest.mark.parametrize("late_error", [PermissionLost("late rejection"),
-                                        ConnectionError("network went away")])
-def test_late_error_of_old_execution_changes_nothing(engine: sa.Engine, world: World,
-                                                     make_app: Callable[..., Celery],
-                                                     late_error: Exception,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "late_error", [PermissionLost("late rejection"), ConnectionError("network went away")]
+)
+def test_late_error_of_old_execution_changes_nothing(
+    engine: sa.Engine,
+    world: World,
+    make_app: Callable[..., Celery],
+    late_error: Exception,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     app = make_app(retry_base_delay_s=0.05)
     task_id = export_task(engine, world)
     message = queueing.message_id(task_id, 0)
@@ -118,9 +137,12 @@ def test_late_error_of_old_execution_changes_nothing(engine: sa.Engine, world: W
     def fail_late(**_: object) -> None:
         raise late_error
 
-    with (EventLog(app) as events, running_worker(app),
-          hooks.installed("task.claimed", gate_b.hook(when=second)),
-          hooks.installed("export.after_read", gate_a.hook(then=fail_late))):
+    with (
+        EventLog(app) as events,
+        running_worker(app),
+        hooks.installed("task.claimed", gate_b.hook(when=second)),
+        hooks.installed("export.after_read", gate_a.hook(then=fail_late)),
+    ):
         try:
             queueing.publish(app, task_id, 0, "EXPORT")
             gate_a.wait_reached()
@@ -148,22 +170,27 @@ def test_late_error_of_old_execution_changes_nothing(engine: sa.Engine, world: W
 
 def reminder_task(engine: sa.Engine, world: World) -> tuple[uuid.UUID, uuid.UUID]:
     with engine.begin() as conn:
-        ticket = add_ticket(conn, world.team_id, world.customer_id, "Printer on fire",
-                            assignee_id=world.staff2_id)
+        ticket = add_ticket(
+            conn, world.team_id, world.customer_id, "Printer on fire", assignee_id=world.staff2_id
+        )
         task_id = service.create_reminder(conn, world.team_id, world.staff_id, ticket)
     return task_id, ticket
 
 
 def test_reminder_takeover_by_new_claim_rolls_old_transaction_back(
-        engine: sa.Engine, world: World, celery_app: Celery) -> None:
+    engine: sa.Engine, world: World, celery_app: Celery
+) -> None:
     task_id, ticket = reminder_task(engine, world)
     message = queueing.message_id(task_id, 0)
     before = side_effects(engine, ticket)
     gate_a, gate_b = Gate("A read its lease"), Gate("B claimed")
     _, second = nth_claim(2)
-    with (EventLog(celery_app) as events, running_worker(celery_app),
-          hooks.installed("task.claimed", gate_b.hook(when=second)),
-          hooks.installed("reminder.after_lease_read", gate_a.hook())):
+    with (
+        EventLog(celery_app) as events,
+        running_worker(celery_app),
+        hooks.installed("task.claimed", gate_b.hook(when=second)),
+        hooks.installed("reminder.after_lease_read", gate_a.hook()),
+    ):
         try:
             queueing.publish(celery_app, task_id, 0, "REMINDER")
             gate_a.wait_reached()
@@ -189,21 +216,30 @@ def test_reminder_takeover_by_new_claim_rolls_old_transaction_back(
 
 
 def test_reminder_lease_cleared_by_dispatcher_rolls_old_transaction_back(
-        engine: sa.Engine, world: World, celery_app: Celery) -> None:
+    engine: sa.Engine, world: World, celery_app: Celery
+) -> None:
     task_id, ticket = reminder_task(engine, world)
     message = queueing.message_id(task_id, 0)
     before = side_effects(engine, ticket)
     gate_a = Gate("A read its lease")
-    with (EventLog(celery_app) as events, running_worker(celery_app),
-          hooks.installed("reminder.after_lease_read", gate_a.hook())):
+    with (
+        EventLog(celery_app) as events,
+        running_worker(celery_app),
+        hooks.installed("reminder.after_lease_read", gate_a.hook()),
+    ):
         try:
             queueing.publish(celery_app, task_id, 0, "REMINDER")
             gate_a.wait_reached()
             age_task(engine, task_id, 3600)
             with engine.begin() as conn:
                 recovered = dispatch.recover_stale(
-                    conn, stale_before=datetime.now(UTC) - timedelta(seconds=120),
-                    live_members=[], use_heartbeats=False, max_recoveries=2, batch=10)
+                    conn,
+                    stale_before=datetime.now(UTC) - timedelta(seconds=120),
+                    live_members=[],
+                    use_heartbeats=False,
+                    max_recoveries=2,
+                    batch=10,
+                )
             assert [(r.task_id, r.status) for r in recovered] == [(task_id, "WAITING")]
             snapshot = task_row(engine, task_id)
             assert (snapshot["execution_id"], snapshot["recoveries"]) == (None, 1)
@@ -223,7 +259,8 @@ def test_reminder_lease_cleared_by_dispatcher_rolls_old_transaction_back(
 
 
 def test_reminder_failure_after_event_insert_rolls_back_and_second_attempt_is_the_only_result(
-        engine: sa.Engine, world: World, make_app: Callable[..., Celery]) -> None:
+    engine: sa.Engine, world: World, make_app: Callable[..., Celery]
+) -> None:
     app = make_app(retry_base_delay_s=0.1)
     task_id, ticket = reminder_task(engine, world)
     before = side_effects(engine, ticket)
@@ -236,9 +273,12 @@ def test_reminder_failure_after_event_insert_rolls_back_and_second_attempt_is_th
 
     gate_retry = Gate("second attempt claimed")
     _, second = nth_claim(2)
-    with (EventLog(app) as events, running_worker(app),
-          hooks.installed("reminder.after_event_insert", fail_once),
-          hooks.installed("task.claimed", gate_retry.hook(when=second))):
+    with (
+        EventLog(app) as events,
+        running_worker(app),
+        hooks.installed("reminder.after_event_insert", fail_once),
+        hooks.installed("task.claimed", gate_retry.hook(when=second)),
+    ):
         try:
             queueing.publish(app, task_id, 0, "REMINDER")
             gate_retry.wait_reached()

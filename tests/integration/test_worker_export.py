@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+
 import sqlalchemy as sa
 from celery import Celery
 from celery.result import AsyncResult
@@ -16,8 +17,9 @@ from tests.support.waiting import wait_for
 from tests.support.workers import EventLog, running_worker
 
 
-def test_export_completes_and_progress_reaches_flower(engine: sa.Engine, world: World,
-                                                      celery_app: Celery) -> None:
+def test_export_completes_and_progress_reaches_flower(
+    engine: sa.Engine, world: World, celery_app: Celery
+) -> None:
     with engine.begin() as conn:
         add_tickets(conn, world.team_id, world.customer_id, 1200)
         task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
@@ -28,18 +30,33 @@ def test_export_completes_and_progress_reaches_flower(engine: sa.Engine, world: 
         wait_for(lambda: events.of_type("task-succeeded", message), what="task-succeeded")
         progress = events.of_type("task-progress", message)
     row = task_row(engine, task_id)
-    assert (row["status"], row["progress"], row["attempts"], row["run"]) == (
-        "COMPLETED", 100, 1, 0)
+    assert (row["status"], row["progress"], row["attempts"], row["run"]) == ("COMPLETED", 100, 1, 0)
     assert row["result_summary"] == "1200 rows" and row["execution_id"] is None
     body = list(csv.reader(io.StringIO(row["result_csv"])))
-    assert body[0] == ["id", "title", "status", "priority", "requester_id", "assignee_id",
-                       "due_at", "created_at", "updated_at"]
+    assert body[0] == [
+        "id",
+        "title",
+        "status",
+        "priority",
+        "requester_id",
+        "assignee_id",
+        "due_at",
+        "created_at",
+        "updated_at",
+    ]
     assert [r[1] for r in body[1:]] == [f"Ticket {i}" for i in range(1, 1201)]
-    assert [e["result"] for e in progress] == ["41% (500/1200 rows)", "83% (1000/1200 rows)",
-                                               "99% (1200/1200 rows)"]
+    assert [e["result"] for e in progress] == [
+        "41% (500/1200 rows)",
+        "83% (1000/1200 rows)",
+        "99% (1200/1200 rows)",
+    ]
     assert [e["percent"] for e in progress] == [41, 83, 99]
     result = AsyncResult(message, app=celery_app)
     assert result.state == "SUCCESS"
-    assert result.result == {"task_id": str(task_id), "run": 0, "outcome": "completed",
-                             "summary": "1200 rows"}
+    assert result.result == {
+        "task_id": str(task_id),
+        "run": 0,
+        "outcome": "completed",
+        "summary": "1200 rows",
+    }
     assert not queueing.marker_present(task_id, 0)

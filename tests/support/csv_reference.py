@@ -28,14 +28,21 @@ def cell(value: Any) -> str:
     return text
 
 
-def expected_csv(engine: sa.Engine, team_id: uuid.UUID, owner_id: uuid.UUID, scope: str,
-                 filters: dict[str, Any]) -> str:
+def expected_csv(
+    engine: sa.Engine, team_id: uuid.UUID, owner_id: uuid.UUID, scope: str, filters: dict[str, Any]
+) -> str:
     with engine.connect() as conn:
-        rows = conn.execute(sa.text(
-            "SELECT id, title, status, priority, requester_id, assignee_id, due_at, created_at,"
-            " updated_at FROM tickets WHERE team_id = :t"), {"t": team_id}).all()
-    kept = sorted((r for r in rows if _matches(r, owner_id, scope, filters)),
-                  key=lambda r: (r.created_at, r.id))
+        rows = conn.execute(
+            sa.text(
+                "SELECT id, title, status, priority, requester_id, assignee_id, due_at, created_at,"
+                " updated_at FROM tickets WHERE team_id = :t"
+            ),
+            {"t": team_id},
+        ).all()
+    kept = sorted(
+        (r for r in rows if _matches(r, owner_id, scope, filters)),
+        key=lambda r: (r.created_at, r.id),
+    )
     lines = [HEADER] + [",".join(cell(v) for v in row) for row in kept]
     return "\n".join(lines) + "\n"
 

@@ -22,8 +22,9 @@ class Gate:
         self.released = threading.Event()
         self.context: dict[str, Any] = {}
 
-    def hook(self, when: Callable[..., bool] | None = None,
-             then: Callable[..., None] | None = None) -> Callable[..., None]:
+    def hook(
+        self, when: Callable[..., bool] | None = None, then: Callable[..., None] | None = None
+    ) -> Callable[..., None]:
         """A hook that parks the first execution matching ``when`` here, then runs ``then``
         in it; every other execution passes straight through."""
         taken = threading.Lock()

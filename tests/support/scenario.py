@@ -22,13 +22,19 @@ class SideEffects:
 
 def side_effects(engine: sa.Engine, ticket_id: uuid.UUID) -> SideEffects:
     with engine.connect() as conn:
-        notes = conn.execute(sa.text("SELECT count(*) FROM notifications WHERE ticket_id = :t"),
-                             {"t": ticket_id}).scalar_one()
-        events = conn.execute(sa.text("SELECT count(*) FROM system_events WHERE ticket_id = :t "
-                                      "AND type = 'ticket.reminder_sent'"),
-                              {"t": ticket_id}).scalar_one()
-        version = conn.execute(sa.text("SELECT version FROM tickets WHERE id = :t"),
-                               {"t": ticket_id}).scalar_one()
+        notes = conn.execute(
+            sa.text("SELECT count(*) FROM notifications WHERE ticket_id = :t"), {"t": ticket_id}
+        ).scalar_one()
+        events = conn.execute(
+            sa.text(
+                "SELECT count(*) FROM system_events WHERE ticket_id = :t "
+                "AND type = 'ticket.reminder_sent'"
+            ),
+            {"t": ticket_id},
+        ).scalar_one()
+        version = conn.execute(
+            sa.text("SELECT version FROM tickets WHERE id = :t"), {"t": ticket_id}
+        ).scalar_one()
     return SideEffects(int(notes), int(events), int(version))
 
 
@@ -37,10 +43,15 @@ def outcomes(events: EventLog, message: str) -> list[str]:
     return [str(e.get("result")) for e in events.of_type("task-succeeded", message)]
 
 
-def event_records(caplog: pytest.LogCaptureFixture, event: str,
-                  task_id: uuid.UUID | None = None) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if getattr(r, "event", None) == event
-            and (task_id is None or getattr(r, "task_id", None) == str(task_id))]
+def event_records(
+    caplog: pytest.LogCaptureFixture, event: str, task_id: uuid.UUID | None = None
+) -> list[logging.LogRecord]:
+    return [
+        r
+        for r in caplog.records
+        if getattr(r, "event", None) == event
+        and (task_id is None or getattr(r, "task_id", None) == str(task_id))
+    ]
 
 
 def field(record: logging.LogRecord, name: str) -> Any:

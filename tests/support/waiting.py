@@ -9,8 +9,9 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_for(probe: Callable[[], T], timeout: float = 20.0, interval: float = 0.02,
-             what: str = "condition") -> T:
+def wait_for(
+    probe: Callable[[], T], timeout: float = 20.0, interval: float = 0.02, what: str = "condition"
+) -> T:
     deadline = time.monotonic() + timeout
     while True:
         value = probe()

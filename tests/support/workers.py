@@ -13,12 +13,24 @@ from tasks.app import EXPORTS_QUEUE, REMINDERS_QUEUE
 
 
 @contextmanager
-def running_worker(app: Celery, *, pool: str = "threads", concurrency: int = 2,
-                   queues: tuple[str, ...] = (EXPORTS_QUEUE, REMINDERS_QUEUE),
-                   **kwargs: Any) -> Iterator[Any]:
-    with start_worker(app, pool=pool, concurrency=concurrency, perform_ping_check=False,
-                      queues=list(queues), loglevel="WARNING", shutdown_timeout=30,
-                      **kwargs) as worker:
+def running_worker(
+    app: Celery,
+    *,
+    pool: str = "threads",
+    concurrency: int = 2,
+    queues: tuple[str, ...] = (EXPORTS_QUEUE, REMINDERS_QUEUE),
+    **kwargs: Any,
+) -> Iterator[Any]:
+    with start_worker(
+        app,
+        pool=pool,
+        concurrency=concurrency,
+        perform_ping_check=False,
+        queues=list(queues),
+        loglevel="WARNING",
+        shutdown_timeout=30,
+        **kwargs,
+    ) as worker:
         yield worker
 
 
@@ -64,5 +76,8 @@ class EventLog:
 
     def of_type(self, type_: str, uuid: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
-            return [e for e in self.events if e.get("type") == type_
-                    and (uuid is None or e.get("uuid") == uuid)]
+            return [
+                e
+                for e in self.events
+                if e.get("type") == type_ and (uuid is None or e.get("uuid") == uuid)
+            ]

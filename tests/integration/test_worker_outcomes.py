@@ -1,0 +1,364 @@
+"""Outcomes through a real in-process worker: retry with backoff, rejection, exhaustion,
+manual retry, cancel while running, the CSV contract, reminders that have nothing to do."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+from celery.result import AsyncResult
+
+from ledger import service
+from ledger.filters import MSG_STATUS
+from tasks import queueing
+from teamdesk import hooks
+from tests.support.csv_reference import expected_csv
+from tests.support.factories import (
+    World,
+    add_ticket,
+    add_tickets,
+    insert_task,
+    set_role,
+    task_row,
+)
+from tests.support.gates import Gate
+from tests.support.scenario import event_records, field, outcomes, side_effects
+from tests.support.waiting import wait_for
+from tests.support.workers import EventLog, running_worker
+
+
+def run_to_end(
+    engine: sa.Engine, app: Celery, task_id: uuid.UUID, kind: str = "EXPORT", run: int = 0
+) -> dict[str, object]:
+    queueing.publish(app, task_id, run, kind)
+    wait_for(
+        lambda: task_row(engine, task_id)["status"] in ("COMPLETED", "FAILED"),
+        what="the task to end",
+    )
+    return task_row(engine, task_id)
+
+
+def create_export(
+    engine: sa.Engine,
+    world: World,
+    filters: dict[str, object] | None = None,
+    scope: str = "TEAM",
+    owner: uuid.UUID | None = None,
+) -> uuid.UUID:
+    with engine.begin() as conn:
+        return service.create_export(
+            conn, world.team_id, owner or world.staff_id, scope, filters or {}
+        )
+
+
+def test_transient_error_retries_once_after_backoff(
+    engine: sa.Engine,
+    world: World,
+    make_app: Callable[..., Celery],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    base = 0.5
+    app = make_app(retry_base_delay_s=base)
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 30)
+    task_id = create_export(engine, world)
+    failed_at: list[float] = []
+    claimed_at: list[float] = []
+
+    def fail_first_read(**_: object) -> None:
+        if not failed_at:
+            failed_at.append(time.monotonic())
+            raise ConnectionError("database connection reset")
+
+    with (
+        EventLog(app) as events,
+        running_worker(app),
+        hooks.installed("export.after_read", fail_first_read),
+        hooks.installed("task.claimed", lambda **_: claimed_at.append(time.monotonic())),
+    ):
+        row = run_to_end(engine, app, task_id)
+        message = queueing.message_id(task_id, 0)
+        wait_for(lambda: events.of_type("task-succeeded", message), what="task-succeeded")
+        retried = events.of_type("task-retried", message)
+    assert (row["status"], row["attempts"], row["last_error"], row["progress"]) == (
+        "COMPLETED",
+        2,
+        None,
+        100,
+    )
+    assert row["result_summary"] == "30 rows"
+    assert len(claimed_at) == 2 and len(retried) == 1
+    assert claimed_at[1] - failed_at[0] >= base
+    assert AsyncResult(message, app=app).state == "SUCCESS"
+    (attempt_failed,) = event_records(caplog, "task.attempt_failed", task_id)
+    assert (field(attempt_failed, "attempt"), field(attempt_failed, "exhausted")) == (1, False)
+    assert field(attempt_failed, "error") == "ConnectionError"
+    assert "database connection reset" not in caplog.text
+    assert len(event_records(caplog, "task.completed", task_id)) == 1
+    assert not queueing.marker_present(task_id, 0)
+
+
+def test_permanent_rejection_fails_at_once(
+    engine: sa.Engine, world: World, celery_app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    with engine.begin() as conn:  # bypasses create-time validation, as an old row would
+        task_id = insert_task(conn, world, filters={"status": ["SOLVED"]})
+    with EventLog(celery_app) as events, running_worker(celery_app):
+        row = run_to_end(engine, celery_app, task_id)
+        message = queueing.message_id(task_id, 0)
+        wait_for(lambda: events.of_type("task-failed", message), what="task-failed")
+        assert events.of_type("task-retried", message) == []
+    assert (row["status"], row["attempts"], row["last_error"]) == ("FAILED", 1, MSG_STATUS)
+    assert row["execution_id"] is None and row["result_csv"] is None
+    assert AsyncResult(message, app=celery_app).state == "FAILURE"
+    (failed,) = event_records(caplog, "task.failed", task_id)
+    assert field(failed, "exhausted") is True and field(failed, "attempt") == 1
+
+
+def test_permission_lost_before_run_is_a_rejection(
+    engine: sa.Engine, world: World, celery_app: Celery
+) -> None:
+    task_id = create_export(engine, world)
+    with engine.begin() as conn:
+        set_role(conn, world.team_id, world.staff_id, "CUSTOMER")
+    with running_worker(celery_app):
+        row = run_to_end(engine, celery_app, task_id)
+    assert (row["status"], row["attempts"]) == ("FAILED", 1)
+    assert row["last_error"] == (
+        "A team export needs a staff member; the task's creator is no longer staff."
+    )
+
+
+def test_exhausted_attempts_then_manual_retry_opens_run_1(
+    engine: sa.Engine,
+    world: World,
+    make_app: Callable[..., Celery],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = make_app(retry_base_delay_s=0.05)
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 3)
+    task_id = create_export(engine, world)
+
+    def always_fail(**_: object) -> None:
+        raise TimeoutError("upstream timed out")
+
+    with EventLog(app) as events, running_worker(app):
+        with hooks.installed("export.after_read", always_fail):
+            row = run_to_end(engine, app, task_id)
+        old = queueing.message_id(task_id, 0)
+        wait_for(lambda: events.of_type("task-failed", old), what="run 0 to end failed")
+        assert (row["status"], row["attempts"]) == ("FAILED", 3)
+        assert row["last_error"] == "The task failed after 3 attempts."
+        assert AsyncResult(old, app=app).state == "FAILURE"
+        assert len(events.of_type("task-retried", old)) == 2
+        exhausted = [field(r, "exhausted") for r in event_records(caplog, "task.failed", task_id)]
+        assert exhausted == [True]
+
+        with engine.begin() as conn:
+            assert service.retry(conn, task_id, world.staff_id) == 1
+        queueing.publish(app, task_id, 0, "EXPORT")  # a late message of the old run
+        wait_for(lambda: len(outcomes(events, old)) == 1, what="old message to be skipped")
+        assert "'outcome': 'skipped'" in outcomes(events, old)[0]
+        assert task_row(engine, task_id)["status"] == "WAITING"
+        row = run_to_end(engine, app, task_id, run=1)
+    assert (row["status"], row["run"], row["attempts"], row["last_error"]) == (
+        "COMPLETED",
+        1,
+        1,
+        None,
+    )
+    assert row["result_csv"] == expected_csv(engine, world.team_id, world.staff_id, "TEAM", {})
+    assert AsyncResult(queueing.message_id(task_id, 1), app=app).state == "SUCCESS"
+
+
+def test_cancel_while_running_stops_at_next_write(
+    engine: sa.Engine, world: World, celery_app: Celery
+) -> None:
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 20)
+    task_id = create_export(engine, world)
+    gate = Gate("after read")
+    with (
+        EventLog(celery_app) as events,
+        running_worker(celery_app),
+        hooks.installed("export.after_read", gate.hook()),
+    ):
+        try:
+            queueing.publish(celery_app, task_id, 0, "EXPORT")
+            gate.wait_reached()
+            with engine.begin() as conn:
+                service.cancel(conn, task_id, world.staff_id)
+            cancelled = task_row(engine, task_id)
+        finally:
+            gate.release()
+        message = queueing.message_id(task_id, 0)
+        wait_for(lambda: outcomes(events, message), what="the execution to stop")
+    assert "'outcome': 'lease_lost'" in outcomes(events, message)[0]
+    assert task_row(engine, task_id) == cancelled
+    assert (cancelled["status"], cancelled["result_csv"], cancelled["progress"]) == (
+        "CANCELLED",
+        None,
+        0,
+    )
+
+
+TRICKY_TITLES = [
+    ("Plain", "Plain"),
+    ("Comma, inside", '"Comma, inside"'),
+    ('Quote "here"', '"Quote ""here"""'),
+    ("Line\nbreak", '"Line\nbreak"'),
+    ("Carriage\rreturn", '"Carriage\rreturn"'),
+    ("Ünïcödé ✓ 日本語", "Ünïcödé ✓ 日本語"),
+    ("=SUM(A1:A9)", "'=SUM(A1:A9)"),
+    ("+1, call me", '"\'+1, call me"'),
+    ("-2", "'-2"),
+    ("@admin", "'@admin"),
+    ("", '""'),
+]
+
+
+def test_csv_body_is_exact(engine: sa.Engine, world: World, celery_app: Celery) -> None:
+    base = datetime(2026, 3, 1, 12, 0, 0, 987654, tzinfo=UTC)
+    ids = []
+    with engine.begin() as conn:
+        for i, (title, _) in enumerate(TRICKY_TITLES):
+            created = base.replace(minute=i)
+            ids.append(
+                add_ticket(
+                    conn,
+                    world.team_id,
+                    world.customer_id,
+                    title,
+                    status="PENDING",
+                    priority="HIGH",
+                    assignee_id=world.staff_id if i % 2 else None,
+                    created_at=created,
+                    due_at=datetime(2026, 4, 1, 23, 59, 59, tzinfo=UTC) if i == 0 else None,
+                )
+            )
+    task_id = create_export(engine, world)
+    with running_worker(celery_app):
+        row = run_to_end(engine, celery_app, task_id)
+    lines = ["id,title,status,priority,requester_id,assignee_id,due_at,created_at,updated_at"]
+    for i, (_, cell) in enumerate(TRICKY_TITLES):
+        assignee = str(world.staff_id) if i % 2 else ""
+        due = "2026-04-01T23:59:59Z" if i == 0 else ""
+        stamp = f"2026-03-01T12:{i:02d}:00Z"
+        lines.append(
+            f"{ids[i]},{cell},PENDING,HIGH,{world.customer_id},{assignee},{due},{stamp},{stamp}"
+        )
+    assert row["result_csv"] == "\n".join(lines) + "\n"
+    assert row["result_csv"] == expected_csv(engine, world.team_id, world.staff_id, "TEAM", {})
+    assert row["result_summary"] == f"{len(TRICKY_TITLES)} rows"
+
+
+def test_rows_with_equal_created_at_are_ordered_by_id(
+    engine: sa.Engine, world: World, make_app: Callable[..., Celery]
+) -> None:
+    app = make_app(export_batch_size=2)
+    same = datetime(2026, 2, 2, 8, 0, tzinfo=UTC)
+    with engine.begin() as conn:
+        ids = [
+            add_ticket(conn, world.team_id, world.customer_id, f"same {i}", created_at=same)
+            for i in range(5)
+        ]
+    task_id = create_export(engine, world)
+    with running_worker(app):
+        row = run_to_end(engine, app, task_id)
+    got = [line.split(",")[0] for line in str(row["result_csv"]).splitlines()[1:]]
+    assert got == [str(i) for i in sorted(ids)]
+
+
+@pytest.mark.parametrize(
+    ("scope", "filters"),
+    [
+        ("TEAM", {"status": ["OPEN", "PENDING"]}),
+        ("TEAM", {"priority": ["URGENT"], "q": "DISK"}),
+        ("TEAM", {"created_from": "2026-01-05", "created_to": "2026-01-05"}),
+        ("MINE", {}),
+        ("TEAM", {"assignee_id": "00000000-0000-0000-0000-000000000000"}),
+    ],
+)
+def test_filters_match_the_reference(
+    engine: sa.Engine, world: World, celery_app: Celery, scope: str, filters: dict[str, object]
+) -> None:
+    statuses = ["OPEN", "PENDING", "RESOLVED", "CLOSED"]
+    with engine.begin() as conn:
+        for i in range(40):
+            add_ticket(
+                conn,
+                world.team_id,
+                world.customer_id if i % 3 else world.staff_id,
+                f"{'Disk full' if i % 4 == 0 else 'Mail'} #{i}",
+                status=statuses[i % 4],
+                priority="URGENT" if i % 5 == 0 else "LOW",
+                assignee_id=world.staff_id if i % 7 == 0 else None,
+                created_at=datetime(2026, 1, 3 + i % 5, 23, 30, tzinfo=UTC),
+            )
+    task_id = create_export(engine, world, filters, scope)
+    with running_worker(celery_app):
+        row = run_to_end(engine, celery_app, task_id)
+    expected = expected_csv(engine, world.team_id, world.staff_id, scope, filters)
+    assert row["status"] == "COMPLETED" and row["result_csv"] == expected
+    assert row["result_summary"] == f"{len(expected.splitlines()) - 1} rows"
+
+
+def test_filters_matching_nothing_give_a_header_only_csv(
+    engine: sa.Engine, world: World, celery_app: Celery
+) -> None:
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 5)
+    task_id = create_export(engine, world, {"q": "no such title"})
+    with running_worker(celery_app):
+        row = run_to_end(engine, celery_app, task_id)
+    assert (row["status"], row["result_summary"], row["progress"]) == ("COMPLETED", "0 rows", 100)
+    assert row["result_csv"] == (
+        "id,title,status,priority,requester_id,assignee_id,due_at,created_at,updated_at\n"
+    )
+
+
+def test_over_the_row_limit_fails_with_the_fixed_message(
+    engine: sa.Engine, world: World, make_app: Callable[..., Celery]
+) -> None:
+    app = make_app(export_max_rows=5)
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 6)
+    task_id = create_export(engine, world)
+    with running_worker(app):
+        row = run_to_end(engine, app, task_id)
+    assert (row["status"], row["attempts"], row["result_csv"]) == ("FAILED", 1, None)
+    assert row["last_error"] == "The export matches more than 5 tickets; narrow the filters."
+
+
+@pytest.mark.parametrize(
+    ("case", "summary"),
+    [
+        ("resolved", "cancelled: the ticket is resolved"),
+        ("closed", "cancelled: the ticket is closed"),
+        ("unassigned", "cancelled: the ticket has no assignee"),
+        ("assignee_left", "cancelled: the assignee left the team"),
+    ],
+)
+def test_reminder_with_nothing_to_do_completes_without_side_effects(
+    engine: sa.Engine, world: World, celery_app: Celery, case: str, summary: str
+) -> None:
+    status = {"resolved": "RESOLVED", "closed": "CLOSED"}.get(case, "OPEN")
+    assignee = None if case == "unassigned" else world.staff2_id
+    with engine.begin() as conn:
+        ticket = add_ticket(
+            conn, world.team_id, world.customer_id, "Invoice", status=status, assignee_id=assignee
+        )
+        task_id = service.create_reminder(conn, world.team_id, world.staff_id, ticket)
+        if case == "assignee_left":
+            set_role(conn, world.team_id, world.staff2_id, None)
+    before = side_effects(engine, ticket)
+    with running_worker(celery_app):
+        row = run_to_end(engine, celery_app, task_id, "REMINDER")
+    assert (row["status"], row["result_summary"], row["progress"]) == ("COMPLETED", summary, 100)
+    assert side_effects(engine, ticket) == before

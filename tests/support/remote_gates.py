@@ -1,0 +1,87 @@
+"""Gates across processes, through Redis lists: for real ``celery worker`` subprocesses.
+
+A worker started with ``TEAMDESK_TEST_HOOKS=tests.support.remote_gates`` and
+``TEAMDESK_TEST_GATES=export.after_read,...`` parks every execution reaching one of those
+points: it pushes a token to ``<prefix>:gate-reached:<point>`` and blocks on
+``<prefix>:gate-open:<point>`` until the test pushes a release token. The wait is bounded
+(TEAMDESK_TEST_GATE_TIMEOUT_S, default 60 s) so a forgotten gate cannot hang a worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+
+from teamdesk import hooks
+
+GATES_ENV = "TEAMDESK_TEST_GATES"
+TIMEOUT_ENV = "TEAMDESK_TEST_GATE_TIMEOUT_S"
+
+
+def reached_key(prefix: str, point: str) -> str:
+    return f"{prefix}:gate-reached:{point}"
+
+
+def open_key(prefix: str, point: str) -> str:
+    return f"{prefix}:gate-open:{point}"
+
+
+def _describe(context: dict[str, Any]) -> str:
+    claim = context.get("claim")
+    info: dict[str, Any] = {"pid": os.getpid(), "at": time.time()}
+    if claim is not None:
+        info.update(
+            task_id=str(claim.lease.task_id),
+            run=claim.lease.run,
+            execution_id=str(claim.lease.execution_id),
+        )
+    for key in ("done", "total"):
+        if key in context:
+            info[key] = context[key]
+    return json.dumps(info)
+
+
+def _install_from_env() -> None:
+    points = [p for p in os.environ.get(GATES_ENV, "").split(",") if p]
+    if not points:
+        return
+    prefix = os.environ.get("QUEUE_PREFIX", "teamdesk")
+    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    timeout = float(os.environ.get(TIMEOUT_ENV, "60"))
+
+    for point in points:
+
+        def park(point: str = point, **context: Any) -> None:
+            client = redis.Redis.from_url(url)
+            try:
+                client.rpush(reached_key(prefix, point), _describe(context))
+                if client.blpop([open_key(prefix, point)], timeout=timeout) is None:
+                    raise TimeoutError(f"remote gate {point} was never released")
+            finally:
+                client.close()
+
+        hooks.install(point, park)
+
+
+class RemoteGate:
+    """The test's side of one gate point."""
+
+    def __init__(self, client: redis.Redis, prefix: str, point: str) -> None:
+        self.client, self.prefix, self.point = client, prefix, point
+
+    def wait_reached(self, timeout: float = 30) -> dict[str, Any]:
+        got = self.client.blpop([reached_key(self.prefix, self.point)], timeout=timeout)
+        if got is None:
+            raise AssertionError(f"remote gate {self.point} was never reached")
+        return dict(json.loads(got[1]))
+
+    def release(self, times: int = 1) -> None:
+        for _ in range(times):
+            self.client.rpush(open_key(self.prefix, self.point), "go")
+
+
+_install_from_env()

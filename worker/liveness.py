@@ -1,0 +1,156 @@
+"""A worker process's liveness in Redis: its heartbeat member and its messages' visibility.
+
+Mechanism: a worker bootstep whose timer runs in the worker's MainProcess. A beat-scheduled
+task on a kombu Broadcast queue was tried for heartbeats and ran zero times on the Redis
+transport (Celery does not declare the fanout exchange when sending, so the message went
+to lists nobody reads); a beat task would also stop when beat stops, which says nothing
+about the workers. A timer in each worker's own main process renews exactly that
+process's member, needs neither beat nor the broker, and is stopped by the worker's own
+shutdown.
+
+Two things are renewed on every tick (about a quarter of ``HEARTBEAT_TTL_S``):
+
+- the heartbeat member (``dispatcher.heartbeat``), only after proving PostgreSQL answers
+  (the renewal itself proves Redis) and never once shutdown began;
+- the visibility of this process's in-flight messages (Redis broker only). kombu keeps a
+  delivered, unacknowledged message in ``unacked_index`` scored by its delivery time and
+  hands it to another consumer once that is older than ``visibility_timeout``. We set the
+  visibility timeout to ``STALE_AFTER_S`` and move the score of every message this process
+  holds to "now" on each tick, like a lock renewal: a live worker keeps its messages for
+  as long as it works on them, a dead or frozen one loses them after ``STALE_AFTER_S``
+  and another worker takes the run over under a new lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import psycopg2
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from dispatcher.heartbeat import Heartbeat
+from tasks import queueing
+from teamdesk.config import Settings
+from teamdesk.logs import log_event
+
+log = logging.getLogger("teamdesk.worker")
+
+UNACKED_INDEX = "unacked_index"  # kombu's default transport option unacked_index_key
+PING_TIMEOUT_S = 2
+
+
+def renew_interval_s(settings: Settings) -> float:
+    return max(0.1, min(settings.heartbeat_ttl_s, settings.stale_after_s) / 4)
+
+
+def short_redis(url: str, timeout_s: float = 1.0) -> redis.Redis:
+    """A client that fails fast: the renewal runs on the worker's timer."""
+    return redis.Redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+    )
+
+
+def ping_database(database_url: str) -> None:
+    """Prove PostgreSQL answers with a short-lived connection (no pool crosses a fork)."""
+    conn = psycopg2.connect(
+        database_url.replace("postgresql+psycopg2://", "postgresql://"),
+        connect_timeout=PING_TIMEOUT_S,
+        options=f"-c statement_timeout={PING_TIMEOUT_S * 1000}",
+    )
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT 1")
+    finally:
+        conn.close()
+
+
+class Liveness:
+    """What the timer renews for one worker process."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        delivery_tags: Callable[[], Iterable[str]],
+        renew_visibility: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.client = short_redis(settings.redis_url)
+        self.heartbeat = Heartbeat(
+            self.client,
+            settings.queue_prefix,
+            settings.worker_instance_id,
+            settings.heartbeat_ttl_s,
+        )
+        self.delivery_tags = delivery_tags
+        broker_is_redis = settings.broker_url.startswith(("redis://", "rediss://", "unix://"))
+        self.broker = short_redis(settings.broker_url) if broker_is_redis else None
+        self.renew_visibility = renew_visibility and self.broker is not None
+        self._failing = False
+        self._lock = threading.Lock()
+
+    @property
+    def member(self) -> str:
+        return self.heartbeat.member
+
+    def tick(self) -> None:
+        """One renewal; errors are logged (once per outage) and never raised to the timer."""
+        with self._lock:
+            try:
+                self.keep_messages()
+                if not self.heartbeat.stopping:
+                    self.heartbeat.renew_if_healthy(
+                        lambda: ping_database(self.settings.database_url)
+                    )
+            except Exception as exc:
+                if not self._failing:
+                    log_event(log, "heartbeat.failed", logging.WARNING, error=type(exc).__name__)
+                self._failing = True
+            else:
+                self._failing = False
+
+    def keep_messages(self) -> None:
+        """Move this process's unacknowledged messages' delivery time to now."""
+        if not self.renew_visibility or self.broker is None:
+            return
+        tags = list(self.delivery_tags())
+        if tags:
+            key = f"{self.settings.queue_prefix}:{UNACKED_INDEX}"
+            now = time.time()
+            self.broker.zadd(key, dict.fromkeys(tags, now), xx=True)
+
+    def stop(self) -> None:
+        """Remove only this process's member; later renewals cannot re-register it."""
+        with self._lock:
+            try:
+                self.heartbeat.remove()
+            except Exception as exc:
+                log_event(
+                    log,
+                    "heartbeat.failed",
+                    logging.WARNING,
+                    error=type(exc).__name__,
+                    stage="remove",
+                )
+
+
+def held_delivery_tags() -> list[str]:
+    """Delivery tags of the messages this worker has received and not yet acknowledged."""
+    from celery.worker import state
+
+    tags: list[str] = []
+    for request in list(state.active_requests) + list(state.reserved_requests):
+        message: Any = getattr(request, "message", None)
+        tag = getattr(message, "delivery_tag", None)
+        if tag:
+            tags.append(str(tag))
+    return tags
+
+
+def register_holder(liveness: Liveness) -> None:
+    queueing.set_lease_holder(liveness.member)
