@@ -30,6 +30,8 @@ from collections.abc import Callable
 
 import redis
 
+from teamdesk import hooks
+
 # A tombstone outlives any renewal that could still be in flight when the process stopped.
 TOMBSTONE_MIN_S = 60.0
 
@@ -115,6 +117,7 @@ class Heartbeat:
         """Register or extend the member; False once :meth:`remove` was called."""
         if self._stopping.is_set():
             return False
+        hooks.fire("heartbeat.before_renewal", member=self.member)
         return self._run_renewal()
 
     def renew_if_healthy(self, ping_db: Callable[[], None]) -> bool:

@@ -31,13 +31,17 @@ class RunRef:
 
 # Guard: still RUNNING, and silent (no ledger write since stale_before) or held by a
 # process whose heartbeat member is gone. Past max_recoveries the run FAILS instead.
+# The heartbeat rule only covers rows last written before ``holders_seen_at`` (the
+# database's clock when the caller read the live members): a process that registered
+# and claimed after that read is missing from the members read, not dead.
 RECOVER_STALE = text("""
     WITH silent AS (
         SELECT id FROM background_tasks
          WHERE status = 'RUNNING'
            AND (updated_at < :stale_before
                 OR (:use_heartbeats AND lease_holder IS NOT NULL
-                    AND lease_holder <> ALL(:live_members)))
+                    AND lease_holder <> ALL(:live_members)
+                    AND updated_at < COALESCE(:holders_seen_at, now())))
          ORDER BY updated_at
          LIMIT :batch
            FOR UPDATE SKIP LOCKED
@@ -112,19 +116,58 @@ PURGE_EXPIRED = text("""
 """)
 
 
+DATABASE_NOW = text("SELECT clock_timestamp()")
+
+# Bounds every statement of the caller's transaction (a scan must not hang on a lock
+# or a stuck server); it ends with the transaction.
+LIMIT_STATEMENT_TIME = text("SELECT set_config('statement_timeout', :ms, true)")
+
+
+def database_now(conn: Connection) -> datetime:
+    """The database's clock now (the clock ``updated_at`` is written with)."""
+    value: datetime = conn.execute(DATABASE_NOW).scalar_one()
+    return value
+
+
+def limit_statement_time(conn: Connection, seconds: float) -> None:
+    conn.execute(LIMIT_STATEMENT_TIME, {"ms": str(round(seconds * 1000))})
+
+
 def _refs(rows: Iterable[object]) -> list[RunRef]:
-    return [RunRef(row.id, row.run, row.kind, getattr(row, "status", "WAITING"))  # type: ignore[attr-defined]
-            for row in rows]
+    return [
+        RunRef(row.id, row.run, row.kind, getattr(row, "status", "WAITING"))  # type: ignore[attr-defined]
+        for row in rows
+    ]
 
 
-def recover_stale(conn: Connection, *, stale_before: datetime, live_members: Collection[str],
-                  use_heartbeats: bool, max_recoveries: int, batch: int) -> list[RunRef]:
-    """Take silent RUNNING rows back to WAITING (or FAILED past ``max_recoveries``)."""
-    rows = conn.execute(RECOVER_STALE, {
-        "stale_before": stale_before, "use_heartbeats": use_heartbeats,
-        "live_members": list(live_members), "max_recoveries": max_recoveries, "batch": batch,
-        "too_many": MSG_TOO_MANY_RECOVERIES,
-    })
+def recover_stale(
+    conn: Connection,
+    *,
+    stale_before: datetime,
+    live_members: Collection[str],
+    use_heartbeats: bool,
+    max_recoveries: int,
+    batch: int,
+    holders_seen_at: datetime | None = None,
+) -> list[RunRef]:
+    """Take silent RUNNING rows back to WAITING (or FAILED past ``max_recoveries``).
+
+    ``holders_seen_at``: the database's clock just before ``live_members`` was read
+    (:func:`database_now`); None means this transaction's start, which is right when the
+    members were read inside this transaction.
+    """
+    rows = conn.execute(
+        RECOVER_STALE,
+        {
+            "stale_before": stale_before,
+            "use_heartbeats": use_heartbeats,
+            "live_members": list(live_members),
+            "max_recoveries": max_recoveries,
+            "batch": batch,
+            "too_many": MSG_TOO_MANY_RECOVERIES,
+            "holders_seen_at": holders_seen_at,
+        },
+    )
     return _refs(rows)
 
 
@@ -133,8 +176,9 @@ def lock_due(conn: Connection, *, now: datetime, batch: int) -> list[RunRef]:
 
 
 def reconcile_failed(conn: Connection, ref: RunRef) -> bool:
-    result = conn.execute(RECONCILE_FAILED, {"task_id": ref.task_id, "run": ref.run,
-                                             "message": MSG_QUEUE_FAILED})
+    result = conn.execute(
+        RECONCILE_FAILED, {"task_id": ref.task_id, "run": ref.run, "message": MSG_QUEUE_FAILED}
+    )
     return result.rowcount == 1
 
 
@@ -144,8 +188,9 @@ def mark_dispatched(conn: Connection, ref: RunRef, now: datetime) -> bool:
 
 
 def clear_dispatched(conn: Connection, ref: RunRef, stamp: datetime) -> bool:
-    result = conn.execute(CLEAR_DISPATCHED, {"task_id": ref.task_id, "run": ref.run,
-                                             "stamp": stamp})
+    result = conn.execute(
+        CLEAR_DISPATCHED, {"task_id": ref.task_id, "run": ref.run, "stamp": stamp}
+    )
     return result.rowcount == 1
 
 
@@ -154,8 +199,9 @@ def lock_published_before(conn: Connection, *, before: datetime, batch: int) -> 
 
 
 def mark_redispatched(conn: Connection, ref: RunRef, *, now: datetime, before: datetime) -> bool:
-    result = conn.execute(MARK_REDISPATCHED, {"task_id": ref.task_id, "run": ref.run,
-                                              "now": now, "before": before})
+    result = conn.execute(
+        MARK_REDISPATCHED, {"task_id": ref.task_id, "run": ref.run, "now": now, "before": before}
+    )
     return result.rowcount == 1
 
 

@@ -7,7 +7,7 @@ from typing import Any
 from celery import Celery, Task
 
 from ledger.errors import TaskRejected
-from tasks.app import EXPORT_TASK, REMINDER_TASK
+from tasks.celery_app import EXPORT_TASK, REMINDER_TASK
 from tasks.execution import TaskFailed, execute
 from tasks.export import run_export
 from tasks.reminder import run_reminder

@@ -66,9 +66,11 @@ def execute(task: Task, task_id_text: str, run: int, body: Body) -> dict[str, An
     settings = get_settings()
     task_id = uuid.UUID(task_id_text)
     attempt = int(task.request.retries or 0) + 1
-    queueing.message_started(task_id, run)
     with get_engine().begin() as conn:
         claimed = lease.claim(conn, task_id, run, attempt, queueing.lease_holder())
+    # After the claim: until it committed the row still says WAITING, and a scan that saw
+    # no marker then would publish a duplicate that takes the lease over.
+    queueing.message_started(task_id, run)
     if claimed is None:
         log_event(log, "task.skipped", **_fields(task_id, run, attempt, reason="not claimable"))
         return {"task_id": task_id_text, "run": run, "outcome": "skipped"}

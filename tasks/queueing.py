@@ -20,7 +20,7 @@ import redis
 from celery import Celery, Task
 from celery.exceptions import Retry
 
-from tasks.app import QUEUE_OF, TASK_OF_KIND
+from tasks.celery_app import QUEUE_OF, TASK_OF_KIND
 from teamdesk.config import get_settings
 
 log = logging.getLogger("teamdesk.queue")

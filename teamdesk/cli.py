@@ -37,6 +37,12 @@ def cmd_health(args: argparse.Namespace) -> int:
     return health_command(settings_or_exit(), args.scope)
 
 
+def cmd_scan(args: argparse.Namespace) -> int:
+    from dispatcher.command import scan_command
+
+    return scan_command(settings_or_exit(), as_json=args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="teamdesk-tasks",
@@ -65,6 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="heartbeat scope to check (default: WORKER_INSTANCE_ID, else the hostname)",
     )
     health.set_defaults(handler=cmd_health)
+    scan = sub.add_parser(
+        "scan",
+        help="run one dispatcher scan now and print what it did",
+        description="Run the dispatcher scan once (what beat runs every SCAN_INTERVAL_S): "
+        "recover silent runs, fail runs whose queue message failed, publish due runs, "
+        "re-publish lost messages, purge expired CSVs. Prints one line (or one JSON object "
+        "with --json) and exits 0; exits 1 when PostgreSQL or Redis cannot be reached. "
+        "Safe to run while beat is running.",
+    )
+    scan.add_argument("--json", action="store_true", help="print the counts as one JSON object")
+    scan.set_defaults(handler=cmd_scan)
     return parser
 
 

@@ -25,6 +25,8 @@ POINTS = frozenset(
         "export.before_result_write",  # the final permission check passed
         "reminder.after_lease_read",  # inside the transaction, lease seen, nothing written
         "reminder.after_event_insert",  # side effects written, completion not yet
+        "queue.failure_callback",  # Celery's task_failure signal, before it logs
+        "heartbeat.before_renewal",  # checked it is not stopping; the Lua call not yet sent
     }
 )
 

@@ -139,6 +139,7 @@ def setup_logging(service: str, level: str = "info", stream: Any = None) -> None
     handler.setFormatter(TeamdeskJsonFormatter(service))
     root.addHandler(handler)
     root.setLevel(LEVELS[level])
+    logging.captureWarnings(True)  # Python warnings become JSON lines too
     # Libraries chatter at INFO (kombu connections, amqp heartbeats); keep them at WARNING
     # unless the operator asked for debug or trace.
     quiet = logging.WARNING if LEVELS[level] > logging.DEBUG else LEVELS[level]

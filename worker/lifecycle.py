@@ -1,23 +1,196 @@
-"""Worker process lifecycle: start/stop logs and fork safety (SPEC §10-11)."""
+"""Worker process lifecycle: start, deploy-safe stop within a budget, exit codes (SPEC §10-11).
+
+What Celery 5.7 gives, and what this adds:
+
+- SIGTERM / SIGINT start Celery's *warm* shutdown: the consumer stops taking messages,
+  prefetched messages that never started go back to the queue, running tasks finish with
+  their connections and are acknowledged. Celery leaves it unbounded on purpose.
+- SIGQUIT (or a second SIGINT) is Celery's *cold* shutdown: running tasks are cancelled
+  (prefork children killed) and, with late acknowledgement, their messages are restored
+  to the queue. ``worker_soft_shutdown_timeout`` only adds a fixed sleep before the cold
+  path cancels work; it does not bound a warm shutdown, so we leave it at 0.
+
+Added here, on ``worker_shutting_down`` (Celery sends it from the MainProcess signal
+handler, before the shutdown proceeds):
+
+1. log ``worker.stopping`` and remove this process's heartbeat member first, so the
+   dispatcher stops counting on it at once;
+2. keep renewing the visibility of the messages still running (the worker's own timer
+   stops with the consumer), so no other worker takes a draining task over;
+3. arm the ``SHUTDOWN_TIMEOUT_S`` budget: past it, log ``worker.shutdown_timeout`` and
+   send ourselves SIGQUIT (Celery's cold path), which cancels the tasks without writing
+   the ledger and restores their messages; the new holder's lease makes any late commit
+   of the old execution impossible. A last guard ends the process if even that hangs.
+
+On ``worker_shutdown`` the exit code becomes 1 whenever the drain did not end cleanly
+(budget exceeded, an operator's cold shutdown during the drain, or Celery's own failure
+exit code), so a failure during drain is never masked by a final exit 0; then the
+database pool is closed and ``worker.stopped`` logged.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
 from typing import Any
 
 from celery import signals
 
 from teamdesk import db
+from teamdesk.config import get_settings
 from teamdesk.logs import log_event
 
 log = logging.getLogger("teamdesk.worker")
 
+HARD_EXIT_AFTER_S = 10.0  # after the cold shutdown was requested, if the process still lives
+
+
+class Drain:
+    """This process's stop: when it began, whether it ended cleanly."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.finished = threading.Event()
+        self.escalated = threading.Event()
+        self.cold_during_drain = False
+        self.crashed = False  # Celery logged an unrecoverable error
+        self._timers: list[threading.Timer] = []
+
+    def begin(self, signal_name: str | None) -> None:
+        from worker.steps import current_liveness
+
+        self.started.set()
+        settings = get_settings()
+        log_event(log, "worker.stopping", signal=signal_name, budget_s=settings.shutdown_timeout_s)
+        liveness = current_liveness()
+        if liveness is not None:
+            liveness.stop()
+            threading.Thread(
+                target=self._keep_messages,
+                args=(liveness,),
+                name="teamdesk-drain-visibility",
+                daemon=True,
+            ).start()
+        self._arm(settings.shutdown_timeout_s, self._escalate)
+
+    def _keep_messages(self, liveness: Any) -> None:
+        from worker.liveness import renew_interval_s
+
+        interval = renew_interval_s(liveness.settings)
+        while not self.finished.wait(interval):
+            try:
+                liveness.keep_messages()
+            except Exception as exc:  # keep trying until the drain ends
+                log_event(
+                    log,
+                    "heartbeat.failed",
+                    logging.WARNING,
+                    error=type(exc).__name__,
+                    stage="drain",
+                )
+
+    def _arm(self, delay: float, action: Any) -> None:
+        timer = threading.Timer(delay, action)
+        timer.daemon = True
+        timer.start()
+        self._timers.append(timer)
+
+    def _escalate(self) -> None:
+        if self.finished.is_set():
+            return
+        self.escalated.set()
+        log_event(
+            log,
+            "worker.shutdown_timeout",
+            logging.ERROR,
+            budget_s=get_settings().shutdown_timeout_s,
+        )
+        self._arm(HARD_EXIT_AFTER_S, self._hard_exit)
+        os.kill(os.getpid(), signal.SIGQUIT)
+
+    def _hard_exit(self) -> None:
+        if not self.finished.is_set():
+            log_event(log, "worker.stopped", logging.CRITICAL, exit_code=1, forced=True)
+            logging.shutdown()
+            os._exit(1)
+
+    def end(self) -> None:
+        self.finished.set()
+        for timer in self._timers:
+            timer.cancel()
+
+    @property
+    def clean(self) -> bool:
+        return not (self.escalated.is_set() or self.cold_during_drain or self.crashed)
+
+
+class _CrashWatch(logging.Filter):
+    """Notices Celery's "Unrecoverable error" (it then stops the worker with exit code 1)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.CRITICAL:
+            _drain.crashed = True
+        return True
+
+
+def _say(message: str, *_: Any, **__: Any) -> None:
+    """Celery prints shutdown notices as plain text; route them through the JSON log."""
+    logging.getLogger("celery.apps.worker").info("%s", message.strip())
+
+
+_drain = Drain()
 _connected = False
 
 
+def _on_init(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    # The startup banner is plain text on stdout; worker.started carries its facts as JSON.
+    if instance is not None:
+        instance.quiet = True
+
+
 def _on_ready(sender: Any = None, **_: Any) -> None:
-    hostname = getattr(sender, "hostname", None)
-    log_event(log, "worker.started", hostname=hostname)
+    controller = getattr(sender, "controller", None)
+    pool = getattr(controller, "pool_cls", None)
+    pool_name = pool if isinstance(pool, str) else getattr(pool, "__module__", "")
+    try:
+        queues = sorted(sender.app.amqp.queues.consume_from)
+    except AttributeError:
+        queues = []
+    from worker.steps import current_liveness
+
+    liveness = current_liveness()
+    log_event(
+        log,
+        "worker.started",
+        hostname=getattr(sender, "hostname", None),
+        member=liveness.member if liveness is not None else None,
+        pool=str(pool_name).rsplit(".", 1)[-1],
+        concurrency=getattr(controller, "concurrency", None),
+        queues=queues,
+    )
+
+
+def _on_shutting_down(sig: str | None = None, how: str | None = None, **_: Any) -> None:
+    if how == "Warm" and not _drain.started.is_set():
+        _drain.begin(sig)
+    elif how == "Cold" and _drain.started.is_set() and not _drain.escalated.is_set():
+        _drain.cold_during_drain = True
+        log_event(log, "worker.stopping", logging.WARNING, signal=sig, cold=True)
+
+
+def _on_shutdown(sender: Any = None, **_: Any) -> None:
+    _drain.end()
+    if sender is not None and _drain.started.is_set():
+        # Celery gives a first SIGINT exit code 1 even when the drain ends cleanly; a
+        # deploy or Ctrl-C that finished its work exits 0, anything else exits 1.
+        sender.exitcode = 0 if _drain.clean else 1
+    elif sender is not None and _drain.crashed:
+        sender.exitcode = 1
+    code = getattr(sender, "exitcode", 0) or 0
+    db.reset_engine(dispose=True)
+    log_event(log, "worker.stopped", logging.ERROR if code else logging.INFO, exit_code=code)
 
 
 def _on_child_init(**_: Any) -> None:
@@ -34,7 +207,9 @@ def _on_task_failure(
     a time limit) so they are not silent."""
     from ledger.errors import TaskRejected
     from tasks.execution import TaskFailed
+    from teamdesk import hooks
 
+    hooks.fire("queue.failure_callback", task_id=task_id, exception=exception)
     if isinstance(exception, TaskRejected | TaskFailed):
         return
     task_part, _sep, run = (task_id or "").rpartition("-")
@@ -55,7 +230,14 @@ def connect() -> None:
     global _connected
     if _connected:
         return
+    import celery.apps.worker as celery_worker_program
+
+    celery_worker_program.safe_say = _say
+    logging.getLogger("celery.worker.worker").addFilter(_CrashWatch())
+    signals.celeryd_init.connect(_on_init, weak=False)
     signals.worker_ready.connect(_on_ready, weak=False)
+    signals.worker_shutting_down.connect(_on_shutting_down, weak=False)
+    signals.worker_shutdown.connect(_on_shutdown, weak=False)
     signals.worker_process_init.connect(_on_child_init, weak=False)
     signals.task_failure.connect(_on_task_failure, weak=False)
     _connected = True

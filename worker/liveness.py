@@ -92,7 +92,10 @@ class Liveness:
         self.broker = short_redis(settings.broker_url) if broker_is_redis else None
         self.renew_visibility = renew_visibility and self.broker is not None
         self._failing = False
-        self._lock = threading.Lock()
+        self._removed = False
+        # Re-entrant: stop() may run in a signal handler that interrupted tick() on the
+        # same (main) thread; the tombstone keeps that interleaving correct.
+        self._lock = threading.RLock()
 
     @property
     def member(self) -> str:
@@ -125,10 +128,14 @@ class Liveness:
             self.broker.zadd(key, dict.fromkeys(tags, now), xx=True)
 
     def stop(self) -> None:
-        """Remove only this process's member; later renewals cannot re-register it."""
+        """Remove only this process's member, once; later renewals cannot re-register it
+        (the heartbeat's tombstone refuses them), so there is nothing to remove again."""
         with self._lock:
+            if self._removed:
+                return
             try:
                 self.heartbeat.remove()
+                self._removed = True
             except Exception as exc:
                 log_event(
                     log,

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 
 from ledger import service
 from tasks import queueing
-from tasks.app import create_app
+from tasks.celery_app import create_app
 from teamdesk.config import Settings
 from tests.support.factories import World, add_tickets, task_row
 from tests.support.processes import Proc, celery_argv, cluster, free_port, settings_env, worker_argv

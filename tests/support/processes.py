@@ -136,7 +136,11 @@ def celery_argv(*args: str) -> list[str]:
 
 
 def worker_argv(
-    name: str, *, queues: str = "exports,reminders", concurrency: int = 2, pool: str = "prefork"
+    name: str,
+    *,
+    queues: str = "exports,reminders,maintenance",
+    concurrency: int = 2,
+    pool: str = "prefork",
 ) -> list[str]:
     return celery_argv(
         "worker",

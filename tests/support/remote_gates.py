@@ -39,7 +39,7 @@ def _describe(context: dict[str, Any]) -> str:
             run=claim.lease.run,
             execution_id=str(claim.lease.execution_id),
         )
-    for key in ("done", "total"):
+    for key in ("done", "total", "member"):
         if key in context:
             info[key] = context[key]
     return json.dumps(info)
@@ -59,8 +59,11 @@ def _install_from_env() -> None:
             client = redis.Redis.from_url(url)
             try:
                 client.rpush(reached_key(prefix, point), _describe(context))
-                if client.blpop([open_key(prefix, point)], timeout=timeout) is None:
-                    raise TimeoutError(f"remote gate {point} was never released")
+                # Short waits in a loop: the process keeps handling signals while parked.
+                deadline = time.monotonic() + timeout
+                while client.blpop([open_key(prefix, point)], timeout=0.1) is None:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"remote gate {point} was never released")
             finally:
                 client.close()
 
@@ -85,3 +88,21 @@ class RemoteGate:
 
 
 _install_from_env()
+
+
+def _log_sample_from_env() -> None:
+    """TEAMDESK_TEST_LOG_SAMPLE=1: log one line carrying secrets the way careless code
+    might (a URL with a password, an Authorization header), to prove the process's real
+    log setup redacts them."""
+    if not os.environ.get("TEAMDESK_TEST_LOG_SAMPLE"):
+        return
+    import logging
+
+    logging.getLogger("teamdesk.sample").warning(
+        "connecting to %s",
+        os.environ.get("DATABASE_URL", ""),
+        extra={"headers": {"Authorization": os.environ.get("TEAMDESK_TEST_AUTH_VALUE", "")}},
+    )
+
+
+_log_sample_from_env()

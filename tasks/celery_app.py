@@ -9,6 +9,7 @@ from typing import Any
 from celery import Celery, signals
 from kombu import Queue
 
+from beat_schedule import MAINTENANCE_QUEUE, PURGE_TASK, SCAN_TASK
 from teamdesk.config import Settings, get_settings
 from teamdesk.logs import setup_logging
 
@@ -16,7 +17,10 @@ EXPORT_TASK = "teamdesk.export"
 REMINDER_TASK = "teamdesk.reminder"
 EXPORTS_QUEUE = "exports"
 REMINDERS_QUEUE = "reminders"
+# The dispatcher's scan and purge go to MAINTENANCE_QUEUE: a backlog of exports must not
+# delay the scan that recovers them (every worker consumes all three queues by default).
 QUEUE_OF = {EXPORT_TASK: EXPORTS_QUEUE, REMINDER_TASK: REMINDERS_QUEUE}
+ROUTES = {**QUEUE_OF, SCAN_TASK: MAINTENANCE_QUEUE, PURGE_TASK: MAINTENANCE_QUEUE}
 TASK_OF_KIND = {"EXPORT": EXPORT_TASK, "REMINDER": REMINDER_TASK}
 
 RESULT_EXPIRES = timedelta(days=1)
@@ -61,9 +65,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_send_sent_event": True,
         "event_exchange": f"{settings.queue_prefix}.celeryev",
         "control_exchange": f"{settings.queue_prefix}.control",
-        "task_queues": (Queue(EXPORTS_QUEUE), Queue(REMINDERS_QUEUE)),
+        "task_queues": (Queue(EXPORTS_QUEUE), Queue(REMINDERS_QUEUE), Queue(MAINTENANCE_QUEUE)),
         "task_default_queue": EXPORTS_QUEUE,
-        "task_routes": {name: {"queue": queue} for name, queue in QUEUE_OF.items()},
+        "task_routes": {name: {"queue": queue} for name, queue in ROUTES.items()},
         "task_create_missing_queues": False,
         # We log in JSON ourselves (teamdesk.logs); Celery must not replace the handlers.
         "worker_hijack_root_logger": False,
@@ -77,17 +81,19 @@ def create_app(settings: Settings | None = None) -> Celery:
     settings = settings or get_settings()
     app = Celery("teamdesk", set_as_current=False)
     app.conf.update(celery_config(settings))
+    from beat_schedule import install as install_beat
     from tasks.definitions import register
     from worker import lifecycle
     from worker.steps import LivenessStep
 
     register(app, settings)
+    install_beat(app, settings)
     app.steps["worker"].add(LivenessStep)
     lifecycle.connect()
     return app
 
 
-def _service_name() -> str:
+def service_name() -> str:
     for name in ("worker", "beat", "flower"):
         if name in sys.argv:
             return name
@@ -97,4 +103,4 @@ def _service_name() -> str:
 @signals.setup_logging.connect
 def _json_logging(loglevel: Any = None, **_: Any) -> None:
     """Any receiver here stops Celery from configuring logging; we install our JSON setup."""
-    setup_logging(_service_name(), get_settings().log_level)
+    setup_logging(service_name(), get_settings().log_level)

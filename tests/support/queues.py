@@ -1,0 +1,49 @@
+"""Reading what the broker holds: the Redis lists of our queues and the queued markers."""
+
+from __future__ import annotations
+
+import json
+import socket
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+
+from tasks.celery_app import EXPORTS_QUEUE, REMINDERS_QUEUE
+
+
+def queue_key(prefix: str, queue: str) -> str:
+    """The kombu Redis list of ``queue`` (every broker key carries the global prefix)."""
+    return f"{prefix}:{queue}"
+
+
+def queued(client: redis.Redis, prefix: str, queue: str) -> list[dict[str, Any]]:
+    """The messages waiting in ``queue``, oldest first; each is kombu's JSON envelope."""
+    raw = client.lrange(queue_key(prefix, queue), 0, -1)
+    return [json.loads(item) for item in reversed(raw)]  # LPUSH + BRPOP: the tail is oldest
+
+
+def queued_ids(client: redis.Redis, prefix: str, queue: str) -> list[str]:
+    return [m["headers"]["id"] for m in queued(client, prefix, queue)]
+
+
+def all_task_messages(client: redis.Redis, prefix: str) -> dict[str, list[str]]:
+    return {q: queued_ids(client, prefix, q) for q in (EXPORTS_QUEUE, REMINDERS_QUEUE)}
+
+
+def markers(client: redis.Redis, prefix: str) -> set[str]:
+    """Message ids whose queued marker is set."""
+    head = f"{prefix}:queued:"
+    return {str(k)[len(head) :] for k in client.scan_iter(match=f"{head}*", count=1000)}
+
+
+def message_ids(rows: Iterable[tuple[uuid.UUID, int]]) -> list[str]:
+    return sorted(f"{task_id}-{run}" for task_id, run in rows)
+
+
+def closed_port() -> int:
+    """A local port nobody listens on (bound, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
