@@ -129,6 +129,7 @@ def _failed_attempt(
     message = MSG_EXHAUSTED.format(n=held.attempt) if final else MSG_RETRYING
     report_error: dict[str, str] = {}
     try:
+        hooks.fire("task.before_failure_report", lease=held, final=final)
         with get_engine().begin() as conn:
             written = lease.report_failure(
                 conn, held, final=final, message=message, retry_at=retry_at

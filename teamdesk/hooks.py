@@ -21,6 +21,7 @@ _lock = threading.Lock()
 POINTS = frozenset(
     {
         "task.claimed",  # after the claim committed
+        "task.before_failure_report",  # an attempt failed; the ledger not yet told
         "export.after_read",  # a batch was read, its progress not yet written
         "export.before_result_write",  # the final permission check passed
         "reminder.after_lease_read",  # inside the transaction, lease seen, nothing written
