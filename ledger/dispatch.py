@@ -36,7 +36,7 @@ class RunRef:
 # and claimed after that read is missing from the members read, not dead.
 RECOVER_STALE = text("""
     WITH silent AS (
-        SELECT id FROM background_tasks
+        SELECT id, execution_id FROM background_tasks
          WHERE status = 'RUNNING'
            AND (updated_at < :stale_before
                 OR (:use_heartbeats AND lease_holder IS NOT NULL
@@ -45,17 +45,22 @@ RECOVER_STALE = text("""
          ORDER BY updated_at
          LIMIT :batch
            FOR UPDATE SKIP LOCKED
+    ), recovered AS (
+        UPDATE background_tasks t
+           SET status = CASE WHEN t.recoveries >= :max_recoveries THEN 'FAILED' ELSE 'WAITING' END,
+               recoveries = CASE WHEN t.recoveries >= :max_recoveries THEN t.recoveries
+                                 ELSE t.recoveries + 1 END,
+               last_error = CASE WHEN t.recoveries >= :max_recoveries THEN :too_many
+                                 ELSE t.last_error END,
+               execution_id = NULL, lease_holder = NULL, dispatched_at = NULL, updated_at = now()
+          FROM silent
+         WHERE t.id = silent.id
+        RETURNING t.id, t.run, t.kind, t.status, silent.execution_id AS revoked
+    ), audit AS (
+        INSERT INTO task_audit (task_id, run, event, execution_id)
+        SELECT id, run, 'RECOVER', revoked FROM recovered
     )
-    UPDATE background_tasks t
-       SET status = CASE WHEN t.recoveries >= :max_recoveries THEN 'FAILED' ELSE 'WAITING' END,
-           recoveries = CASE WHEN t.recoveries >= :max_recoveries THEN t.recoveries
-                             ELSE t.recoveries + 1 END,
-           last_error = CASE WHEN t.recoveries >= :max_recoveries THEN :too_many
-                             ELSE t.last_error END,
-           execution_id = NULL, lease_holder = NULL, dispatched_at = NULL, updated_at = now()
-      FROM silent
-     WHERE t.id = silent.id
-    RETURNING t.id, t.run, t.kind, t.status
+    SELECT id, run, kind, status FROM recovered
 """).bindparams(bindparam("live_members", type_=ARRAY(TEXT)))
 
 # Rows due for their first publish of this run (partial index ix_background_tasks_due).
@@ -69,9 +74,15 @@ LOCK_DUE = text("""
 
 # Guard: the run is WAITING and unpublished; its queue message is known to have failed.
 RECONCILE_FAILED = text("""
-    UPDATE background_tasks
-       SET status = 'FAILED', last_error = :message, updated_at = now()
-     WHERE id = :task_id AND run = :run AND status = 'WAITING' AND dispatched_at IS NULL
+    WITH reconciled AS (
+        UPDATE background_tasks
+           SET status = 'FAILED', last_error = :message, updated_at = now()
+         WHERE id = :task_id AND run = :run AND status = 'WAITING' AND dispatched_at IS NULL
+        RETURNING id, run
+    ), audit AS (
+        INSERT INTO task_audit (task_id, run, event) SELECT id, run, 'RECONCILE' FROM reconciled
+    )
+    SELECT id FROM reconciled
 """)
 
 # Guard: the run is WAITING and unpublished (the caller holds the row lock).

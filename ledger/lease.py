@@ -24,15 +24,35 @@ from ledger.states import COMPLETED
 # The lease condition every write of a running execution carries.
 _LEASE = "id = :task_id AND run = :run AND execution_id = :execution_id AND status = 'RUNNING'"
 
+
+def _audited(update: str, event: str) -> str:
+    """``update`` (RETURNING id, run) plus its task_audit row, in one statement; the
+    statement returns one row per changed task, so its row count is the update's."""
+    return f"""
+    WITH changed AS ({update}
+        RETURNING id, run
+    ), audit AS (
+        INSERT INTO task_audit (task_id, run, event, execution_id)
+        SELECT id, run, {event}, CAST(:execution_id AS uuid) FROM changed
+    )
+    SELECT id FROM changed"""
+
+
 # Guard: the message's run is the ledger's run and the row is not finished.
 # A RUNNING row may be taken over: that is how a recovered or duplicate delivery
 # replaces a silent execution.
 CLAIM = text("""
-    UPDATE background_tasks
-       SET status = 'RUNNING', execution_id = :execution_id, lease_holder = :holder,
-           attempts = :attempt, progress = 0, updated_at = now()
-     WHERE id = :task_id AND run = :run AND status IN ('WAITING', 'RUNNING')
-    RETURNING kind, team_id, owner_id, scope, filters
+    WITH claimed AS (
+        UPDATE background_tasks
+           SET status = 'RUNNING', execution_id = :execution_id, lease_holder = :holder,
+               attempts = :attempt, progress = 0, updated_at = now()
+         WHERE id = :task_id AND run = :run AND status IN ('WAITING', 'RUNNING')
+        RETURNING id, run, kind, team_id, owner_id, scope, filters
+    ), audit AS (
+        INSERT INTO task_audit (task_id, run, event, execution_id)
+        SELECT id, run, 'CLAIM', :execution_id FROM claimed
+    )
+    SELECT kind, team_id, owner_id, scope, filters FROM claimed
 """)
 
 # Guard: the lease. Used before side effects, so a lost lease stops work early;
@@ -46,30 +66,42 @@ REPORT_PROGRESS = text(f"""
 """)
 
 # Guard: the lease. The CSV is kept 24 h from the commit.
-COMPLETE_EXPORT = text(f"""
-    UPDATE background_tasks
-       SET status = 'COMPLETED', progress = 100, result_csv = :csv,
-           result_summary = :summary, expires_at = now() + interval '24 hours',
-           execution_id = NULL, lease_holder = NULL, last_error = NULL, updated_at = now()
-     WHERE {_LEASE}
-""")
+COMPLETE_EXPORT = text(
+    _audited(
+        f"""
+        UPDATE background_tasks
+           SET status = 'COMPLETED', progress = 100, result_csv = :csv,
+               result_summary = :summary, expires_at = now() + interval '24 hours',
+               execution_id = NULL, lease_holder = NULL, last_error = NULL, updated_at = now()
+         WHERE {_LEASE}""",
+        "'COMPLETE'",
+    )
+)
 
 # Guard: the lease; the caller's transaction holds the side effects.
-COMPLETE = text(f"""
-    UPDATE background_tasks
-       SET status = 'COMPLETED', progress = 100, result_summary = :summary,
-           execution_id = NULL, lease_holder = NULL, last_error = NULL, updated_at = now()
-     WHERE {_LEASE}
-""")
+COMPLETE = text(
+    _audited(
+        f"""
+        UPDATE background_tasks
+           SET status = 'COMPLETED', progress = 100, result_summary = :summary,
+               execution_id = NULL, lease_holder = NULL, last_error = NULL, updated_at = now()
+         WHERE {_LEASE}""",
+        "'COMPLETE'",
+    )
+)
 
 # Guard: the lease. A WAITING row keeps dispatched_at = when its queue retry is due,
 # so the dispatcher neither publishes it again nor calls it lost before then.
-REPORT_FAILURE = text(f"""
-    UPDATE background_tasks
-       SET status = :status, last_error = :message, execution_id = NULL,
-           lease_holder = NULL, dispatched_at = :retry_at, updated_at = now()
-     WHERE {_LEASE}
-""")
+REPORT_FAILURE = text(
+    _audited(
+        f"""
+        UPDATE background_tasks
+           SET status = :status, last_error = :message, execution_id = NULL,
+               lease_holder = NULL, dispatched_at = :retry_at, updated_at = now()
+         WHERE {_LEASE}""",
+        "CASE WHEN :status = 'FAILED' THEN 'FAIL' ELSE 'WAIT' END",
+    )
+)
 
 READ_STATE = text("SELECT status, run FROM background_tasks WHERE id = :task_id")
 

@@ -180,6 +180,29 @@ system_events = sa.Table(
 )
 sa.Index("ix_system_events_ticket_id", system_events.c.ticket_id)
 
+AUDIT_EVENTS = ("CLAIM", "COMPLETE", "WAIT", "FAIL", "RECOVER", "RECONCILE", "CANCEL", "RETRY")
+
+# Append-only trail of every change of a task's lease or run, written by the same statement
+# as the change (a data-modifying CTE), so it commits or rolls back with it. It lets an
+# auditor prove that each completion was made by the execution holding the lease then.
+task_audit = sa.Table(
+    "task_audit",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(always=False), primary_key=True),
+    _fk("task_id", "background_tasks.id"),
+    sa.Column("run", sa.Integer, nullable=False),
+    sa.Column("event", sa.Text, nullable=False),
+    sa.Column("execution_id", UUID(as_uuid=True), nullable=True),
+    sa.Column(
+        "at",
+        sa.DateTime(timezone=True),
+        nullable=False,
+        server_default=sa.text("clock_timestamp()"),
+    ),
+    sa.CheckConstraint(_in("event", AUDIT_EVENTS), name="event"),
+)
+sa.Index("ix_task_audit_task_id", task_audit.c.task_id, task_audit.c.id)
+
 api_tokens = sa.Table(
     "api_tokens",
     metadata,

@@ -62,20 +62,36 @@ SELECT_CSV = text("SELECT result_csv, expires_at FROM background_tasks WHERE id 
 
 # Guard: only a finished-without-result run opens a new one (SPEC §6).
 RETRY = text("""
-    UPDATE background_tasks
-       SET run = run + 1, status = 'WAITING', progress = 0, attempts = 0, last_error = NULL,
-           execution_id = NULL, lease_holder = NULL, dispatched_at = NULL, result_csv = NULL,
-           result_summary = NULL, expires_at = NULL, recoveries = 0, run_at = now(),
-           updated_at = now()
-     WHERE id = :task_id AND status IN ('FAILED', 'CANCELLED')
-    RETURNING run
+    WITH reopened AS (
+        UPDATE background_tasks
+           SET run = run + 1, status = 'WAITING', progress = 0, attempts = 0, last_error = NULL,
+               execution_id = NULL, lease_holder = NULL, dispatched_at = NULL, result_csv = NULL,
+               result_summary = NULL, expires_at = NULL, recoveries = 0, run_at = now(),
+               updated_at = now()
+         WHERE id = :task_id AND status IN ('FAILED', 'CANCELLED')
+        RETURNING id, run
+    ), audit AS (
+        INSERT INTO task_audit (task_id, run, event) SELECT id, run, 'RETRY' FROM reopened
+    )
+    SELECT run FROM reopened
 """)
 
 # Guard: not finished. Clearing execution_id revokes a running execution's lease.
 CANCEL = text("""
-    UPDATE background_tasks
-       SET status = 'CANCELLED', execution_id = NULL, lease_holder = NULL, updated_at = now()
-     WHERE id = :task_id AND status IN ('WAITING', 'RUNNING')
+    WITH live AS (
+        SELECT id, run, execution_id FROM background_tasks
+         WHERE id = :task_id AND status IN ('WAITING', 'RUNNING')
+           FOR UPDATE
+    ), cancelled AS (
+        UPDATE background_tasks t
+           SET status = 'CANCELLED', execution_id = NULL, lease_holder = NULL, updated_at = now()
+          FROM live WHERE t.id = live.id
+        RETURNING t.id, t.run, live.execution_id AS revoked
+    ), audit AS (
+        INSERT INTO task_audit (task_id, run, event, execution_id)
+        SELECT id, run, 'CANCEL', revoked FROM cancelled
+    )
+    SELECT id FROM cancelled
 """)
 
 TICKET_IN_TEAM = text("SELECT 1 FROM tickets WHERE id = :ticket_id AND team_id = :team_id")

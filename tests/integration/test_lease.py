@@ -232,3 +232,49 @@ def test_two_claims_gated_between_read_and_commit_leave_one_lease(
         lease.complete_export(conn, leases[survivors[0]], "winner\r\n", "winner")
     done = task_row(engine, task_id)
     assert (done["status"], done["result_csv"]) == ("COMPLETED", "winner\r\n")
+
+
+def audit_events(engine: sa.Engine, task_id: uuid.UUID) -> list[tuple[str, uuid.UUID | None]]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT event, execution_id FROM task_audit WHERE task_id = :t ORDER BY id"),
+            {"t": task_id},
+        )
+        return [(r.event, r.execution_id) for r in rows]
+
+
+def test_audit_trail_records_every_lease_change(engine: sa.Engine, world: World) -> None:
+    from ledger import audit
+
+    task_id = insert_task_committed(engine, world)
+    old = claimed(engine, task_id)
+    new = claimed(engine, task_id, holder="host/b")
+    with pytest.raises(LeaseLost), engine.begin() as conn:
+        lease.complete_export(conn, old, "x", "old")
+    with engine.begin() as conn:
+        assert lease.report_failure(conn, old, final=True, message="late") is False
+        lease.complete_export(conn, new, "id\n", "new")
+    assert audit_events(engine, task_id) == [
+        ("CLAIM", old.execution_id),
+        ("CLAIM", new.execution_id),
+        ("COMPLETE", new.execution_id),
+    ]
+    with engine.connect() as conn:
+        assert audit.stale_writes(conn) == [] and audit.repeated_completions(conn) == {}
+    # What a commit by the replaced execution would look like, were the guard missing:
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO task_audit (task_id, run, event, execution_id) "
+                "VALUES (:t, 0, 'COMPLETE', :e)"
+            ),
+            {"t": task_id, "e": old.execution_id},
+        )
+    with engine.connect() as conn:
+        (stale,) = audit.stale_writes(conn)
+        assert (stale.task_id, stale.event, stale.execution_id) == (
+            task_id,
+            "COMPLETE",
+            old.execution_id,
+        )
+        assert audit.repeated_completions(conn) == {task_id: 2}
