@@ -127,10 +127,16 @@ class Drain:
 
 
 class _CrashWatch(logging.Filter):
-    """Notices Celery's "Unrecoverable error" (it then stops the worker with exit code 1)."""
+    """Notices the failures Celery only logs: an "Unrecoverable error" (critical, from the
+    worker) or a step that failed to stop (error, from the bootsteps) - then the stop did
+    not end cleanly and the exit code must say so."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.CRITICAL:
+        if record.levelno >= self.level:
             _drain.crashed = True
         return True
 
@@ -233,7 +239,8 @@ def connect() -> None:
     import celery.apps.worker as celery_worker_program
 
     celery_worker_program.safe_say = _say
-    logging.getLogger("celery.worker.worker").addFilter(_CrashWatch())
+    logging.getLogger("celery.worker.worker").addFilter(_CrashWatch(logging.CRITICAL))
+    logging.getLogger("celery.bootsteps").addFilter(_CrashWatch(logging.ERROR))
     signals.celeryd_init.connect(_on_init, weak=False)
     signals.worker_ready.connect(_on_ready, weak=False)
     signals.worker_shutting_down.connect(_on_shutting_down, weak=False)

@@ -261,3 +261,26 @@ def test_idle_worker_exits_0_within_3_seconds(settings: Settings, tmp_path: Path
         took = time.monotonic() - signalled
     assert took < 3.0
     assert w1.events("worker.stopped")[-1]["exit_code"] == 0
+
+
+@pytest.mark.parametrize("where", ["start", "stop"])
+def test_unhandled_error_logs_fatal_and_exits_1(
+    settings: Settings, tmp_path: Path, where: str
+) -> None:
+    """An error Celery only logs - unrecoverable at start, or a failure while stopping -
+    still ends the process with exit code 1, never a final 0."""
+    env = settings_env(
+        settings, TEAMDESK_TEST_HOOKS="tests.support.remote_gates", TEAMDESK_TEST_CRASH=where
+    )
+    with cluster(tmp_path) as procs:
+        w1 = Proc("w1", worker_argv("w1", concurrency=1), env, tmp_path).start()
+        procs.append(w1)
+        if where == "stop":
+            w1.wait_event("worker.started")
+            w1.send(signal.SIGTERM)
+        assert w1.wait(timeout=30) == 1
+    lines = w1.lines()
+    levels = {line["level"] for line in lines if "injected" in str(line.get("message", ""))}
+    assert levels == ({"fatal"} if where == "start" else {"error"})
+    assert lines[-1]["event"] == "worker.stopped" and lines[-1]["exit_code"] == 1
+    assert lines[-1]["level"] == "error"

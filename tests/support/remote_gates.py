@@ -106,3 +106,31 @@ def _log_sample_from_env() -> None:
 
 
 _log_sample_from_env()
+
+
+def _crash_from_env() -> None:
+    """TEAMDESK_TEST_CRASH=start|stop: add a worker bootstep that raises when the worker
+    starts (an unrecoverable error) or while it stops (a failure during the drain)."""
+    where = os.environ.get("TEAMDESK_TEST_CRASH")
+    if not where:
+        return
+    from celery import bootsteps, signals
+
+    class Crash(bootsteps.StartStopStep):  # type: ignore[misc]
+        requires = {"celery.worker.components:Timer"}
+
+        def start(self, parent: Any) -> None:
+            if where == "start":
+                raise RuntimeError("injected start failure")
+
+        def stop(self, parent: Any) -> None:
+            if where == "stop":
+                raise RuntimeError("injected failure while stopping")
+
+    def add_step(sender: Any = None, instance: Any = None, **_: Any) -> None:
+        instance.app.steps["worker"].add(Crash)
+
+    signals.celeryd_init.connect(add_step, weak=False)
+
+
+_crash_from_env()
