@@ -116,7 +116,7 @@ def _crash_from_env() -> None:
         return
     from celery import bootsteps, signals
 
-    class Crash(bootsteps.StartStopStep):  # type: ignore[misc]
+    class Crash(bootsteps.StartStopStep):
         requires = {"celery.worker.components:Timer"}
 
         def start(self, parent: Any) -> None:
