@@ -60,13 +60,32 @@ return 1
 """
 )
 
-# KEYS: global set, scope set, tombstone. ARGV: member, tombstone TTL (ms).
-_REMOVE = """
+# KEYS: global set, scope set, tombstone, draining set. ARGV: member, tombstone TTL (ms),
+# ttl (s), "1" to keep the member as draining.
+_REMOVE = (
+    _REDIS_NOW
+    + """
 redis.call('SET', KEYS[3], '1', 'PX', ARGV[2])
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
+if ARGV[4] == '1' then
+  local ttl = tonumber(ARGV[3])
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now_text)
+  redis.call('ZADD', KEYS[4], string.format('%.6f', now + ttl), ARGV[1])
+  redis.call('PEXPIRE', KEYS[4], string.format('%d', math.ceil(ttl * 2000)))
+end
 return 1
 """
+)
+
+# KEYS: draining set. ARGV: member, ttl (s). Extends a draining member (never adds one).
+_RENEW_DRAINING = (
+    _REDIS_NOW
+    + """
+local ttl = tonumber(ARGV[2])
+return redis.call('ZADD', KEYS[1], 'XX', 'CH', string.format('%.6f', now + ttl), ARGV[1])
+"""
+)
 
 # KEYS: one set. Returns how many members are live after dropping the expired ones.
 _DROP_EXPIRED_AND_COUNT = (
@@ -85,6 +104,12 @@ def active_key(prefix: str, scope: str | None = None) -> str:
     """The set of every live process, or of one scope's processes."""
     base = f"{prefix}:worker-heartbeat:active"
     return base if scope is None else f"{base}:{scope}"
+
+
+def draining_key(prefix: str) -> str:
+    """Processes that stopped taking work but still finish what they hold: their leases
+    are alive, so the dispatcher must not take those runs back (they are not "active")."""
+    return f"{prefix}:worker-heartbeat:draining"
 
 
 def tombstone_key(prefix: str, member: str) -> str:
@@ -131,12 +156,25 @@ class Heartbeat:
         ping_db()
         return self.renew()
 
-    def remove(self) -> None:
-        """Stop renewing and remove this process's member (only its own) from both sets."""
+    def remove(self, draining: bool = False) -> None:
+        """Stop renewing and remove this process's member (only its own) from both active
+        sets; with ``draining``, keep it in the draining set while in-flight work ends."""
         self._stopping.set()
         tombstone_ms = round(max(2 * self.ttl_s, TOMBSTONE_MIN_S) * 1000)
         script = self.client.register_script(_REMOVE)
-        script(keys=self._keys, args=[self.member, tombstone_ms])
+        script(
+            keys=[*self._keys, draining_key(self.prefix)],
+            args=[self.member, tombstone_ms, repr(float(self.ttl_s)), "1" if draining else "0"],
+        )
+
+    def renew_draining(self) -> None:
+        """Extend the draining member; a process that froze while draining still expires."""
+        script = self.client.register_script(_RENEW_DRAINING)
+        script(keys=[draining_key(self.prefix)], args=[self.member, repr(float(self.ttl_s))])
+
+    def finish(self) -> None:
+        """The drain ended: drop the draining member too."""
+        self.client.zrem(draining_key(self.prefix), self.member)
 
     def _run_renewal(self) -> bool:
         """The renewal script alone, without the ``stopping`` check (tests replay a late one)."""
@@ -151,9 +189,16 @@ def has_heartbeat(client: redis.Redis, prefix: str, scope: str | None = None) ->
 
 
 def live_members(client: redis.Redis, prefix: str, scope: str | None = None) -> set[str]:
-    """Members whose score is later than Redis time (read-only)."""
+    """Active members whose score is later than Redis time (read-only)."""
     script = client.register_script(_LIVE_MEMBERS)
     members = script(keys=[active_key(prefix, scope)])
+    return {m.decode() if isinstance(m, bytes) else str(m) for m in members}
+
+
+def lease_holders_alive(client: redis.Redis, prefix: str) -> set[str]:
+    """Members whose leases are alive: active ones and draining ones (read-only)."""
+    script = client.register_script(_LIVE_MEMBERS)
+    members = [*script(keys=[active_key(prefix)]), *script(keys=[draining_key(prefix)])]
     return {m.decode() if isinstance(m, bytes) else str(m) for m in members}
 
 

@@ -42,7 +42,7 @@ from redis.retry import Retry
 from sqlalchemy.engine import Connection, Engine
 
 from dispatcher.errors import ScanUnavailable
-from dispatcher.heartbeat import live_members, redis_uptime_s
+from dispatcher.heartbeat import lease_holders_alive, redis_uptime_s
 from ledger import dispatch
 from ledger.dispatch import RunRef
 from tasks import queueing
@@ -117,7 +117,7 @@ def read_heartbeats(
     """Trusted only when the read worked and Redis has been up for more than one TTL
     (after a restart, live workers need one TTL to register again). Never raises."""
     try:
-        live = live_members(client, prefix)
+        live = lease_holders_alive(client, prefix)
         up_s = uptime(client)
     except redis.RedisError as exc:
         return HeartbeatView(frozenset(), trusted=False, error=type(exc).__name__)

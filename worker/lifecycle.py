@@ -13,10 +13,13 @@ What Celery 5.7 gives, and what this adds:
 Added here, on ``worker_shutting_down`` (Celery sends it from the MainProcess signal
 handler, before the shutdown proceeds):
 
-1. log ``worker.stopping`` and remove this process's heartbeat member first, so the
-   dispatcher stops counting on it at once;
-2. keep renewing the visibility of the messages still running (the worker's own timer
-   stops with the consumer), so no other worker takes a draining task over;
+1. log ``worker.stopping`` and remove this process's heartbeat member from the active
+   sets first (it takes no more work; the health probe fails at once), keeping it in
+   the *draining* set: its leases are still alive, so the dispatcher must not take its
+   in-flight runs back;
+2. keep renewing the draining member and the visibility of the messages still running
+   (the worker's own timer stops with the consumer), so no other worker and no scan
+   takes a draining task over - and a process that freezes mid-drain still expires;
 3. arm the ``SHUTDOWN_TIMEOUT_S`` budget: past it, log ``worker.shutdown_timeout`` and
    send ourselves SIGQUIT (Celery's cold path), which cancels the tasks without writing
    the ledger and restores their messages; the new holder's lease makes any late commit
@@ -66,22 +69,22 @@ class Drain:
         log_event(log, "worker.stopping", signal=signal_name, budget_s=settings.shutdown_timeout_s)
         liveness = current_liveness()
         if liveness is not None:
-            liveness.stop()
+            liveness.stop(draining=True)
             threading.Thread(
-                target=self._keep_messages,
+                target=self._keep_alive,
                 args=(liveness,),
-                name="teamdesk-drain-visibility",
+                name="teamdesk-drain-liveness",
                 daemon=True,
             ).start()
         self._arm(settings.shutdown_timeout_s, self._escalate)
 
-    def _keep_messages(self, liveness: Any) -> None:
+    def _keep_alive(self, liveness: Any) -> None:
         from worker.liveness import renew_interval_s
 
         interval = renew_interval_s(liveness.settings)
         while not self.finished.wait(interval):
             try:
-                liveness.keep_messages()
+                liveness.drain_tick()
             except Exception as exc:  # keep trying until the drain ends
                 log_event(
                     log,
@@ -117,9 +120,14 @@ class Drain:
             os._exit(1)
 
     def end(self) -> None:
+        from worker.steps import current_liveness
+
         self.finished.set()
         for timer in self._timers:
             timer.cancel()
+        liveness = current_liveness()
+        if liveness is not None and self.started.is_set():
+            liveness.finish()
 
     @property
     def clean(self) -> bool:

@@ -127,14 +127,16 @@ class Liveness:
             now = time.time()
             self.broker.zadd(key, dict.fromkeys(tags, now), xx=True)
 
-    def stop(self) -> None:
-        """Remove only this process's member, once; later renewals cannot re-register it
-        (the heartbeat's tombstone refuses them), so there is nothing to remove again."""
+    def stop(self, draining: bool = False) -> None:
+        """Remove only this process's member from the active sets, once; later renewals
+        cannot re-register it (the heartbeat's tombstone refuses them). With
+        ``draining`` the member stays in the draining set, so the dispatcher keeps
+        treating this process's leases as alive while its in-flight tasks finish."""
         with self._lock:
             if self._removed:
                 return
             try:
-                self.heartbeat.remove()
+                self.heartbeat.remove(draining=draining)
                 self._removed = True
             except Exception as exc:
                 log_event(
@@ -144,6 +146,20 @@ class Liveness:
                     error=type(exc).__name__,
                     stage="remove",
                 )
+
+    def drain_tick(self) -> None:
+        """While draining: keep the in-flight messages and the draining member alive."""
+        self.keep_messages()
+        self.heartbeat.renew_draining()
+
+    def finish(self) -> None:
+        """The drain is over: nothing of this process is alive any more."""
+        try:
+            self.heartbeat.finish()
+        except Exception as exc:
+            log_event(
+                log, "heartbeat.failed", logging.WARNING, error=type(exc).__name__, stage="finish"
+            )
 
 
 def held_delivery_tags() -> list[str]:

@@ -13,7 +13,9 @@ from dispatcher.heartbeat import (
     TOMBSTONE_MIN_S,
     Heartbeat,
     active_key,
+    draining_key,
     has_heartbeat,
+    lease_holders_alive,
     live_members,
     redis_uptime_s,
     tombstone_key,
@@ -195,3 +197,24 @@ def test_redis_uptime_matches_server_info(redis_client: redis.Redis) -> None:
 
     assert uptime >= reported >= 0
     assert uptime - reported < 5
+
+
+def test_draining_member_keeps_leases_alive_but_takes_no_work(
+    redis_client: redis.Redis, queue_prefix: str
+) -> None:
+    beat = Heartbeat(redis_client, queue_prefix, SCOPE, 0.5)
+    other = Heartbeat(redis_client, queue_prefix, SCOPE, TTL_S)
+    assert beat.renew() and other.renew()
+    beat.remove(draining=True)
+    assert live_members(redis_client, queue_prefix) == {other.member}
+    assert lease_holders_alive(redis_client, queue_prefix) == {beat.member, other.member}
+    assert beat.renew() is False and beat._run_renewal() is False
+    first = redis_client.zscore(draining_key(queue_prefix), beat.member)
+    assert wait_for(lambda: redis_now(redis_client) > (first or 0) - 0.4)
+    beat.renew_draining()
+    assert (redis_client.zscore(draining_key(queue_prefix), beat.member) or 0) > (first or 0)
+    # A process that froze while draining stops renewing and expires like any other.
+    assert wait_for(lambda: beat.member not in lease_holders_alive(redis_client, queue_prefix))
+    beat.finish()
+    assert redis_client.zscore(draining_key(queue_prefix), beat.member) is None
+    assert lease_holders_alive(redis_client, queue_prefix) == {other.member}

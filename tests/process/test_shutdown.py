@@ -14,7 +14,8 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from dispatcher.heartbeat import active_key, live_members, tombstone_key
+from dispatcher.heartbeat import active_key, lease_holders_alive, live_members, tombstone_key
+from dispatcher.scan import run_once
 from ledger import lease, service
 from ledger.errors import LeaseLost
 from tasks import queueing
@@ -96,8 +97,13 @@ def test_sigterm_drains_in_flight_export_with_its_lease(
         assert redis_client.exists(tombstone_key(s.queue_prefix, member))
         assert w1.events("worker.stopping") and task_row(engine, task_id)["status"] == "RUNNING"
 
-        # A run made WAITING after the signal is not taken by the stopping worker.
-        queueing.publish(app, later_id, 0, "EXPORT")
+        # Draining, its lease is still alive: a dispatcher scan now does not take the run
+        # back (and it publishes the later run, which the stopping worker must not take).
+        assert member in lease_holders_alive(redis_client, s.queue_prefix)
+        counts = run_once(app, settings=s)
+        assert (counts.heartbeat_rule, counts.recovered, counts.dispatched) == (True, 0, 1)
+        held = task_row(engine, task_id)
+        assert (held["status"], str(held["execution_id"])) == ("RUNNING", parked["execution_id"])
         # The in-flight message stays held past the (shortened) visibility timeout.
         wait_for(
             lambda: (
@@ -124,6 +130,7 @@ def test_sigterm_drains_in_flight_export_with_its_lease(
         assert w1.events("task.lease_lost") == []
         assert w1.events("worker.stopped")[-1]["exit_code"] == 0
         assert not [e for e in w1.events("task.started") if e["task_id"] == str(later_id)]
+        assert member not in lease_holders_alive(redis_client, s.queue_prefix)
 
         w2 = Proc(
             "w2", worker_argv("w2", concurrency=1, pool=pool), settings_env(s), tmp_path
