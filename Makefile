@@ -23,6 +23,7 @@ services: $(STAMP) ## check that PostgreSQL and Redis answer
 	$(PY) scripts/check_services.py
 
 test: install services ## install, check services, run the whole test suite
+	bash scripts/ensure_chromium.sh
 	$(PY) -m pytest
 
 lint: install ## ruff and mypy
@@ -37,8 +38,12 @@ format: install ## apply ruff's formatting and safe fixes
 migrate: install ## apply database migrations to DATABASE_URL
 	$(VENV)/bin/teamdesk-tasks migrate
 
-run: install services ## the local cluster (workers, beat, Flower, API) in the foreground
-	@echo "make run: the local cluster is not yet available (it lands with the operator-surface issue)."
-	@echo "Meanwhile: $(VENV)/bin/teamdesk-tasks migrate"
+run: install services ## create+migrate the database, seed the demo, run workers, beat, Flower, API
+	$(VENV)/bin/teamdesk-tasks run-local
+
+demo-seed: install services ## create+migrate the database, seed the demo team once, print tokens
+	$(VENV)/bin/teamdesk-tasks migrate --create-database
+	$(VENV)/bin/teamdesk-tasks demo-seed
+.PHONY: demo-seed
 
 .PHONY: help install services test lint format migrate run

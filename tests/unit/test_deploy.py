@@ -6,10 +6,12 @@ No Docker engine runs here, so nothing is built or started. Instead:
   check-jsonschema vendors (``--builtin-schema vendor.compose-spec``; no download);
 - every document under ``deploy/k8s/`` is validated with kubernetes-validate (strict: an
   unknown field is an error) against the Kubernetes schemas that package ships;
-- the operational points (non-root image, exec-form commands, one beat, the 90 s grace
-  above the 75 s drain, health checks, log rotation, Flower auth from the environment)
-  are checked on the parsed files by ``*_problems`` functions, and every check is shown
-  to fail on a copy of the file broken in exactly that point;
+- the operational points (non-root image, exec-form commands, one beat that keeps the
+  redbeat lock scheduler, every queue the code routes to consumed by some worker —
+  ``maintenance`` included, the 90 s grace above the 75 s drain, health checks, log
+  rotation, Flower auth from the environment) are checked on the parsed files by
+  ``*_problems`` functions, and every check is shown to fail on a copy of the file
+  broken in exactly that point;
 - when the ``docker`` CLI has the compose plugin, ``docker compose config -q`` also
   validates the file (no engine needed); otherwise that one test is skipped.
 """
@@ -33,6 +35,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from beat_schedule import SCHEDULER
+from tasks.celery_app import ROUTES
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
@@ -51,6 +56,9 @@ COMPOSE_SERVICES = ("postgres", "redis", *TEAMDESK_SERVICES)
 EXPECTED_LOGGING = {"driver": "json-file", "options": {"max-size": "10m", "max-file": "3"}}
 HEALTH_CMD = ["teamdesk-tasks", "health"]
 SHELLS = {"sh", "bash", "/bin/sh", "/bin/bash", "dash", "/bin/dash"}
+# Every queue the code sends tasks to (exports, reminders, and maintenance, where beat's
+# dispatcher scan and purge go): each needs a consumer somewhere in the deployment.
+ROUTED_QUEUES = frozenset(ROUTES.values())
 FLOWER_AUTH_RE = re.compile(r"^\$\{FLOWER_USER:\?[^}]*\}:\$\{FLOWER_PASSWORD:\?[^}]*\}$")
 
 
@@ -120,6 +128,31 @@ def _runs_embedded_beat(command: list[str]) -> bool:
     return "-B" in command or "--beat" in command
 
 
+def _consumed_queues(command: list[str]) -> set[str]:
+    """The queues a `celery worker` command consumes: its -Q list, or every declared
+    queue when it has none (Celery's default with `task_queues` set)."""
+    value = _flag_value(command, "-Q", "--queues")
+    if value is None:
+        return set(ROUTED_QUEUES)
+    return {q.strip() for q in value.split(",") if q.strip()}
+
+
+def _unconsumed(worker_commands: list[list[str]]) -> list[str]:
+    consumed: set[str] = set()
+    for command in worker_commands:
+        consumed |= _consumed_queues(command)
+    return sorted(ROUTED_QUEUES - consumed)
+
+
+def _beat_scheduler_problem(where: str, command: list[str]) -> str | None:
+    """`-S`/`--scheduler` on the command line replaces the app's redbeat scheduler, and
+    with it the Redis lock that keeps one beat active."""
+    scheduler = _flag_value(command, "-S", "--scheduler")
+    if scheduler is not None and scheduler != SCHEDULER:
+        return f"{where}: --scheduler {scheduler} replaces redbeat (no beat lock)"
+    return None
+
+
 # --------------------------------------------------------------------------- Dockerfile
 
 
@@ -177,6 +210,8 @@ def dockerfile_problems(text: str) -> list[str]:
             problems.append(f"CMD is not exec form: {cmds[-1]}")
         elif not (_runs_celery(cmd, "worker") and _flag_value(cmd, "-A", "--app") == "tasks"):
             problems.append(f"default CMD is not the worker: {cmd}")
+        elif unconsumed := _unconsumed([cmd]):
+            problems.append(f"default CMD does not consume queue(s) {unconsumed}")
     if entrypoints:
         entry = _exec_form(entrypoints[-1])
         if entry is None or (entry and not _is_exec_form(entry)):
@@ -259,6 +294,13 @@ def compose_problems(doc: dict[str, Any]) -> list[str]:
         problems.append("worker: command is not celery -A tasks worker")
     if not _flag_value(wcmd, "-Q", "--queues"):
         problems.append("worker: no -Q queue list")
+    worker_commands = [
+        s["command"]
+        for s in services.values()
+        if _runs_celery(s.get("command"), "worker") and isinstance(s.get("command"), list)
+    ]
+    if unconsumed := _unconsumed(worker_commands):
+        problems.append(f"no worker service consumes queue(s) {unconsumed}")
     worker_health = worker.get("healthcheck") or {}
     if worker_health.get("test") != ["CMD", *HEALTH_CMD]:
         problems.append("worker: health check is not [CMD, teamdesk-tasks, health]")
@@ -296,6 +338,8 @@ def compose_problems(doc: dict[str, Any]) -> list[str]:
         problems.append("beat: more than one replica")
     if "container_name" not in beat:
         problems.append("beat: no container_name guarding against --scale beat=N")
+    if scheduler_problem := _beat_scheduler_problem("beat", beat.get("command") or []):
+        problems.append(scheduler_problem)
 
     flower = services["flower"]
     fcmd = flower.get("command") or []
@@ -425,6 +469,19 @@ def k8s_problems(docs: list[dict[str, Any]]) -> list[str]:
         problems.append("beat: replicas is not 1")
     if (beat["spec"].get("strategy") or {}).get("type") != "Recreate":
         problems.append("beat: strategy is not Recreate")
+    if scheduler_problem := _beat_scheduler_problem("beat", _argv(_main_container(beat))):
+        problems.append(scheduler_problem)
+
+    # every routed queue has a consumer among the worker Deployments
+    k8s_worker_commands = [
+        _argv(c)
+        for d in docs
+        if d.get("kind") == "Deployment"
+        for c in _containers(d)
+        if _runs_celery(_argv(c), "worker")
+    ]
+    if unconsumed := _unconsumed(k8s_worker_commands):
+        problems.append(f"no worker Deployment consumes queue(s) {unconsumed}")
 
     # api
     ac = _main_container(api)
@@ -539,6 +596,11 @@ DOCKERFILE_BREAKS: list[tuple[str, Callable[[str], str], str]] = [
         "other base",
         lambda t: t.replace("python:3.11-slim", "python:3.11", 1),
         "expected python:3.11-slim",
+    ),
+    (
+        "CMD without maintenance",
+        lambda t: t.replace('"exports,reminders,maintenance"', '"exports,reminders"'),
+        "default CMD does not consume queue(s) ['maintenance']",
     ),
     (
         "no pip install .",
@@ -731,6 +793,20 @@ COMPOSE_BREAKS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("migrate restarts", _set("migrate", "restart", "unless-stopped"), "migrate: a one-shot"),
     ("migrate command", _set("migrate", "command", ["teamdesk-tasks", "scan"]), "migrate: command"),
     ("no wait for migrate", _compose_no_migrate_wait, "worker: does not wait for migrate"),
+    (
+        "worker without maintenance",
+        _set("worker", "command", ["celery", "-A", "tasks", "worker", "-Q", "exports,reminders"]),
+        "no worker service consumes queue(s) ['maintenance']",
+    ),
+    (
+        "beat scheduler replaced",
+        _set(
+            "beat",
+            "command",
+            ["celery", "-A", "tasks", "beat", "-S", "celery.beat:PersistentScheduler"],
+        ),
+        "replaces redbeat",
+    ),
     ("second beat service", _compose_extra_beat, "not exactly one beat"),
     ("embedded beat", _compose_embedded_beat, "not exactly one beat"),
     ("beat replicas", _set("beat", "deploy", {"replicas": 2}), "beat: more than one replica"),
@@ -958,6 +1034,26 @@ K8S_BREAKS: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
         "beat: strategy",
     ),
     ("second beat", _k8s_second_beat, "not exactly one beat"),
+    (
+        "beat scheduler replaced",
+        _k8s_edit(
+            "Deployment",
+            "teamdesk-beat",
+            lambda d: _main_container(d).__setitem__(
+                "command", ["celery", "-A", "tasks", "beat", "--scheduler=celery.beat.Scheduler"]
+            ),
+        ),
+        "replaces redbeat",
+    ),
+    (
+        "worker without maintenance",
+        _worker_container(
+            lambda c: c.__setitem__(
+                "command", ["celery", "-A", "tasks", "worker", "-Q", "exports,reminders"]
+            )
+        ),
+        "no worker Deployment consumes queue(s) ['maintenance']",
+    ),
     (
         "api readiness",
         _k8s_edit("Deployment", "teamdesk-api", lambda d: _main_container(d).pop("readinessProbe")),
