@@ -25,6 +25,7 @@ MSG_ASSIGNEE = "filters.assignee_id must be a UUID"
 MSG_DATE = "filters.{key} must be a date written YYYY-MM-DD"
 MSG_DATE_ORDER = "filters.created_from must not be after filters.created_to"
 MSG_Q = f"filters.q must be text of at most {MAX_Q_LENGTH} characters"
+MSG_Q_CHARS = "filters.q must be text without NUL characters or unpaired surrogates"
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ def validate_filters(raw: Any) -> ExportFilters:
     q = raw.get("q")
     if "q" in raw and (not isinstance(q, str) or len(q) > MAX_Q_LENGTH):
         raise InvalidFilters(MSG_Q)
+    if isinstance(q, str) and any(ch == "\x00" or "\ud800" <= ch <= "\udfff" for ch in q):
+        raise InvalidFilters(MSG_Q_CHARS)  # PostgreSQL text and jsonb cannot hold them
     parsed = ExportFilters(
         status=_choices(raw["status"], TICKET_STATUSES, MSG_STATUS) if "status" in raw else None,
         priority=(

@@ -52,15 +52,20 @@ CLAIM = text("""
         INSERT INTO task_audit (task_id, run, event, execution_id)
         SELECT id, run, 'CLAIM', :execution_id FROM claimed
     )
-    SELECT kind, team_id, owner_id, scope, filters FROM claimed
+    SELECT c.kind, c.team_id, c.owner_id, c.scope, c.filters, m.role AS owner_role
+      FROM claimed c
+      LEFT JOIN memberships m ON m.team_id = c.team_id AND m.user_id = c.owner_id
 """)
 
 # Guard: the lease. Used before side effects, so a lost lease stops work early;
 # the completion's own guard is what makes it safe.
 CHECK_LEASE = text(f"SELECT 1 FROM background_tasks WHERE {_LEASE}")
 
-# Guard: the lease.
+# Guard: the lease. Progress need not survive a crash (the next claim resets it to 0 and
+# the completion writes 100), so its commit does not wait for the WAL flush; the claim,
+# the completion and failure reports keep synchronous commits.
 REPORT_PROGRESS = text(f"""
+    SELECT set_config('synchronous_commit', 'off', true);
     UPDATE background_tasks SET progress = :progress, updated_at = now()
      WHERE {_LEASE}
 """)
@@ -125,6 +130,7 @@ class Claim:
     owner_id: uuid.UUID
     scope: str
     filters: dict[str, Any]
+    owner_role: str | None  # the owner's role in the team when the claim committed
 
 
 def claim(
@@ -152,6 +158,7 @@ def claim(
         owner_id=row.owner_id,
         scope=row.scope,
         filters=row.filters,
+        owner_role=row.owner_role,
     )
 
 
@@ -162,6 +169,7 @@ def check_lease(conn: Connection, lease: Lease) -> None:
 
 
 def report_progress(conn: Connection, lease: Lease, progress: int) -> None:
+    """Write progress in its own transaction (the caller's ``begin()``)."""
     if not 0 <= progress <= 100:
         raise ValueError("progress must be within 0..100")
     _write_or_lose(conn, REPORT_PROGRESS, lease, progress=progress)

@@ -22,6 +22,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery import Task
+from sqlalchemy.engine import Connection
 
 from ledger import lease
 from ledger.errors import LeaseLost, TaskRejected
@@ -43,10 +44,12 @@ class TaskFailed(Exception):
 
 @dataclass(frozen=True)
 class Context:
-    """What a task body gets: its claim, settings and a progress reporter."""
+    """What a task body gets: its claim, settings, the execution's connection (autocommit:
+    each ledger write is one statement and one round trip) and a progress reporter."""
 
     claim: lease.Claim
     settings: Settings
+    conn: Connection
     report_progress: Callable[[int, int, int], None]
 
     @property
@@ -66,33 +69,34 @@ def execute(task: Task, task_id_text: str, run: int, body: Body) -> dict[str, An
     settings = get_settings()
     task_id = uuid.UUID(task_id_text)
     attempt = int(task.request.retries or 0) + 1
-    with get_engine().begin() as conn:
+    with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         claimed = lease.claim(conn, task_id, run, attempt, queueing.lease_holder())
-    # After the claim: until it committed the row still says WAITING, and a scan that saw
-    # no marker then would publish a duplicate that takes the lease over.
-    queueing.message_started(task_id, run)
-    if claimed is None:
-        log_event(log, "task.skipped", **_fields(task_id, run, attempt, reason="not claimable"))
-        return {"task_id": task_id_text, "run": run, "outcome": "skipped"}
-    fields = _fields(task_id, run, attempt, execution=str(claimed.lease.execution_id)[:8])
-    log_event(log, "task.started", kind=claimed.kind, **fields)
-    hooks.fire("task.claimed", claim=claimed)
-    context = Context(claimed, settings, _progress_reporter(task, claimed.lease))
-    try:
-        summary = body(context)
-    except LeaseLost:
-        log_event(log, "task.lease_lost", **fields)
-        return {"task_id": task_id_text, "run": run, "outcome": "lease_lost"}
-    except TaskRejected as exc:
-        return _rejected(claimed.lease, exc, fields)
-    except Exception as exc:
-        return _failed_attempt(task, claimed.lease, exc, settings, fields)
-    return _finished(task_id, run, summary, fields)
+        # After the claim: until it committed the row still said WAITING, and a scan that
+        # saw no marker then would publish a duplicate that takes the lease over.
+        queueing.message_started(task_id, run)
+        if claimed is None:
+            log_event(log, "task.skipped", **_fields(task_id, run, attempt, reason="not claimable"))
+            return {"task_id": task_id_text, "run": run, "outcome": "skipped"}
+        fields = _fields(task_id, run, attempt, execution=str(claimed.lease.execution_id)[:8])
+        log_event(log, "task.started", kind=claimed.kind, **fields)
+        hooks.fire("task.claimed", claim=claimed)
+        context = Context(claimed, settings, conn, _progress_reporter(task, conn, claimed.lease))
+        try:
+            summary = body(context)
+        except LeaseLost:
+            log_event(log, "task.lease_lost", **fields)
+            return {"task_id": task_id_text, "run": run, "outcome": "lease_lost"}
+        except TaskRejected as exc:
+            return _rejected(claimed.lease, exc, fields)
+        except Exception as exc:
+            return _failed_attempt(task, claimed.lease, exc, settings, fields)
+        return _finished(conn, task_id, run, summary, fields)
 
 
-def _finished(task_id: uuid.UUID, run: int, summary: str, fields: dict[str, Any]) -> dict[str, Any]:
-    with get_engine().connect() as conn:
-        completed = lease.run_completed(conn, task_id, run)
+def _finished(
+    conn: Connection, task_id: uuid.UUID, run: int, summary: str, fields: dict[str, Any]
+) -> dict[str, Any]:
+    completed = lease.run_completed(conn, task_id, run)
     log_event(log, "task.completed" if completed else "task.skipped", **fields)
     return {
         "task_id": str(task_id),
@@ -168,12 +172,13 @@ def _failed_attempt(
         )
 
 
-def _progress_reporter(task: Task, held: lease.Lease) -> Callable[[int, int, int], None]:
+def _progress_reporter(
+    task: Task, conn: Connection, held: lease.Lease
+) -> Callable[[int, int, int], None]:
     """Ledger first (the truth the API shows), then the queue (so Flower shows it too)."""
 
     def report(percent: int, done: int, total: int) -> None:
-        with get_engine().begin() as conn:
-            lease.report_progress(conn, held, percent)
+        lease.report_progress(conn, held, percent)
         queueing.report_progress(task, percent, done, total)
 
     return report

@@ -1,8 +1,10 @@
 """Export: a CSV of a team's tickets, read in keyset batches, committed under the lease.
 
-PostgreSQL renders the CSV (``COPY ... TO STDOUT WITH (FORMAT csv)``) batch by batch inside
-one REPEATABLE READ, READ ONLY transaction bounded to 60 s, so every batch sees the same
-snapshot and Python only concatenates text: memory holds the CSV and nothing per row.
+PostgreSQL renders the CSV (``COPY ... TO STDOUT WITH (FORMAT csv)``) and Python only
+concatenates text: memory holds the CSV and nothing per row. An export that fits in one
+batch is one COPY statement (a statement is its own consistent snapshot); a larger one
+is read batch by batch inside one REPEATABLE READ, READ ONLY transaction bounded to 60 s,
+so every batch sees the same snapshot.
 
 The CSV contract (SPEC §3): UTF-8; header ``id,title,status,priority,requester_id,
 assignee_id,due_at,created_at,updated_at``; rows ordered by ``created_at, id``; times in
@@ -53,12 +55,11 @@ class ExportReadTimeout(Exception):
     """The export's read transaction ran past its 60 s budget."""
 
 
-def check_permission(conn: Connection, claim: lease.Claim) -> None:
-    """TaskRejected unless the owner may still run this export (read committed, now)."""
-    role = role_of(conn, claim.team_id, claim.owner_id)
-    if role is None:
+def require_permission(scope: str, owner_role: str | None) -> None:
+    """TaskRejected unless an owner with ``owner_role`` may still run this export."""
+    if owner_role is None:
         raise PermissionLost(MSG_OWNER_LEFT)
-    if claim.scope == "TEAM" and role != STAFF:
+    if scope == "TEAM" and owner_role != STAFF:
         raise PermissionLost(MSG_NOT_STAFF)
 
 
@@ -95,10 +96,9 @@ def _utc_midnight(day: date) -> datetime:
 
 
 class TicketReader:
-    """Counts, splits and renders the matching tickets on one read-only connection."""
+    """Counts, splits and renders the matching tickets on one connection."""
 
     def __init__(self, conn: Connection, where: str, params: dict[str, Any]) -> None:
-        self.conn = conn
         self.cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
         self.where, self.params = where, params
 
@@ -129,9 +129,10 @@ class TicketReader:
         if total % batch_size:
             keys.append(None)
         for low, high in itertools.pairwise(keys):
-            yield self._render(low, high)
+            yield self.render(low, high)[0]
 
-    def _render(self, low: Any, high: Any) -> str:
+    def render(self, low: Any, high: Any, limit: int | None = None) -> tuple[str, int]:
+        """CSV text of the rows after ``low`` up to ``high`` (keys), and how many."""
         where, params = self.where, dict(self.params)
         if low is not None:
             where += " AND (created_at, id) > (%(lo_at)s, %(lo_id)s)"
@@ -139,47 +140,75 @@ class TicketReader:
         if high is not None:
             where += " AND (created_at, id) <= (%(hi_at)s, %(hi_id)s)"
             params.update(hi_at=high[0], hi_id=high[1])
+        tail = " LIMIT %(row_limit)s" if limit is not None else ""
+        params["row_limit"] = limit
         query = self.cursor.mogrify(
-            f"SELECT {CSV_COLUMNS} FROM tickets WHERE {where} ORDER BY created_at, id", params
+            f"SELECT {CSV_COLUMNS} FROM tickets WHERE {where} ORDER BY created_at, id{tail}",
+            params,
         )
         out = io.StringIO()
         self.cursor.copy_expert(f"COPY ({query.decode()}) TO STDOUT WITH (FORMAT csv)", out)
-        return out.getvalue()
+        return out.getvalue(), int(self.cursor.rowcount)
 
 
 def run_export(ctx: Context) -> str:
     claim = ctx.claim
     filters = validate_filters(claim.filters)
-    limit, batch_size = ctx.settings.export_max_rows, ctx.settings.export_batch_size
+    require_permission(claim.scope, claim.owner_role)  # as of the claim
     where, params = where_clause(claim, filters)
+    parts, total = _read_small(ctx, where, params)
+    if parts is None:
+        parts, total = _read_in_batches(ctx, where, params)
+    require_permission(claim.scope, role_of(ctx.conn, claim.team_id, claim.owner_id))  # now
+    hooks.fire("export.before_result_write", claim=claim)
+    summary = f"{total} rows"
+    lease.complete_export(ctx.conn, claim.lease, "".join(parts), summary)
+    return summary
+
+
+def _read_small(ctx: Context, where: str, params: dict[str, Any]) -> tuple[list[str] | None, int]:
+    """Most exports fit in one batch: one COPY statement (its own consistent snapshot)
+    reads them all. ``None`` when the batch came back full: read in batches instead."""
+    batch_size, limit = ctx.settings.export_batch_size, ctx.settings.export_max_rows
+    chunk, rows = TicketReader(ctx.conn, where, params).render(None, None, limit=batch_size)
+    if rows >= batch_size:
+        return None, 0
+    if rows > limit:
+        raise TooManyRows(MSG_TOO_MANY.format(limit=limit))
+    if rows:
+        _batch_done(ctx, rows, rows)
+    return [HEADER, chunk], rows
+
+
+def _read_in_batches(ctx: Context, where: str, params: dict[str, Any]) -> tuple[list[str], int]:
+    """Keyset batches inside one REPEATABLE READ, READ ONLY transaction bounded to 60 s."""
+    limit, batch_size = ctx.settings.export_max_rows, ctx.settings.export_batch_size
     deadline = time.monotonic() + READ_BUDGET_S
     parts = [HEADER]
-    engine = get_engine()
-    with engine.connect() as conn:
-        check_permission(conn, claim)
-        conn.commit()
+    with get_engine().connect() as conn:
+        conn = conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
         with conn.begin():
-            conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
-            conn.execute(text(f"SET LOCAL statement_timeout = '{READ_BUDGET_S}s'"))
             conn.execute(
-                text(f"SET LOCAL idle_in_transaction_session_timeout = '{READ_BUDGET_S}s'")
+                text(
+                    f"SET LOCAL statement_timeout = '{READ_BUDGET_S}s'; "
+                    f"SET LOCAL idle_in_transaction_session_timeout = "
+                    f"'{READ_BUDGET_S}s'"
+                )
             )
             reader = TicketReader(conn, where, params)
             total = reader.count_up_to(limit + 1)
             if total > limit:
                 raise TooManyRows(MSG_TOO_MANY.format(limit=limit))
             done = 0
-            for chunk in reader.batches(batch_size, total) if total else iter(()):
+            for chunk in reader.batches(batch_size, total):
                 parts.append(chunk)
                 done = min(total, done + batch_size)
-                hooks.fire("export.after_read", claim=claim, done=done, total=total)
-                ctx.report_progress(min(99, done * 100 // total), done, total)
+                _batch_done(ctx, done, total)
                 if time.monotonic() > deadline:
                     raise ExportReadTimeout()
-    with engine.connect() as conn:
-        check_permission(conn, claim)
-    hooks.fire("export.before_result_write", claim=claim)
-    summary = f"{total} rows"
-    with engine.begin() as conn:
-        lease.complete_export(conn, claim.lease, "".join(parts), summary)
-    return summary
+    return parts, total
+
+
+def _batch_done(ctx: Context, done: int, total: int) -> None:
+    hooks.fire("export.after_read", claim=ctx.claim, done=done, total=total)
+    ctx.report_progress(min(99, done * 100 // total), done, total)

@@ -35,16 +35,24 @@ TICKET = text("""
     SELECT id, status, assignee_id FROM tickets
      WHERE id = :ticket_id AND team_id = :team_id FOR UPDATE
 """)
-INSERT_NOTIFICATION = text("""
-    INSERT INTO notifications (user_id, ticket_id, task_id, kind)
-    VALUES (:user_id, :ticket_id, :task_id, :kind)
-""")
-BUMP_VERSION = text(
-    "UPDATE tickets SET version = version + 1, updated_at = now() WHERE id = :ticket_id"
-)
-INSERT_EVENT = text("""
-    INSERT INTO system_events (team_id, ticket_id, type, payload)
-    VALUES (:team_id, :ticket_id, :type, CAST(:payload AS jsonb))
+# The three side effects in one statement; the completion follows in the same transaction.
+SEND = text("""
+    WITH notified AS (
+        INSERT INTO notifications (user_id, ticket_id, task_id, kind)
+        VALUES (:assignee_id, :ticket_id, :task_id, :kind)
+        RETURNING 1
+    ), bumped AS (
+        UPDATE tickets SET version = version + 1, updated_at = now()
+         WHERE id = :ticket_id
+        RETURNING 1
+    ), recorded AS (
+        INSERT INTO system_events (team_id, ticket_id, type, payload)
+        VALUES (:team_id, :ticket_id, :type, CAST(:payload AS jsonb))
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM notified) AS notifications,
+           (SELECT count(*) FROM bumped) AS versions,
+           (SELECT count(*) FROM recorded) AS events
 """)
 
 
@@ -71,12 +79,12 @@ def _why_not(conn: Connection, ctx: Context, ticket: Row[object] | None) -> str 
 def run_reminder(ctx: Context) -> str:
     claim = ctx.claim
     ticket_id = _ticket_id(ctx)
+    if claim.owner_role is None:  # as of the claim
+        raise PermissionLost(MSG_OWNER_LEFT)
     with get_engine().begin() as conn:
         conn.execute(TEAM_LOCK, {"team_id": str(claim.team_id)})
         lease.check_lease(conn, claim.lease)
         hooks.fire("reminder.after_lease_read", claim=claim)
-        if role_of(conn, claim.team_id, claim.owner_id) is None:
-            raise PermissionLost(MSG_OWNER_LEFT)
         ticket = conn.execute(
             TICKET, {"ticket_id": ticket_id, "team_id": claim.team_id}
         ).one_or_none()
@@ -93,28 +101,19 @@ def run_reminder(ctx: Context) -> str:
 
 
 def _send(conn: Connection, ctx: Context, ticket_id: uuid.UUID, assignee: uuid.UUID) -> None:
-    claim = ctx.claim
-    conn.execute(
-        INSERT_NOTIFICATION,
+    held = ctx.claim.lease
+    payload = {"task_id": str(held.task_id), "run": held.run, "assignee_id": str(assignee)}
+    written = conn.execute(
+        SEND,
         {
-            "user_id": assignee,
+            "assignee_id": assignee,
             "ticket_id": ticket_id,
-            "task_id": claim.lease.task_id,
+            "task_id": held.task_id,
             "kind": NOTIFICATION_KIND,
-        },
-    )
-    conn.execute(BUMP_VERSION, {"ticket_id": ticket_id})
-    payload = {
-        "task_id": str(claim.lease.task_id),
-        "run": claim.lease.run,
-        "assignee_id": str(assignee),
-    }
-    conn.execute(
-        INSERT_EVENT,
-        {
-            "team_id": claim.team_id,
-            "ticket_id": ticket_id,
+            "team_id": ctx.claim.team_id,
             "type": EVENT_TYPE,
             "payload": json.dumps(payload),
         },
-    )
+    ).one()
+    if (written.notifications, written.versions, written.events) != (1, 1, 1):
+        raise RuntimeError("reminder side effects were not written exactly once")

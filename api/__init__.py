@@ -1,0 +1,8 @@
+"""The HTTP API (SPEC §9): health probes and the task routes, on FastAPI.
+
+``api.app:app`` is the ASGI application uvicorn serves; :func:`api.app.create_api`
+builds one for explicit settings (tests). The API never runs SQL of its own except the
+health check's ``SELECT 1``: every task route is one short transaction through
+:mod:`ledger.service`, and it never waits on a worker (a new task is a WAITING row that
+the dispatcher scan publishes).
+"""

@@ -1,0 +1,91 @@
+"""The ASGI application: ``uvicorn api.app:app`` (OpenAPI at /openapi.json, docs at /docs).
+
+Routes (SPEC §9; every error body is ``{"detail": "<fixed message>"}``):
+
+==========================================  =====================================
+``GET  /api/health``                        200 ok / 503 unavailable (no-store)
+``GET  /api/workers/health``                200 ``{"workers": bool}`` / 503 null
+``POST /api/teams/{team_id}/exports``       201 task; 401 403 404 413 422
+``POST /api/teams/{team_id}/reminders``     201 task; 401 403 404 413 422
+``GET  /api/teams/{team_id}/tasks?limit=``  200 ``{"tasks": [...]}``; 401 404 422
+``GET  /api/tasks/{task_id}``               200 task; 401 404
+``POST /api/tasks/{task_id}/retry``         202 ``{task_id, run, status}``; 401 403 404 409
+``POST /api/tasks/{task_id}/cancel``        202 ``{task_id, run, status}``; 401 404 409
+``GET  /api/tasks/{task_id}/csv``           200 text/csv; 401 404 409 410
+==========================================  =====================================
+
+Any task route answers 503 when the database is unreachable. A malformed id in a path
+answers 404, like a missing or invisible task or team.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from api import errors, health, tasks
+from api.middleware import BodyLimit, LastResort
+from api.resources import Resources
+from teamdesk.config import Settings
+from teamdesk.logs import setup_logging
+
+SERVICE = "api"
+# uvicorn's own loggers: routed to the root logger so their lines are JSON too.
+UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
+
+
+class _DropColorMessage(logging.Filter):
+    """uvicorn adds a ``color_message`` copy of some lines, with terminal escapes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.__dict__.pop("color_message", None)
+        return True
+
+
+def _json_logs(level: str) -> None:
+    setup_logging(SERVICE, level)
+    for name in UVICORN_LOGGERS:
+        uvicorn_logger = logging.getLogger(name)
+        uvicorn_logger.handlers.clear()
+        uvicorn_logger.propagate = True
+        if not any(isinstance(f, _DropColorMessage) for f in uvicorn_logger.filters):
+            uvicorn_logger.addFilter(_DropColorMessage())
+
+
+def create_api(settings: Settings | None = None, *, configure_logging: bool = True) -> FastAPI:
+    """Build the app; ``settings=None`` reads the environment on first use, not at import.
+
+    ``configure_logging`` installs the JSON log handler (service ``api``) at startup;
+    tests turn it off to keep pytest's capture.
+    """
+    res = Resources(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if configure_logging:
+            _json_logs(res.settings.log_level)
+        try:
+            yield
+        finally:
+            res.close()
+
+    app = FastAPI(
+        title="TeamDesk tasks API",
+        version="1.0",
+        description="Health probes and background tasks (exports, reminders) of TeamDesk. "
+        "Task routes need `Authorization: Bearer <token>`.",
+        lifespan=lifespan,
+    )
+    app.state.resources = res
+    app.include_router(health.router)
+    app.include_router(tasks.router)
+    errors.install(app)
+    app.add_middleware(LastResort)
+    app.add_middleware(BodyLimit)
+    return app
+
+
+app = create_api()

@@ -1,0 +1,167 @@
+"""How errors become HTTP answers: always ``{"detail": "<fixed message>"}``.
+
+- ledger errors: NotFound 404, NotAllowed 403, InvalidInput / rejected filters 422,
+  InvalidState 409 (their messages are fixed text chosen by the ledger);
+- request validation: 422 with a fixed message per field (never the input, never
+  pydantic's own text); a malformed id in the path answers 404 exactly like a missing
+  task or team, since it names nothing the caller can see;
+- an unauthenticated request to a task route answers 401 even when its path or body is
+  also invalid (the token is checked first);
+- a body that is not JSON at all (not UTF-8, nested too deep) is 422 like malformed JSON
+  (FastAPI alone would answer 400);
+- the database unreachable or too slow: 503. Logs carry the error class only, never
+  SQL parameters (which hold request bodies).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import sqlalchemy.exc
+from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from api.deps import resources, token_is_valid, unauthenticated
+from api.schemas import MAX_LIST_LIMIT
+from api.tasks import BODY_FIELDS
+from ledger import service
+from ledger.errors import (
+    InvalidInput,
+    InvalidState,
+    LedgerError,
+    NotAllowed,
+    NotFound,
+    TaskRejected,
+)
+from ledger.filters import MSG_NOT_OBJECT
+
+MSG_TEAM_NOT_FOUND = "Team not found."
+MSG_TASK_NOT_FOUND = NotFound().message
+MSG_UNAVAILABLE = "the service is temporarily unavailable; try again shortly"
+MSG_BODY_JSON = "the request body must be a JSON object"
+MSG_INVALID = "the request is invalid; see /docs for the expected form"
+MSG_LIMIT = f"limit must be a whole number from 1 to {MAX_LIST_LIMIT}"
+
+# The task routes: any request to them must authenticate before anything else is judged.
+PROTECTED_PREFIXES = ("/api/teams/", "/api/tasks/")
+
+# Fixed messages for invalid fields, by (location, field).
+FIELD_MESSAGES = {
+    ("body", "scope"): service.MSG_SCOPE,
+    ("body", "filters"): MSG_NOT_OBJECT,
+    ("body", "ticket_id"): service.MSG_TICKET,
+    ("body", "run_at"): service.MSG_RUN_AT,
+    ("query", "limit"): MSG_LIMIT,
+}
+NOT_FOUND_PATH = {"team_id": MSG_TEAM_NOT_FOUND, "task_id": MSG_TASK_NOT_FOUND}
+
+STATUS_BY_ERROR: tuple[tuple[type[LedgerError], int], ...] = (
+    (NotFound, 404),
+    (NotAllowed, 403),
+    (InvalidState, 409),
+    (InvalidInput, 422),
+    (TaskRejected, 422),  # InvalidFilters
+)
+
+UNAVAILABLE_ERRORS = (
+    sqlalchemy.exc.OperationalError,
+    sqlalchemy.exc.InterfaceError,
+    sqlalchemy.exc.TimeoutError,
+    sqlalchemy.exc.DisconnectionError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def error(status: int, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"detail": message}, status_code=status, headers=headers)
+
+
+def status_for(exc: LedgerError) -> int:
+    for cls, status in STATUS_BY_ERROR:
+        if isinstance(exc, cls):
+            return status
+    return 500
+
+
+async def ledger_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, LedgerError)
+    return error(status_for(exc), exc.message)
+
+
+async def database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    logger.warning(
+        "database unavailable", extra={"error": type(exc).__name__, "path": _route_path(request)}
+    )
+    return error(503, MSG_UNAVAILABLE, headers={"Retry-After": "5"})
+
+
+async def invalid_request(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    status, message = validation_answer(exc.errors(), _route_path(request))
+    return await _unless_unauthenticated(request, error(status, message))
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's answer, except a body it could not even decode (not UTF-8, nested too
+    deep): that is invalid input like any malformed JSON, so 422 (after authentication)."""
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        return await _unless_unauthenticated(request, error(422, MSG_BODY_JSON))
+    return await http_exception_handler(request, exc)
+
+
+async def _unless_unauthenticated(request: Request, answer: JSONResponse) -> JSONResponse:
+    """``answer``, or 401 when a task route was called without a known token."""
+    if request.url.path.startswith(PROTECTED_PREFIXES):
+        try:
+            known = await run_in_threadpool(token_is_valid, resources(request), request)
+        except UNAVAILABLE_ERRORS as db_exc:
+            return await database_unavailable(request, db_exc)
+        if not known:
+            denied = unauthenticated()
+            return error(401, str(denied.detail), headers=denied.headers)
+    return answer
+
+
+def validation_answer(errors: Sequence[Any], route_path: str) -> tuple[int, str]:
+    """The status and fixed message for pydantic errors: a bad path id first, then the rest."""
+    locs = [tuple(err.get("loc", ())) for err in errors]
+    for loc in locs:
+        if len(loc) >= 2 and loc[0] == "path" and loc[1] in NOT_FOUND_PATH:
+            return 404, NOT_FOUND_PATH[str(loc[1])]
+    if not errors:
+        return 422, MSG_INVALID
+    return 422, _field_message(errors[0].get("type", ""), locs[0], route_path)
+
+
+def _field_message(kind: str, loc: tuple[Any, ...], route_path: str) -> str:
+    if loc[:1] == ("body",) and (len(loc) == 1 or kind == "json_invalid"):
+        return MSG_BODY_JSON
+    if kind == "extra_forbidden" and loc[:1] == ("body",):
+        allowed = BODY_FIELDS.get(route_path)
+        if allowed:
+            return f"the request body may only contain {', '.join(allowed)}"
+    return FIELD_MESSAGES.get(
+        (str(loc[0]), str(loc[1])) if len(loc) >= 2 else ("", ""), MSG_INVALID
+    )
+
+
+def _route_path(request: Request) -> str:
+    route = request.scope.get("route")
+    return str(getattr(route, "path", ""))
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(LedgerError, ledger_error)
+    app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    for cls in UNAVAILABLE_ERRORS:
+        app.add_exception_handler(cls, database_unavailable)

@@ -1,0 +1,81 @@
+"""``GET /api/health`` and ``GET /api/workers/health`` (SPEC §8-9).
+
+Both answer within :data:`CHECK_DEADLINE_S`: the check runs in a daemon thread and the
+request stops waiting at the deadline (see :mod:`api.bounded`). Answers never carry
+addresses or error text, and are never cached.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import sqlalchemy as sa
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from api.bounded import BoundedChecks, CheckFailed
+from api.deps import ResourcesDep
+from api.resources import Resources
+from api.schemas import HealthOut, WorkersOut
+from dispatcher.heartbeat import has_heartbeat
+
+CHECK_DEADLINE_S = 2.0
+NO_STORE = {"Cache-Control": "no-store"}
+
+logger = logging.getLogger(__name__)
+router = APIRouter(prefix="/api", tags=["health"])
+
+
+def select_one(res: Resources) -> None:
+    with res.health_engine.connect() as conn:
+        if conn.execute(sa.text("SELECT 1")).scalar_one() != 1:
+            raise CheckFailed("unexpected answer")
+
+
+def any_worker(res: Resources) -> bool:
+    return has_heartbeat(res.redis, res.settings.queue_prefix)
+
+
+def _checks(res: Resources) -> BoundedChecks:
+    return res.checks
+
+
+@router.get(
+    "/health",
+    response_model=HealthOut,
+    summary="Whether the API can reach PostgreSQL",
+    description="`SELECT 1` on the database within about 2 s: 200 `ok`, else 503 "
+    "`unavailable`. Does not test Redis, workers or logins. Never cached.",
+    responses={503: {"model": HealthOut, "description": "the database did not answer"}},
+)
+async def health(res: ResourcesDep) -> JSONResponse:
+    try:
+        await _checks(res).run(lambda: select_one(res), CHECK_DEADLINE_S)
+    except CheckFailed as exc:
+        _log_failure("database", exc)
+        return JSONResponse({"status": "unavailable"}, status_code=503, headers=NO_STORE)
+    return JSONResponse({"status": "ok"}, headers=NO_STORE)
+
+
+@router.get(
+    "/workers/health",
+    response_model=WorkersOut,
+    summary="Whether any worker process has a live heartbeat",
+    description="`workers` is true when at least one worker heartbeat (SPEC §8) is live. "
+    "503 with `workers: null` when Redis cannot be read within about 2 s. Never cached.",
+    responses={503: {"model": WorkersOut, "description": "Redis could not be read"}},
+)
+async def workers_health(res: ResourcesDep) -> JSONResponse:
+    try:
+        live = await _checks(res).run(lambda: any_worker(res), CHECK_DEADLINE_S)
+    except CheckFailed as exc:
+        _log_failure("redis", exc)
+        return JSONResponse({"workers": None}, status_code=503, headers=NO_STORE)
+    return JSONResponse({"workers": bool(live)}, headers=NO_STORE)
+
+
+def _log_failure(check: str, exc: CheckFailed) -> None:
+    cause: Any = exc.__cause__
+    error = type(cause).__name__ if cause is not None else str(exc)
+    logger.warning("health check failed", extra={"check": check, "error": error})

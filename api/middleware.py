@@ -1,0 +1,116 @@
+"""Two small ASGI middlewares: a request-size limit and a last-resort error answer.
+
+:class:`BodyLimit` answers 413 to a body over :data:`MAX_BODY_BYTES` (by its
+``Content-Length``, or by counting a chunked body while buffering it) before any route
+runs. :class:`LastResort` turns an unexpected exception into ``500 {"detail": "internal
+error"}`` and logs only its class and where it was raised: Starlette's own handler would
+log the exception's text, and a database error's text holds SQL parameters, which hold
+request bodies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import traceback
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+MAX_BODY_BYTES = 64 * 1024
+MSG_TOO_LARGE = f"the request body must be at most {MAX_BODY_BYTES // 1024} KiB"
+MSG_INTERNAL = "internal error"
+
+logger = logging.getLogger(__name__)
+
+
+async def send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+    payload = json.dumps(body).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+class BodyLimit:
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self._declared_length(scope) > self.max_bytes:
+            await send_json(send, 413, {"detail": MSG_TOO_LARGE})
+            return
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await send_json(send, 413, {"detail": MSG_TOO_LARGE})
+                return
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(messages, receive), send)
+
+    @staticmethod
+    def _declared_length(scope: Scope) -> int:
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    return int(value)
+                except ValueError:
+                    return 0
+        return 0
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replay() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replay
+
+
+class LastResort:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            logger.error(
+                "unexpected error", extra={"error": type(exc).__name__, "where": _our_frame(exc)}
+            )
+            if started:
+                raise RuntimeError("response already started") from None
+            await send_json(send, 500, {"detail": MSG_INTERNAL})
+
+
+def _our_frame(exc: BaseException) -> str:
+    """``file:line`` of the innermost frame in this project's code (else the innermost)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if "site-packages" not in f.filename] or frames
+    if not ours:
+        return "unknown"
+    return f"{ours[-1].filename}:{ours[-1].lineno}"

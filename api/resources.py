@@ -1,0 +1,111 @@
+"""What the API holds open: its settings, database engines and Redis client.
+
+Everything is created on first use, so importing :mod:`api.app` (or building the app)
+needs neither a database nor Redis; the lifespan's shutdown closes what was opened.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import redis
+import sqlalchemy as sa
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from sqlalchemy.engine import Engine
+from sqlalchemy.pool import NullPool
+
+from api.bounded import BoundedChecks
+from teamdesk.config import Settings, get_settings
+from teamdesk.db import make_engine, sqlalchemy_url
+
+# Task routes: give up on a busy or absent database instead of holding the request.
+DB_CONNECT_TIMEOUT_S = 3  # libpq takes whole seconds (2 at least)
+DB_STATEMENT_TIMEOUT_MS = 10_000
+DB_POOL_TIMEOUT_S = 5.0
+
+# Health probes (SPEC §9): bounded well below an orchestrator's probe timeout.
+HEALTH_CONNECT_TIMEOUT_S = 2
+HEALTH_STATEMENT_TIMEOUT_MS = 2_000
+REDIS_TIMEOUT_S = 1.0
+
+
+class Resources:
+    """Lazily opened connections for one app; ``settings=None`` means the process-wide ones."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self._settings = settings
+        self._lock = threading.Lock()
+        self._engine: Engine | None = None
+        self._health_engine: Engine | None = None
+        self._redis: redis.Redis | None = None
+        self.checks = BoundedChecks()  # the threads that run health checks
+
+    @property
+    def settings(self) -> Settings:
+        if self._settings is None:
+            self._settings = get_settings()
+        return self._settings
+
+    @property
+    def engine(self) -> Engine:
+        """The pool the task routes use (statement timeout, short pool wait)."""
+        with self._lock:
+            if self._engine is None:
+                self._engine = make_engine(
+                    self.settings.database_url,
+                    pool_timeout=DB_POOL_TIMEOUT_S,
+                    connect_args=_connect_args(
+                        "teamdesk-api", DB_CONNECT_TIMEOUT_S, DB_STATEMENT_TIMEOUT_MS
+                    ),
+                )
+            return self._engine
+
+    @property
+    def health_engine(self) -> Engine:
+        """No pool: each health check proves that a new connection can be made."""
+        with self._lock:
+            if self._health_engine is None:
+                self._health_engine = sa.create_engine(
+                    sqlalchemy_url(self.settings.database_url),
+                    poolclass=NullPool,
+                    connect_args=_connect_args(
+                        "teamdesk-api-health", HEALTH_CONNECT_TIMEOUT_S, HEALTH_STATEMENT_TIMEOUT_MS
+                    ),
+                )
+            return self._health_engine
+
+    @property
+    def redis(self) -> redis.Redis:
+        """Short socket timeouts and no retries: a frozen Redis must not hold a request."""
+        with self._lock:
+            if self._redis is None:
+                self._redis = redis.Redis.from_url(
+                    self.settings.redis_url,
+                    socket_connect_timeout=REDIS_TIMEOUT_S,
+                    socket_timeout=REDIS_TIMEOUT_S,
+                    retry=Retry(NoBackoff(), 0),
+                )
+            return self._redis
+
+    def close(self) -> None:
+        """Close whatever was opened (a later use opens it again); safe to call twice."""
+        with self._lock:
+            engines = [e for e in (self._engine, self._health_engine) if e is not None]
+            client = self._redis
+            self._engine = self._health_engine = None
+            self._redis = None
+        for engine in engines:
+            engine.dispose()
+        if client is not None:
+            client.close()
+
+
+def _connect_args(
+    name: str, connect_timeout_s: int, statement_timeout_ms: int
+) -> dict[str, object]:
+    return {
+        "connect_timeout": connect_timeout_s,
+        "application_name": name,
+        "options": f"-c statement_timeout={statement_timeout_ms}",
+    }

@@ -1,0 +1,137 @@
+"""Request and response bodies, as the OpenAPI document shows them.
+
+Request bodies take no unknown fields and coerce nothing (no number read as text or as
+a Unix time). Export filters stay a plain
+JSON object here and are validated by :func:`ledger.filters.validate_filters`, the one
+rule the API, the CLI and the worker share; the schema below only documents them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator
+
+from ledger.filters import MAX_Q_LENGTH
+from ledger.models import TICKET_PRIORITIES, TICKET_STATUSES
+
+MAX_LIST_LIMIT = 200
+DEFAULT_LIST_LIMIT = 100
+
+FILTERS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "status": {
+            "type": "array",
+            "minItems": 1,
+            "items": {"type": "string", "enum": list(TICKET_STATUSES)},
+        },
+        "priority": {
+            "type": "array",
+            "minItems": 1,
+            "items": {"type": "string", "enum": list(TICKET_PRIORITIES)},
+        },
+        "assignee_id": {"type": "string", "format": "uuid"},
+        "created_from": {"type": "string", "format": "date"},
+        "created_to": {"type": "string", "format": "date"},
+        "q": {"type": "string", "maxLength": MAX_Q_LENGTH},
+    },
+}
+
+
+class ExportRequest(BaseModel):
+    """Ask for a CSV of the team's tickets (TEAM, staff only) or of your own (MINE)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    scope: Literal["TEAM", "MINE"]
+    filters: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Every key optional: status, priority, assignee_id, created_from, "
+        "created_to (YYYY-MM-DD, inclusive), q (title substring, at most 200 characters).",
+        json_schema_extra=FILTERS_SCHEMA,
+    )
+
+
+class ReminderRequest(BaseModel):
+    """Remind a ticket's assignee at ``run_at`` (default: now). Staff only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ticket_id: uuid.UUID
+    run_at: AwareDatetime | None = Field(
+        default=None, description="ISO 8601 date and time with a time zone"
+    )
+
+    @field_validator("ticket_id", mode="before")
+    @classmethod
+    def _uuid_text(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            raise ValueError("ticket_id must be a string")
+        return value
+
+    @field_validator("run_at", mode="before")
+    @classmethod
+    def _iso_8601(cls, value: Any) -> Any:
+        """ISO 8601 text only (no numbers read as Unix times, no bare dates), kept in UTC:
+        PostgreSQL refuses offsets Python accepts (beyond about 16 hours)."""
+        if value is None:
+            return None
+        if not isinstance(value, str) or "T" not in value.upper():
+            raise ValueError("run_at must be an ISO 8601 date and time")
+        try:
+            parsed = datetime.fromisoformat(value)
+            return parsed if parsed.tzinfo is None else parsed.astimezone(UTC)
+        except (ValueError, OverflowError):
+            raise ValueError("run_at must be an ISO 8601 date and time") from None
+
+
+class TaskOut(BaseModel):
+    """A task as its owner (or a staff member, for TEAM scope) sees it; never the CSV body."""
+
+    id: uuid.UUID
+    kind: Literal["EXPORT", "REMINDER"]
+    team_id: uuid.UUID
+    owner_id: uuid.UUID
+    scope: Literal["TEAM", "MINE"]
+    filters: dict[str, Any]
+    status: Literal["WAITING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"]
+    run: int = Field(description='0 at creation, +1 at each manual retry; shown as "run run+1"')
+    attempts: int = Field(description="attempt number inside the current run")
+    progress: int = Field(ge=0, le=100)
+    last_error: str | None
+    result_summary: str | None
+    run_at: datetime
+    dispatched_at: datetime | None
+    recoveries: int
+    expires_at: datetime | None = Field(description="when the export's CSV is deleted")
+    created_at: datetime
+    updated_at: datetime
+    has_csv: bool = Field(description="whether GET /api/tasks/{id}/csv has a file to give")
+
+
+class TaskListOut(BaseModel):
+    tasks: list[TaskOut] = Field(description="newest first")
+
+
+class AcceptedOut(BaseModel):
+    """The request was accepted; the work happens later, on a worker."""
+
+    task_id: uuid.UUID
+    run: int
+    status: Literal["WAITING", "CANCELLED"]
+
+
+class ErrorOut(BaseModel):
+    detail: str
+
+
+class HealthOut(BaseModel):
+    status: Literal["ok", "unavailable"]
+
+
+class WorkersOut(BaseModel):
+    workers: bool | None = Field(description="null when Redis could not be read")

@@ -1,0 +1,226 @@
+"""The task routes (SPEC §9): create, list, read, retry, cancel, download.
+
+Each route authenticates and calls :mod:`ledger.service` inside one short transaction;
+any error rolls it back, so a refused request writes nothing. Creating a task only
+writes its WAITING row: the dispatcher scan publishes it, the API never waits on a
+worker. Visibility is the ledger's: whatever the caller cannot see answers 404, the
+same as something missing.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, Response
+
+from api.deps import ResourcesDep, TokenDep, authenticate
+from api.schemas import (
+    DEFAULT_LIST_LIMIT,
+    MAX_LIST_LIMIT,
+    AcceptedOut,
+    ErrorOut,
+    ExportRequest,
+    ReminderRequest,
+    TaskListOut,
+    TaskOut,
+)
+from ledger import service
+from ledger.errors import InvalidInput, InvalidState
+from ledger.filters import validate_filters
+
+MSG_NOT_AN_EXPORT = "only export tasks have a CSV"
+MSG_NOT_COMPLETED = "the export is not complete yet; its CSV is not available"
+MSG_EXPIRED = "the export's CSV has expired (it is kept 24 hours); create a new export"
+MSG_TEXT = "filters.q must be text without NUL characters or unpaired surrogates"
+
+EXPORTS_PATH = "/teams/{team_id}/exports"
+REMINDERS_PATH = "/teams/{team_id}/reminders"
+# The fields each request body may hold, by route path (for "unknown field" answers).
+BODY_FIELDS = {
+    "/api" + EXPORTS_PATH: tuple(ExportRequest.model_fields),
+    "/api" + REMINDERS_PATH: tuple(ReminderRequest.model_fields),
+}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    meaning = {
+        401: "missing or unknown bearer token",
+        403: "not allowed (for example a customer asking for the whole team)",
+        404: "not found, or not visible to you (the same answer)",
+        409: "the task is not in a state that allows this",
+        410: "the CSV has expired or was purged",
+        413: "the request body is too large",
+        422: "invalid input; nothing was written",
+        503: "the database is unavailable",
+    }
+    return {s: {"model": ErrorOut, "description": meaning[s]} for s in (401, *statuses, 503)}
+
+
+router = APIRouter(prefix="/api", tags=["tasks"])
+
+
+def _storable_filters(filters: dict[str, Any]) -> None:
+    """Reject text PostgreSQL's jsonb cannot store (NUL, lone surrogates) as invalid input."""
+    validate_filters(filters)
+    q = filters.get("q")
+    if isinstance(q, str) and ("\x00" in q or not _encodable(q)):
+        raise InvalidInput(MSG_TEXT)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+@router.post(
+    EXPORTS_PATH,
+    status_code=201,
+    response_model=TaskOut,
+    summary="Ask for a CSV export of tickets",
+    responses=_errors(403, 404, 413, 422),
+)
+def create_export(
+    team_id: uuid.UUID,
+    body: ExportRequest,
+    response: Response,
+    token: TokenDep,
+    res: ResourcesDep,
+) -> dict[str, Any]:
+    with res.engine.begin() as conn:
+        user_id = authenticate(conn, token)
+        _storable_filters(body.filters)
+        task_id = service.create_export(conn, team_id, user_id, body.scope, body.filters)
+        view = service.get_task(conn, task_id, user_id).as_dict()
+    response.headers["Location"] = f"/api/tasks/{task_id}"
+    return view
+
+
+@router.post(
+    REMINDERS_PATH,
+    status_code=201,
+    response_model=TaskOut,
+    summary="Schedule a reminder for a ticket's assignee (staff only)",
+    responses=_errors(403, 404, 413, 422),
+)
+def create_reminder(
+    team_id: uuid.UUID,
+    body: ReminderRequest,
+    response: Response,
+    token: TokenDep,
+    res: ResourcesDep,
+) -> dict[str, Any]:
+    with res.engine.begin() as conn:
+        user_id = authenticate(conn, token)
+        task_id = service.create_reminder(conn, team_id, user_id, body.ticket_id, body.run_at)
+        view = service.get_task(conn, task_id, user_id).as_dict()
+    response.headers["Location"] = f"/api/tasks/{task_id}"
+    return view
+
+
+@router.get(
+    "/teams/{team_id}/tasks",
+    response_model=TaskListOut,
+    summary="The team's tasks you can see, newest first",
+    responses=_errors(404, 422),
+)
+def list_tasks(
+    team_id: uuid.UUID,
+    token: TokenDep,
+    res: ResourcesDep,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = DEFAULT_LIST_LIMIT,
+) -> dict[str, Any]:
+    with res.engine.begin() as conn:
+        user_id = authenticate(conn, token)
+        views = service.list_tasks(conn, team_id, user_id, limit)
+    return {"tasks": [view.as_dict() for view in views]}
+
+
+@router.get(
+    "/tasks/{task_id}",
+    response_model=TaskOut,
+    summary="One task: status, run, attempts, progress, last error, result",
+    responses=_errors(404),
+)
+def get_task(
+    task_id: uuid.UUID,
+    token: TokenDep,
+    res: ResourcesDep,
+) -> dict[str, Any]:
+    with res.engine.begin() as conn:
+        user_id = authenticate(conn, token)
+        return service.get_task(conn, task_id, user_id).as_dict()
+
+
+@router.post(
+    "/tasks/{task_id}/retry",
+    status_code=202,
+    response_model=AcceptedOut,
+    summary="Start a new run of a FAILED or CANCELLED task (accepted, not done)",
+    responses=_errors(403, 404, 409),
+)
+def retry_task(
+    task_id: uuid.UUID,
+    token: TokenDep,
+    res: ResourcesDep,
+) -> dict[str, Any]:
+    with res.engine.begin() as conn:
+        user_id = authenticate(conn, token)
+        run = service.retry(conn, task_id, user_id)
+    return {"task_id": task_id, "run": run, "status": "WAITING"}
+
+
+@router.post(
+    "/tasks/{task_id}/cancel",
+    status_code=202,
+    response_model=AcceptedOut,
+    summary="Cancel a WAITING or RUNNING task; a running execution stops at its next write",
+    responses=_errors(404, 409),
+)
+def cancel_task(
+    task_id: uuid.UUID,
+    token: TokenDep,
+    res: ResourcesDep,
+) -> dict[str, Any]:
+    with res.engine.begin() as conn:
+        user_id = authenticate(conn, token)
+        service.cancel(conn, task_id, user_id)
+        run = service.get_task(conn, task_id, user_id).row["run"]
+    return {"task_id": task_id, "run": run, "status": "CANCELLED"}
+
+
+@router.get(
+    "/tasks/{task_id}/csv",
+    response_class=Response,
+    summary="Download a completed export's CSV (kept 24 hours)",
+    responses={
+        200: {"content": {"text/csv": {"schema": {"type": "string"}}}, "description": "the CSV"},
+        **_errors(404, 409, 410),
+    },
+)
+def download_csv(
+    task_id: uuid.UUID,
+    token: TokenDep,
+    res: ResourcesDep,
+) -> Response:
+    with res.engine.begin() as conn:
+        user_id = authenticate(conn, token)
+        task, csv, expires_at = service.read_csv(conn, task_id, user_id)
+    if task["kind"] != "EXPORT":
+        raise InvalidState(MSG_NOT_AN_EXPORT)
+    if task["status"] != "COMPLETED":
+        raise InvalidState(MSG_NOT_COMPLETED)
+    if csv is None or expires_at is None or expires_at <= datetime.now(UTC):
+        raise HTTPException(410, MSG_EXPIRED)
+    return Response(
+        csv.encode("utf-8"),
+        media_type="text/csv; charset=utf-8",
+        headers={
+            "Content-Disposition": f'attachment; filename="export-{task_id}.csv"',
+            "Cache-Control": "no-store",
+        },
+    )
