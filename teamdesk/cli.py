@@ -1,4 +1,10 @@
-"""``teamdesk-tasks``: the operator's command line."""
+"""``teamdesk-tasks``: the operator's command line.
+
+``migrate``, ``health`` and ``scan`` are here; the others live in ``teamdesk/commands/``
+(``serve`` = api, ``local`` = demo-seed and run-local, ``task_commands`` = submit, status,
+retry, cancel, token, ``watch``). Parsing imports only the standard library, so ``--help``
+and the ``health`` probe stay fast and never load Celery.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from teamdesk.commands import local, serve, task_commands, watch
 from teamdesk.config import settings_or_exit
 from teamdesk.logs import setup_logging
 
@@ -17,6 +24,15 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     from ledger.migrate import current_revision, upgrade
 
     settings = settings_or_exit()
+    if args.create_database:
+        from teamdesk.localrun import RunError, ensure_database
+
+        try:
+            if ensure_database(settings.database_url):
+                print("database created")
+        except RunError as exc:
+            print(f"teamdesk-tasks migrate: {exc}", file=sys.stderr)
+            return 1
     try:
         upgrade(settings.database_url)
         revision = current_revision(settings.database_url)
@@ -48,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="teamdesk-tasks",
         description="TeamDesk task cluster: ledger, dispatcher and worker operations. "
         "Configuration comes from the environment (DATABASE_URL, REDIS_URL, ...).",
+        epilog="Every command has --help. Task commands exit 0 when done, 1 when refused "
+        "or failed, 2 on invalid arguments or input.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     migrate = sub.add_parser(
@@ -55,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="apply database migrations (idempotent)",
         description="Bring the database schema to the newest revision. "
         "Safe to run again and from several hosts at once.",
+    )
+    migrate.add_argument(
+        "--create-database",
+        action="store_true",
+        help="first create the database DATABASE_URL names when it does not exist "
+        "(through the server's 'postgres' maintenance database)",
     )
     migrate.set_defaults(handler=cmd_migrate)
     health = sub.add_parser(
@@ -82,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     scan.add_argument("--json", action="store_true", help="print the counts as one JSON object")
     scan.set_defaults(handler=cmd_scan)
+    serve.register(sub)
+    local.register(sub)
+    task_commands.register(sub)
+    watch.register(sub)
     return parser
 
 
@@ -92,7 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging("cli", settings.log_level)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     handler: Handler = args.handler
-    return handler(args)
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

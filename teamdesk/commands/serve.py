@@ -1,0 +1,53 @@
+"""``teamdesk-tasks api``: serve the HTTP API (``api.app:app``) with uvicorn.
+
+Logs are the project's JSON lines (service ``api``): uvicorn's own logging setup is
+turned off (``log_config=None``) so its records reach our root handler. SIGTERM or
+Ctrl-C stops it gracefully (requests in flight finish) and the process exits 0; a
+server that cannot start (port taken, app not importable) exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from types import FrameType
+from typing import Any
+
+from teamdesk.commands.common import port_arg
+
+APP = "api.app:app"
+
+
+def _note_signal(signum: int, frame: FrameType | None) -> None:
+    """Receives the signal uvicorn re-raises after its graceful shutdown.
+
+    uvicorn handles SIGTERM/SIGINT itself, then restores the previous handlers and raises
+    the signal again so the process ends "as if" killed by it (exit 143 / 130). A stop
+    that ended cleanly should exit 0, so the previous handler is this no-op."""
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from teamdesk.config import settings_or_exit
+    from teamdesk.logs import setup_logging
+
+    setup_logging("api", settings_or_exit().log_level)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _note_signal)
+    uvicorn.run(APP, host=args.host, port=args.port, log_config=None)
+    return 0
+
+
+def register(sub: Any) -> None:
+    api = sub.add_parser(
+        "api",
+        help="serve the HTTP API with uvicorn",
+        description="Serve the HTTP API (health, tasks, CSV download) with uvicorn, logging "
+        "JSON lines (service api). SIGTERM or Ctrl-C stops it gracefully (exit 0).",
+    )
+    api.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    api.add_argument(
+        "--port", type=port_arg, default=8000, help="port to listen on (default: 8000)"
+    )
+    api.set_defaults(handler=cmd_api)

@@ -1,0 +1,237 @@
+"""``submit export|reminder``, ``status``, ``retry``, ``cancel``, ``token create``.
+
+They act through ``ledger.service`` and ``ledger.tokens`` as the user named by
+``--user EMAIL``, so the CLI authorises exactly like the API. They write the ledger only:
+the dispatcher's scan (beat, every SCAN_INTERVAL_S) publishes new and retried runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import uuid
+from typing import Any
+
+from teamdesk.commands.common import (
+    EXIT_OK,
+    EXIT_STATUS_HELP,
+    aware_datetime_arg,
+    guarded,
+    json_arg,
+    uuid_arg,
+)
+
+PUBLISH_NOTE = (
+    "The command only writes the WAITING row; the dispatcher scan (run by beat every "
+    "SCAN_INTERVAL_S, or once by `teamdesk-tasks scan`) publishes it to the queue."
+)
+
+
+def _user(conn: Any, email: str) -> uuid.UUID:
+    from ledger.tokens import user_id_by_email
+
+    return user_id_by_email(conn, email)
+
+
+def _print_created(view: Any, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(view.as_dict(), sort_keys=True))
+    else:
+        print(view.as_dict()["id"])
+
+
+def cmd_submit_export(args: argparse.Namespace) -> int:
+    from ledger import service
+    from teamdesk.db import get_engine
+
+    with get_engine().begin() as conn:
+        user_id = _user(conn, args.user)
+        task_id = service.create_export(conn, args.team, user_id, args.scope, args.filters)
+        view = service.get_task(conn, task_id, user_id)
+    _print_created(view, args.json)
+    return EXIT_OK
+
+
+def cmd_submit_reminder(args: argparse.Namespace) -> int:
+    from ledger import service
+    from teamdesk.db import get_engine
+
+    with get_engine().begin() as conn:
+        user_id = _user(conn, args.user)
+        task_id = service.create_reminder(conn, args.team, user_id, args.ticket, args.run_at)
+        view = service.get_task(conn, task_id, user_id)
+    _print_created(view, args.json)
+    return EXIT_OK
+
+
+def read_view(conn: Any, task_id: uuid.UUID, email: str | None) -> dict[str, Any]:
+    """The task as ``email`` may see it, or (no email) the operator's view of the row."""
+    from ledger import service
+
+    if email is not None:
+        return service.get_task(conn, task_id, _user(conn, email)).as_dict()
+    return service.read_task_as_operator(conn, task_id).as_dict()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from teamdesk.db import get_engine
+
+    with get_engine().connect() as conn:
+        view = read_view(conn, args.id, args.user)
+    print(json.dumps(view, indent=2, sort_keys=True))
+    return EXIT_OK
+
+
+def cmd_retry(args: argparse.Namespace) -> int:
+    from ledger import service
+    from teamdesk.db import get_engine
+
+    with get_engine().begin() as conn:
+        run = service.retry(conn, args.id, _user(conn, args.user))
+    print(f"{args.id}: run {run + 1} is WAITING; the dispatcher will publish it")
+    return EXIT_OK
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from ledger import service
+    from teamdesk.db import get_engine
+
+    with get_engine().begin() as conn:
+        service.cancel(conn, args.id, _user(conn, args.user))
+    print(f"{args.id}: CANCELLED")
+    return EXIT_OK
+
+
+def cmd_token_create(args: argparse.Namespace) -> int:
+    from ledger.tokens import create_token
+    from teamdesk.db import get_engine
+
+    with get_engine().begin() as conn:
+        raw = create_token(conn, _user(conn, args.email), args.name)
+    print(raw)
+    return EXIT_OK
+
+
+def _add_user(parser: argparse.ArgumentParser, required: bool = True, extra: str = "") -> None:
+    parser.add_argument(
+        "--user",
+        metavar="EMAIL",
+        required=required,
+        help="act as this user (authorised as in the API)" + extra,
+    )
+
+
+def _sub(sub: Any, name: str, help_text: str, description: str) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name, help=help_text, description=description, epilog=EXIT_STATUS_HELP
+    )
+    return parser
+
+
+def _register_submit(sub: Any) -> None:
+    submit = _sub(
+        sub, "submit", "create an export or a reminder task", "Create a task. " + PUBLISH_NOTE
+    )
+    kinds = submit.add_subparsers(dest="action", metavar="KIND", required=True)
+    export = _sub(
+        kinds,
+        "export",
+        "create an export (CSV of tickets)",
+        "Create a WAITING export for --team as --user and print its id. " + PUBLISH_NOTE,
+    )
+    _add_user(export)
+    export.add_argument(
+        "--team", metavar="TEAM_ID", type=uuid_arg, required=True, help="the team's id"
+    )
+    export.add_argument(
+        "--scope",
+        choices=("TEAM", "MINE"),
+        default="TEAM",
+        help="TEAM: all the team's tickets (staff only); MINE: tickets the user requested "
+        "or is assigned (default: TEAM)",
+    )
+    export.add_argument(
+        "--filters",
+        metavar="JSON",
+        type=json_arg,
+        default={},
+        help='export filters (SPEC §3), e.g. \'{"status": ["OPEN"], "q": "printer"}\'',
+    )
+    export.add_argument("--json", action="store_true", help="print the new task as JSON")
+    export.set_defaults(handler=guarded(cmd_submit_export))
+    reminder = _sub(
+        kinds,
+        "reminder",
+        "schedule a reminder for a ticket's assignee (staff only)",
+        "Create a WAITING reminder for --ticket, due at --run-at, and print its id. "
+        + PUBLISH_NOTE,
+    )
+    _add_user(reminder)
+    reminder.add_argument(
+        "--team", metavar="TEAM_ID", type=uuid_arg, required=True, help="the team's id"
+    )
+    reminder.add_argument(
+        "--ticket", metavar="TICKET_ID", type=uuid_arg, required=True, help="a ticket of the team"
+    )
+    reminder.add_argument(
+        "--run-at",
+        metavar="ISO",
+        type=aware_datetime_arg,
+        help="not before this time, with a time zone (default: now)",
+    )
+    reminder.add_argument("--json", action="store_true", help="print the new task as JSON")
+    reminder.set_defaults(handler=guarded(cmd_submit_reminder))
+
+
+def _register_task_ops(sub: Any) -> None:
+    status = _sub(
+        sub,
+        "status",
+        "print a task as JSON",
+        "Print the task (status, run, attempts, progress, last_error, ...) as JSON. "
+        "With --user, as that user may see it (else: not found); without, the operator's "
+        "view of the row, read by id with no authorisation check.",
+    )
+    status.add_argument("id", metavar="ID", type=uuid_arg, help="task id")
+    _add_user(status, required=False, extra="; default: operator view")
+    status.set_defaults(handler=guarded(cmd_status))
+    retry = _sub(
+        sub,
+        "retry",
+        "start a new run of a FAILED or CANCELLED task",
+        "Open a new run (run+1, WAITING) of a FAILED or CANCELLED task, as --user. " + PUBLISH_NOTE,
+    )
+    retry.add_argument("id", metavar="ID", type=uuid_arg, help="task id")
+    _add_user(retry)
+    retry.set_defaults(handler=guarded(cmd_retry))
+    cancel = _sub(
+        sub,
+        "cancel",
+        "cancel a WAITING or RUNNING task",
+        "Cancel a WAITING or RUNNING task as --user. A running execution loses its lease "
+        "and stops at its next ledger write; it can never commit a result.",
+    )
+    cancel.add_argument("id", metavar="ID", type=uuid_arg, help="task id")
+    _add_user(cancel)
+    cancel.set_defaults(handler=guarded(cmd_cancel))
+
+
+def _register_token(sub: Any) -> None:
+    token = _sub(sub, "token", "manage API tokens", "Manage the API's bearer tokens.")
+    actions = token.add_subparsers(dest="action", metavar="ACTION", required=True)
+    create = _sub(
+        actions,
+        "create",
+        "create a token for a user and print it once",
+        "Create an API token for the user with this email and print it (only its hash is "
+        "stored: it cannot be shown again).",
+    )
+    create.add_argument("email", metavar="EMAIL")
+    create.add_argument("--name", metavar="N", help="a label for the token")
+    create.set_defaults(handler=guarded(cmd_token_create))
+
+
+def register(sub: Any) -> None:
+    _register_submit(sub)
+    _register_task_ops(sub)
+    _register_token(sub)

@@ -1,0 +1,179 @@
+"""The demo team (``teamdesk-tasks demo-seed``, ``make run``): created once, tokens on demand.
+
+One transaction under an advisory lock: the team "Demo Support", a staff and a customer
+user with fixed emails, and :data:`DEFAULT_TICKETS` tickets made by one set-based INSERT
+(varied status, priority, titles with commas, quotes and formula-like starts, creation
+times spread over six weeks, a third assigned to the staff user). A second run finds the
+team by its staff member and creates nothing; every run issues fresh API tokens (only
+their hashes are stored, so earlier ones cannot be shown again).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+TEAM_NAME = "Demo Support"
+STAFF_EMAIL = "staff@demo.teamdesk.test"
+CUSTOMER_EMAIL = "customer@demo.teamdesk.test"
+DEFAULT_TICKETS = 3000
+SPREAD_DAYS = 42
+
+LOCK = text("SELECT pg_advisory_xact_lock(hashtext('teamdesk.demo-seed'))")
+
+FIND_TEAM = text("""
+    SELECT t.id FROM teams t
+      JOIN memberships m ON m.team_id = t.id AND m.role = 'STAFF'
+      JOIN users u ON u.id = m.user_id
+     WHERE t.name = :team_name AND lower(u.email) = lower(:staff_email)
+     ORDER BY t.created_at, t.id
+     LIMIT 1
+""")
+
+INSERT_TEAM = text("INSERT INTO teams (name) VALUES (:name) RETURNING id")
+
+UPSERT_USER = text("""
+    INSERT INTO users (email, name) VALUES (:email, :name)
+    ON CONFLICT (email) DO UPDATE SET name = users.name
+    RETURNING id
+""")
+
+USER_ID = text("SELECT id FROM users WHERE lower(email) = lower(:email)")
+
+INSERT_MEMBER = text("""
+    INSERT INTO memberships (team_id, user_id, role) VALUES (:team_id, :user_id, :role)
+    ON CONFLICT (team_id, user_id) DO UPDATE SET role = EXCLUDED.role
+""")
+
+# Titles exercise the CSV rules: commas, double quotes, non-ASCII, and cells that start
+# with = + - @ (exported with a leading ').
+TITLES = (
+    "Printer on the 3rd floor jams, again",
+    'Refund for order "A-{n}" not received',
+    "Cannot log in after password reset",
+    "=SUM(A1:A9) shows up in my invoice",
+    'Café Wi-Fi: "guest" network drops, every hour',
+    "+1 555 0100 asks for a callback",
+    "-15% discount not applied at checkout",
+    "@channel mention sends no notification",
+    "Export button greyed out for ticket {n}",
+    "VPN, DNS and the proxy: which one is it?",
+)
+
+INSERT_TICKETS = text("""
+    INSERT INTO tickets (team_id, title, status, priority, requester_id, assignee_id,
+                         due_at, created_at, updated_at)
+    SELECT :team_id,
+           replace((CAST(:titles AS text[]))[1 + g % cardinality(CAST(:titles AS text[]))],
+                   '{n}', CAST(1000 + g AS text)),
+           (ARRAY['OPEN', 'PENDING', 'RESOLVED', 'CLOSED'])[1 + (g * 7 + g / 10) % 4],
+           (ARRAY['LOW', 'NORMAL', 'NORMAL', 'HIGH', 'URGENT'])[1 + (g * 3 + g / 7) % 5],
+           CASE WHEN g % 5 = 0 THEN :staff_id ELSE :customer_id END,
+           CASE WHEN g % 3 = 0 THEN CAST(:staff_id AS uuid) END,
+           CASE WHEN g % 4 = 0 THEN created + interval '3 days' END,
+           created,
+           LEAST(now(), created + (g % 48) * interval '1 hour')
+      FROM (SELECT g, now() - make_interval(days => :days)
+                      + g * (make_interval(days => :days) / :count) AS created
+              FROM generate_series(1, :count) AS g) AS spread
+""")
+
+COUNT_TICKETS = text("SELECT count(*) FROM tickets WHERE team_id = :team_id")
+
+
+@dataclass(frozen=True)
+class DemoUser:
+    email: str
+    role: str
+    user_id: uuid.UUID
+    token: str | None = None
+
+
+@dataclass(frozen=True)
+class DemoTeam:
+    team_id: uuid.UUID
+    created: bool
+    tickets: int
+    users: list[DemoUser] = field(default_factory=list)
+
+    @property
+    def staff(self) -> DemoUser:
+        return next(u for u in self.users if u.role == "STAFF")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "team_id": str(self.team_id),
+            "team_name": TEAM_NAME,
+            "created": self.created,
+            "tickets": self.tickets,
+            "users": [
+                {"email": u.email, "role": u.role, "user_id": str(u.user_id), "token": u.token}
+                for u in self.users
+            ],
+        }
+
+
+def _user(conn: Connection, email: str, name: str) -> uuid.UUID:
+    return uuid.UUID(str(conn.execute(UPSERT_USER, {"email": email, "name": name}).scalar_one()))
+
+
+def _create(conn: Connection, tickets: int) -> uuid.UUID:
+    team_id = uuid.UUID(str(conn.execute(INSERT_TEAM, {"name": TEAM_NAME}).scalar_one()))
+    staff = _user(conn, STAFF_EMAIL, "Demo Staff")
+    customer = _user(conn, CUSTOMER_EMAIL, "Demo Customer")
+    for user_id, role in ((staff, "STAFF"), (customer, "CUSTOMER")):
+        conn.execute(INSERT_MEMBER, {"team_id": team_id, "user_id": user_id, "role": role})
+    params = {
+        "team_id": team_id,
+        "titles": list(TITLES),
+        "staff_id": staff,
+        "customer_id": customer,
+        "days": SPREAD_DAYS,
+        "count": tickets,
+    }
+    if tickets > 0:
+        conn.execute(INSERT_TICKETS, params)
+    return team_id
+
+
+def _users(conn: Connection, token_name: str | None) -> list[DemoUser]:
+    from ledger.tokens import create_token
+
+    users = []
+    for email, role in ((STAFF_EMAIL, "STAFF"), (CUSTOMER_EMAIL, "CUSTOMER")):
+        user_id = uuid.UUID(str(conn.execute(USER_ID, {"email": email}).scalar_one()))
+        token = create_token(conn, user_id, token_name) if token_name else None
+        users.append(DemoUser(email, role, user_id, token))
+    return users
+
+
+def seed(
+    conn: Connection, tickets: int = DEFAULT_TICKETS, token_name: str | None = "demo-seed"
+) -> DemoTeam:
+    """Create the demo team once; issue one new token per user (none if ``token_name``
+    is None). Runs in the caller's transaction."""
+    conn.execute(LOCK)
+    found = conn.execute(FIND_TEAM, {"team_name": TEAM_NAME, "staff_email": STAFF_EMAIL}).first()
+    created = found is None
+    team_id = _create(conn, tickets) if found is None else uuid.UUID(str(found.id))
+    count = int(conn.execute(COUNT_TICKETS, {"team_id": team_id}).scalar_one())
+    return DemoTeam(team_id, created, count, _users(conn, token_name))
+
+
+def describe(team: DemoTeam) -> str:
+    """What ``demo-seed`` prints: the team, the users and their new tokens."""
+    head = (
+        f'Demo team "{TEAM_NAME}" created with {team.tickets} tickets.'
+        if team.created
+        else f'Demo team "{TEAM_NAME}" already seeded ({team.tickets} tickets); '
+        "nothing created, new tokens issued."
+    )
+    lines = [head, f"team id   {team.team_id}"]
+    for user in team.users:
+        lines.append(f"{user.role.lower():<9} {user.email:<28} token {user.token}")
+    lines.append("Tokens are shown only now (only their hashes are stored).")
+    return "\n".join(lines)

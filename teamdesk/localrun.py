@@ -1,0 +1,279 @@
+"""The local cluster behind ``make run`` (``teamdesk-tasks run-local``).
+
+Before starting anything: create the database named in DATABASE_URL when it is missing
+(through the server's ``postgres`` maintenance database), migrate, seed the demo team
+(once; a fresh token for the demo staff user every time), check Redis, and print the
+Flower and API addresses with a ready-to-paste ``curl``. Then run the ``Procfile``'s
+processes in the foreground with honcho's manager, each output line prefixed with the
+process name.
+
+Stopping: the first SIGINT (Ctrl-C) or SIGTERM sends exactly one SIGTERM to each
+process, never to its process group, because Celery treats a second TERM/INT
+differently, and a prefork pool child must not get a signal meant for its parent.
+Celery workers then drain (SPEC §11, up to SHUTDOWN_TIMEOUT_S); beat, Flower and the API
+stop at once. A second signal, or the drain budget plus :data:`KILL_GRACE_S`, kills what
+is left (whole process groups). The runner exits 0 only when it was asked to stop and
+every process exited 0; a process that exits on its own stops the others and the runner
+exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from teamdesk.config import Settings
+
+if TYPE_CHECKING:
+    from teamdesk.demo import DemoTeam
+
+ROOT = Path(__file__).resolve().parents[1]
+PROCFILE = ROOT / "Procfile"
+KILL_GRACE_S = 15.0  # past the workers' own drain budget (75 s) and hard-exit guard (10 s)
+FLOWER_USER = "admin"
+API_PORT_ENV = "TEAMDESK_API_PORT"
+FLOWER_PORT_ENV = "TEAMDESK_FLOWER_PORT"
+TOKEN_NAME = "make run"
+
+
+class RunError(Exception):
+    """The local cluster cannot start; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    api_port: int
+    flower_port: int
+    flower_password: str
+    password_from_env: bool
+    procfile: Path
+    tickets: int
+
+
+def read_procfile(path: Path) -> dict[str, str]:
+    """``name: command`` lines (honcho's parser); comments and blank lines are skipped."""
+    from honcho.environ import parse_procfile
+
+    try:
+        content = path.read_text()
+    except OSError:
+        raise RunError(f"cannot read {path}; run from a checkout of the project") from None
+    processes = dict(parse_procfile(content).processes)
+    if not processes:
+        raise RunError(f"{path} names no processes")
+    return processes
+
+
+def exec_command(command: str) -> str:
+    """Make the shell replace itself with the command, so a signal to the child's pid
+    reaches the program itself (never a shell that would die and orphan it)."""
+    return command if command.startswith("exec ") else f"exec {command}"
+
+
+def child_env(options: LocalOptions, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    # Flower reads every FLOWER_* variable as one of its options and stops on one it does
+    # not know; the password reaches it as FLOWER_BASIC_AUTH (never on a command line).
+    env.pop("FLOWER_PASSWORD", None)
+    env["FLOWER_BASIC_AUTH"] = f"{FLOWER_USER}:{options.flower_password}"
+    env[API_PORT_ENV] = str(options.api_port)
+    env[FLOWER_PORT_ENV] = str(options.flower_port)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def ensure_database(database_url: str) -> bool:
+    """Create the database DATABASE_URL names, through the ``postgres`` maintenance
+    database of the same server, when it does not exist. True when it was created."""
+    import sqlalchemy as sa
+    from sqlalchemy import exc as sa_exc
+
+    from teamdesk.db import sqlalchemy_url
+
+    url = sa.engine.make_url(sqlalchemy_url(database_url))
+    name = url.database
+    if not name:
+        raise RunError("DATABASE_URL names no database")
+    admin = sa.create_engine(
+        url.set(database="postgres"),
+        isolation_level="AUTOCOMMIT",
+        poolclass=sa.pool.NullPool,
+        connect_args={"connect_timeout": 5},
+    )
+    try:
+        with admin.connect() as conn:
+            exists = conn.execute(
+                sa.text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": name}
+            ).first()
+            if exists:
+                return False
+            quoted = conn.dialect.identifier_preparer.quote_identifier(name)
+            try:
+                conn.execute(sa.text(f"CREATE DATABASE {quoted}"))
+            except sa_exc.ProgrammingError as exc:
+                if getattr(exc.orig, "pgcode", None) == "42P04":  # created meanwhile
+                    return False
+                raise
+            return True
+    except sa_exc.DBAPIError as exc:
+        raise RunError(
+            f"cannot create or open database {name!r} ({type(exc).__name__}); check "
+            "DATABASE_URL and that PostgreSQL is running and lets this user create databases"
+        ) from None
+    finally:
+        admin.dispose()
+
+
+def check_redis(settings: Settings) -> None:
+    import redis
+
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=3, socket_connect_timeout=3)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise RunError(
+            f"cannot reach Redis ({type(exc).__name__}); check REDIS_URL and start it, e.g.: "
+            "redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 "
+            "--save '' --appendonly no"
+        ) from None
+    finally:
+        client.close()
+
+
+def check_port(port: int, flag: str, variable: str) -> None:
+    """Fail early, with the way out, when another program holds a port we need."""
+    with socket.socket() as sock:
+        # As the servers do: a port held only by closed connections (TIME_WAIT, right
+        # after the previous run) is free; one with a listener is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            raise RunError(
+                f"port {port} on 127.0.0.1 is in use; choose another with {flag} or {variable}"
+            ) from None
+
+
+def prepare(settings: Settings, options: LocalOptions) -> DemoTeam:
+    """Ports, Redis, database, schema, demo data; returns the demo team with a fresh
+    token for its staff user."""
+    from ledger.migrate import upgrade
+    from teamdesk import demo
+    from teamdesk.db import make_engine
+
+    check_port(options.api_port, "--api-port", API_PORT_ENV)
+    check_port(options.flower_port, "--flower-port", FLOWER_PORT_ENV)
+    check_redis(settings)
+    created = ensure_database(settings.database_url)
+    print(f"database: {'created' if created else 'exists'}", flush=True)
+    try:
+        upgrade(settings.database_url)
+    except Exception as exc:  # the driver's text may hold the address: the class only
+        raise RunError(f"cannot migrate the database ({type(exc).__name__})") from None
+    engine = make_engine(settings.database_url, pool_size=1, max_overflow=0)
+    try:
+        with engine.begin() as conn:
+            team = demo.seed(conn, tickets=options.tickets, token_name=TOKEN_NAME)
+    finally:
+        engine.dispose()
+    return team
+
+
+def banner(team: DemoTeam, options: LocalOptions, processes: dict[str, str]) -> str:
+    """The addresses and the ready-to-paste commands printed before the processes start."""
+    api = f"http://127.0.0.1:{options.api_port}"
+    token = team.staff.token
+    auth = f'-H "Authorization: Bearer {token}"'
+    password = (
+        "(from FLOWER_PASSWORD)"
+        if options.password_from_env
+        else f"{options.flower_password}   (set FLOWER_PASSWORD to choose one)"
+    )
+    state = "created" if team.created else "already seeded"
+    return "\n".join(
+        [
+            "",
+            "TeamDesk local cluster: " + ", ".join(processes),
+            f"  API      {api}   (OpenAPI: {api}/docs)",
+            f"  Flower   http://127.0.0.1:{options.flower_port}   user {FLOWER_USER}, "
+            f"password {password}",
+            f"  Demo     team {team.team_id} ({state}, {team.tickets} tickets)",
+            f"           staff {team.staff.email}, token {token}",
+            "",
+            "Start an export:",
+            f'  curl -s -X POST {auth} -H "Content-Type: application/json" -d '
+            f'\'{{"scope":"TEAM","filters":{{}}}}\' {api}/api/teams/{team.team_id}/exports',
+            "Read it back (the id is in the answer above):",
+            f"  curl -s {auth} {api}/api/tasks/<TASK_ID>",
+            f"  curl -s {auth} {api}/api/tasks/<TASK_ID>/csv   # the CSV, once COMPLETED",
+            "  or follow it: .venv/bin/teamdesk-tasks watch <TASK_ID>",
+            "",
+            "Ctrl-C stops everything (warm shutdown: running tasks finish first).",
+            "",
+        ]
+    )
+
+
+def _start_manager(options: LocalOptions, processes: dict[str, str], stop_grace_s: float) -> int:
+    from teamdesk.localmanager import ClusterManager
+
+    manager = ClusterManager(stop_grace_s=stop_grace_s)
+    env = child_env(options)
+    for name, command in processes.items():
+        manager.add_process(name, exec_command(command), env=env, cwd=str(options.procfile.parent))
+    manager.loop()
+    return manager.returncode if manager.returncode is not None else 1
+
+
+def run_local(settings: Settings, options: LocalOptions) -> int:
+    try:
+        import honcho  # noqa: F401
+    except ImportError:
+        raise RunError(
+            "honcho is not installed; run: make install (or pip install honcho)"
+        ) from None
+    processes = read_procfile(options.procfile)
+    team = prepare(settings, options)
+    print(banner(team, options, processes), flush=True)
+    return _start_manager(options, processes, settings.shutdown_timeout_s + KILL_GRACE_S)
+
+
+def _port_from_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or not 1 <= int(raw) <= 65535:
+        raise RunError(f"{name} must be a port number within 1..65535")
+    return int(raw)
+
+
+def options_from(args: Any) -> LocalOptions:
+    """The options of ``run-local``; flags win over TEAMDESK_API_PORT / _FLOWER_PORT."""
+    from_env = os.environ.get("FLOWER_PASSWORD", "")
+    if "," in from_env:
+        raise RunError("FLOWER_PASSWORD must not contain ','")
+    return LocalOptions(
+        api_port=args.api_port or _port_from_env(API_PORT_ENV, 8000),
+        flower_port=args.flower_port or _port_from_env(FLOWER_PORT_ENV, 5555),
+        flower_password=from_env or secrets.token_urlsafe(12),
+        password_from_env=bool(from_env),
+        procfile=Path(args.procfile) if args.procfile else PROCFILE,
+        tickets=args.tickets,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m teamdesk.localrun [options]`` = ``teamdesk-tasks run-local [options]``."""
+    from teamdesk.cli import main as cli_main
+
+    return cli_main(["run-local", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
