@@ -29,10 +29,11 @@ from api.app import create_api
 from api.bounded import BoundedChecks, CheckFailed
 from api.errors import MSG_LIMIT, MSG_TASK_NOT_FOUND, MSG_TEAM_NOT_FOUND
 from api.middleware import MAX_BODY_BYTES
-from api.tasks import MSG_EXPIRED, MSG_NOT_AN_EXPORT, MSG_NOT_COMPLETED, MSG_TEXT
+from api.tasks import MSG_EXPIRED, MSG_NOT_AN_EXPORT, MSG_NOT_COMPLETED
 from dispatcher.heartbeat import Heartbeat
 from ledger import service
 from ledger.filters import MSG_DATE_ORDER, MSG_NOT_OBJECT, MSG_Q, MSG_STATUS, MSG_UNKNOWN_KEY
+from ledger.filters import MSG_Q_CHARS as MSG_TEXT
 from teamdesk.config import Settings
 from tests.support.api_helpers import (
     BAD_TOKEN,
