@@ -107,3 +107,17 @@ def test_every_command_has_help() -> None:
             timeout=60,
         )
         assert proc.returncode == 0 and "usage: teamdesk-tasks" in proc.stdout, name
+
+
+def test_health_probe_never_exits_2_on_bad_config() -> None:
+    """Container health checks reserve exit code 2; the probe says 0 or 1 only."""
+    env = {**os.environ, "HEARTBEAT_TTL_S": "abc"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "teamdesk.cli", "health"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "HEARTBEAT_TTL_S must be a number" in proc.stderr
