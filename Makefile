@@ -23,6 +23,7 @@ services: $(STAMP) ## check that PostgreSQL and Redis answer
 	$(PY) scripts/check_services.py
 
 test: install services ## install, check services, run the whole test suite
+	TEAMDESK_CHECK_RABBITMQ=1 $(PY) scripts/check_services.py
 	bash scripts/ensure_chromium.sh
 	$(PY) -m pytest
 

@@ -35,6 +35,8 @@ def main() -> int:
         ),
         ("Redis", os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), 6379),
     ]
+    if os.environ.get("TEAMDESK_CHECK_RABBITMQ"):  # the test suite runs one worker on it
+        checks.append(("RabbitMQ", "amqp://127.0.0.1:5672//", 5672))
     failed = False
     for name, url, port in checks:
         parts = urlsplit(url)
