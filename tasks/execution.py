@@ -179,6 +179,7 @@ def _progress_reporter(
 
     def report(percent: int, done: int, total: int) -> None:
         lease.report_progress(conn, held, percent)
-        queueing.report_progress(task, percent, done, total)
+        if done < total:  # after the last batch the queue's next word is the task's end
+            queueing.report_progress(task, percent, done, total)
 
     return report

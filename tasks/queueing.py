@@ -14,7 +14,6 @@ import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import redis
 from celery import Celery, Task
@@ -106,9 +105,16 @@ def marker_present(task_id: uuid.UUID, run: int) -> bool:
 
 
 def report_progress(task: Task, percent: int, done: int, total: int) -> None:
-    """Progress for Flower: stock Flower shows the event's ``result`` field, not custom meta."""
+    """Progress for Flower, as a ``task-progress`` event: Flower builds its view from events
+    and shows the event's ``result`` field (custom fields and ``update_state`` meta are not
+    shown). The result backend is not written: the ledger is where programs read progress
+    (the API and the CLI), and a backend write would cost a read and a write per batch."""
     if task.request.called_directly:
         return
-    meta: dict[str, Any] = {"percent": percent, "done": done, "total": total}
-    task.update_state(state="PROGRESS", meta=meta)
-    task.send_event("task-progress", result=f"{percent}% ({done}/{total} rows)", **meta)
+    task.send_event(
+        "task-progress",
+        result=f"{percent}% ({done}/{total} rows)",
+        percent=percent,
+        done=done,
+        total=total,
+    )
