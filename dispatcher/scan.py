@@ -261,25 +261,23 @@ class _Scan:
 
     def _reconcile_and_dispatch(self) -> bool:
         """Steps 2 and 3 over the same locked due rows; False when a publish failed."""
-        stamped: list[RunRef] = []
         with _transaction(self.engine) as conn:
             due = dispatch.lock_due(conn, now=self.now, batch=self.batch)
             failed = self._failed_messages(due)
             for ref in due:
-                if ref in failed:
-                    if dispatch.reconcile_failed(conn, ref):
-                        self.counts.reconciled += 1
-                        log_event(
-                            log,
-                            "task.failed",
-                            logging.WARNING,
-                            task_id=str(ref.task_id),
-                            run=ref.run,
-                            exhausted=True,
-                            reason=dispatch.MSG_QUEUE_FAILED,
-                        )
-                elif dispatch.mark_dispatched(conn, ref, self.now):
-                    stamped.append(ref)
+                if ref in failed and dispatch.reconcile_failed(conn, ref):
+                    self.counts.reconciled += 1
+                    log_event(
+                        log,
+                        "task.failed",
+                        logging.WARNING,
+                        task_id=str(ref.task_id),
+                        run=ref.run,
+                        exhausted=True,
+                        reason=dispatch.MSG_QUEUE_FAILED,
+                    )
+            fresh = [ref for ref in due if ref not in failed]
+            stamped = dispatch.mark_many_dispatched(conn, fresh, self.now)
         self.counts.dispatched = self._publish(stamped)
         return self.counts.publish_failed == 0
 
@@ -318,16 +316,16 @@ class _Scan:
         return [ref for ref, found in zip(refs, present, strict=True) if not found]
 
     def _publish(self, refs: Sequence[RunRef]) -> int:
-        """Publish each stamped row; on the first failure clear it and every row after it."""
-        for done, ref in enumerate(refs):
-            try:
-                queueing.publish(self.app, ref.task_id, ref.run, ref.kind)
-            except Exception as exc:  # broker or marker Redis down; the class is reported
-                self.counts.redis_error = type(exc).__name__
-                self.counts.publish_failed += len(refs) - done
-                self._clear(refs[done:])
-                return done
-        return len(refs)
+        """Publish the stamped rows; on the first failure clear it and every row after it."""
+        runs = [(ref.task_id, ref.run, ref.kind) for ref in refs]
+        try:
+            done = queueing.publish_many(self.app, runs)
+        except queueing.PublishFailed as exc:  # broker or marker Redis down
+            self.counts.redis_error = exc.error
+            self.counts.publish_failed += len(refs) - exc.published
+            self._clear(refs[exc.published :])
+            return exc.published
+        return done
 
     def _clear(self, refs: Sequence[RunRef]) -> None:
         with _transaction(self.engine) as conn:

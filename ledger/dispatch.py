@@ -9,7 +9,7 @@ of rows it has work for, not the size of the table.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -85,11 +85,14 @@ RECONCILE_FAILED = text("""
     SELECT id FROM reconciled
 """)
 
-# Guard: the run is WAITING and unpublished (the caller holds the row lock).
-MARK_DISPATCHED = text("""
+# Guard: the run is WAITING and unpublished (the caller holds the row locks); ``keys``
+# are "<id>/<run>" strings, so a row of another run is never stamped.
+MARK_MANY_DISPATCHED = text("""
     UPDATE background_tasks SET dispatched_at = :now, updated_at = now()
-     WHERE id = :task_id AND run = :run AND status = 'WAITING' AND dispatched_at IS NULL
-""")
+     WHERE id = ANY(CAST(:ids AS uuid[])) AND id::text || '/' || run = ANY(:keys)
+       AND status = 'WAITING' AND dispatched_at IS NULL
+    RETURNING id, run, kind
+""").bindparams(bindparam("ids", type_=ARRAY(TEXT)), bindparam("keys", type_=ARRAY(TEXT)))
 
 # Guard: still the publish this scan stamped; nothing else happened to the row since.
 CLEAR_DISPATCHED = text("""
@@ -193,9 +196,19 @@ def reconcile_failed(conn: Connection, ref: RunRef) -> bool:
     return result.rowcount == 1
 
 
-def mark_dispatched(conn: Connection, ref: RunRef, now: datetime) -> bool:
-    result = conn.execute(MARK_DISPATCHED, {"task_id": ref.task_id, "run": ref.run, "now": now})
-    return result.rowcount == 1
+def mark_many_dispatched(conn: Connection, refs: Sequence[RunRef], now: datetime) -> list[RunRef]:
+    """Stamp ``dispatched_at`` on the rows about to be published; returns those stamped."""
+    if not refs:
+        return []
+    rows = conn.execute(
+        MARK_MANY_DISPATCHED,
+        {
+            "ids": [str(ref.task_id) for ref in refs],
+            "keys": [f"{ref.task_id}/{ref.run}" for ref in refs],
+            "now": now,
+        },
+    )
+    return _refs(rows)
 
 
 def clear_dispatched(conn: Connection, ref: RunRef, stamp: datetime) -> bool:

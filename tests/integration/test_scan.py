@@ -593,7 +593,11 @@ def test_every_scan_statement_walks_its_partial_index_on_100k_rows(
         (dispatch.PURGE_EXPIRED, {"ix_background_tasks_expiring"}, {"now": now, "batch": 200}),
         # One row by id: the primary key, or a partial index just as narrow.
         (dispatch.RECONCILE_FAILED, BY_ID, {**some, "message": "x"}),
-        (dispatch.MARK_DISPATCHED, BY_ID, some),
+        (
+            dispatch.MARK_MANY_DISPATCHED,
+            BY_ID,
+            {"ids": [str(some["task_id"])], "keys": [f"{some['task_id']}/0"], "now": now},
+        ),
         (dispatch.CLEAR_DISPATCHED, BY_ID, {**some, "stamp": now}),
         (dispatch.MARK_REDISPATCHED, BY_ID, {**some, "before": now}),
     ]
