@@ -167,3 +167,14 @@ def test_constraints_refuse_bad_rows(engine: sa.Engine) -> None:
     for statement in bad:
         with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
             conn.execute(sa.text(statement))
+
+
+def test_stored_csvs_are_compressed_with_lz4(engine: sa.Engine) -> None:
+    with engine.connect() as conn:
+        method = conn.execute(
+            sa.text(
+                "SELECT attcompression FROM pg_attribute WHERE attrelid = "
+                "'background_tasks'::regclass AND attname = 'result_csv'"
+            )
+        ).scalar_one()
+    assert method == "l"
