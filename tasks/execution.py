@@ -36,6 +36,7 @@ log = logging.getLogger("teamdesk.task")
 
 MSG_RETRYING = "The task hit a temporary error and will be retried."
 MSG_EXHAUSTED = "The task failed after {n} attempts."
+MSG_CLAIM_FAILED = "The task could not be started: the ledger was unreachable."
 
 
 class TaskFailed(Exception):
@@ -70,7 +71,11 @@ def execute(task: Task, task_id_text: str, run: int, body: Body) -> dict[str, An
     task_id = uuid.UUID(task_id_text)
     attempt = int(task.request.retries or 0) + 1
     with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        claimed = lease.claim(conn, task_id, run, attempt, queueing.lease_holder())
+        try:
+            hooks.fire("task.before_claim", task_id=task_id, run=run)
+            claimed = lease.claim(conn, task_id, run, attempt, queueing.lease_holder())
+        except Exception as exc:
+            return _claim_failed(task, task_id, run, attempt, exc, settings)
         # After the claim: until it committed the row still said WAITING, and a scan that
         # saw no marker then would publish a duplicate that takes the lease over.
         queueing.message_started(task_id, run)
@@ -91,6 +96,36 @@ def execute(task: Task, task_id_text: str, run: int, body: Body) -> dict[str, An
         except Exception as exc:
             return _failed_attempt(task, claimed.lease, exc, settings, fields)
         return _finished(conn, task_id, run, summary, fields)
+
+
+def _claim_failed(
+    task: Task, task_id: uuid.UUID, run: int, attempt: int, exc: Exception, settings: Settings
+) -> dict[str, Any]:
+    """The claim itself failed (the database went away): nothing was written, the row is
+    as the dispatcher left it. The message is sent again after the backoff, with the
+    queued marker kept; once the attempts are spent it ends failed and the marker goes
+    with it, so the dispatcher's re-publish step sees the run as lost and sends it again
+    (a marker outliving its message would keep the run WAITING forever)."""
+    fields = _fields(task_id, run, attempt, stage="claim")
+    exhausted = attempt >= settings.max_task_attempts
+    log_event(
+        log,
+        "task.attempt_failed",
+        logging.WARNING,
+        error=type(exc).__name__,
+        exhausted=exhausted,
+        **fields,
+    )
+    if exhausted:
+        queueing.message_started(task_id, run)
+        raise TaskFailed(MSG_CLAIM_FAILED) from None
+    delay = settings.retry_base_delay_s * 2 ** (attempt - 1)
+    with queueing.retry_marker(task_id, run):
+        raise task.retry(
+            countdown=delay,
+            max_retries=settings.max_task_attempts - 1,
+            exc=TaskFailed(MSG_CLAIM_FAILED),
+        )
 
 
 def _finished(

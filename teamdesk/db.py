@@ -25,11 +25,11 @@ def make_engine(url: str, **kwargs: object) -> Engine:
     """An engine whose connections give up quickly when PostgreSQL is away."""
     url = sqlalchemy_url(url)
     connect_args = {"connect_timeout": 5, "application_name": "teamdesk-tasks"}
-    # No pre-ping: it costs a round trip on every checkout. A connection the server closed
-    # fails on its next use; SQLAlchemy then drops the whole pool, and the task attempt
-    # that met it is retried like any other transient error.
+    # Pre-ping costs a round trip per checkout, but without it every pooled connection
+    # that PostgreSQL dropped (a restart, a failover, pg_terminate_backend) fails its next
+    # use, one task attempt each, in every worker process.
     options: dict[str, object] = {
-        "pool_pre_ping": False,
+        "pool_pre_ping": True,
         "pool_recycle": 1800,
         "pool_size": 5,
         "max_overflow": 10,

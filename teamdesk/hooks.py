@@ -20,6 +20,7 @@ _lock = threading.Lock()
 
 POINTS = frozenset(
     {
+        "task.before_claim",  # a message arrived; the claim not yet sent
         "task.claimed",  # after the claim committed
         "task.before_failure_report",  # an attempt failed; the ledger not yet told
         "export.after_read",  # a batch was read, its progress not yet written

@@ -16,7 +16,7 @@ from celery.result import AsyncResult
 from ledger import service
 from ledger.filters import MSG_STATUS
 from tasks import queueing
-from teamdesk import hooks
+from teamdesk import config, hooks
 from tests.support.csv_reference import expected_csv
 from tests.support.factories import (
     World,
@@ -362,3 +362,49 @@ def test_reminder_with_nothing_to_do_completes_without_side_effects(
         row = run_to_end(engine, celery_app, task_id, "REMINDER")
     assert (row["status"], row["result_summary"], row["progress"]) == ("COMPLETED", summary, 100)
     assert side_effects(engine, ticket) == before
+
+
+@pytest.mark.parametrize("attempts", [3, 1], ids=["retried", "exhausted-then-republished"])
+def test_a_claim_that_fails_never_strands_the_run(
+    engine: sa.Engine, world: World, make_app: Callable[..., Celery], attempts: int
+) -> None:
+    """The database drops while a message is being claimed. With attempts left the message
+    comes back after the backoff; with none, it ends failed and takes its queued marker
+    with it, so the dispatcher's re-publish step sees the run as lost and sends it again."""
+    from datetime import timedelta
+
+    from dispatcher.scan import run_once
+
+    app = make_app(retry_base_delay_s=0.05, max_task_attempts=attempts)
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 3)
+    task_id = create_export(engine, world)
+    failures: list[int] = []
+
+    def drop_once(**_: object) -> None:
+        if not failures:
+            failures.append(1)
+            raise ConnectionError("server closed the connection unexpectedly")
+
+    with running_worker(app), hooks.installed("task.before_claim", drop_once):
+        counts = run_once(app)  # dispatch: dispatched_at set, marker set, message sent
+        assert counts.dispatched == 1
+        message = queueing.message_id(task_id, 0)
+        if attempts == 1:
+            wait_for(lambda: AsyncResult(message, app=app).state == "FAILURE", what="FAILURE")
+            stranded = task_row(engine, task_id)
+            assert (stranded["status"], stranded["attempts"]) == ("WAITING", 0)
+            assert not queueing.marker_present(task_id, 0)
+            stale_after = config.get_settings().stale_after_s
+            later = stranded["dispatched_at"] + timedelta(seconds=stale_after + 1)
+            assert run_once(app, now=later).redispatched == 1
+        wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="COMPLETED")
+    row = task_row(engine, task_id)
+    assert (row["run"], row["result_summary"]) == (0, "3 rows")
+    assert row["attempts"] == (2 if attempts == 3 else 1)
+    with engine.connect() as conn:
+        claims = conn.execute(
+            sa.text("SELECT count(*) FROM task_audit WHERE task_id = :t AND event = 'CLAIM'"),
+            {"t": task_id},
+        ).scalar_one()
+    assert claims == 1
