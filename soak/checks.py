@@ -1,0 +1,289 @@
+"""The soak's verdict, read from PostgreSQL alone once the cluster is quiet.
+
+Per task: the end state its case expects (see soak/workload.py), the fixed messages,
+the reminder side effects (exactly one notification, one ``ticket.reminder_sent`` event
+and one version bump for a COMPLETED reminder, none otherwise) and the export CSV
+(equal to ``tests.support.csv_reference.expected_csv``, computed independently from the
+tickets table). Globally: nothing WAITING or RUNNING, no commit by a replaced execution
+(``ledger.audit``), no task completed twice, no side effect without its task, and the
+exported tickets unchanged.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from ledger import audit
+from ledger.dispatch import MSG_QUEUE_FAILED
+from soak.workload import TaskPlan
+from tasks.execution import MSG_EXHAUSTED
+from tasks.reminder import EVENT_TYPE
+from tests.support.csv_reference import expected_csv
+
+TASKS = sa.text("""
+    SELECT id, kind, status, run, attempts, progress, recoveries, last_error, result_csv,
+           result_summary, team_id, owner_id, scope, filters
+      FROM background_tasks
+""")
+NOTIFICATIONS = sa.text(
+    "SELECT task_id, ticket_id, user_id, count(*) AS n FROM notifications "
+    "GROUP BY task_id, ticket_id, user_id"
+)
+EVENTS = sa.text("SELECT ticket_id, type, payload->>'task_id' AS task_id FROM system_events")
+VERSIONS = sa.text(
+    "SELECT id, version, assignee_id FROM tickets WHERE team_id = ANY(CAST(:teams AS uuid[]))"
+)
+FINGERPRINT = sa.text("""
+    SELECT count(*) AS n, md5(string_agg(t::text, '|' ORDER BY t.id)) AS digest
+      FROM tickets t WHERE team_id = ANY(CAST(:teams AS uuid[]))
+""")
+AUDIT_TRAIL = sa.text("""
+    SELECT id, run, event, execution_id, at FROM task_audit WHERE task_id = :task_id ORDER BY id
+""")
+AUDIT_COUNTS = sa.text("SELECT event, count(*) AS n FROM task_audit GROUP BY event")
+
+
+@dataclass(frozen=True)
+class Violation:
+    what: str
+    task: str
+    detail: str
+    task_id: uuid.UUID | None = None
+
+    def line(self) -> str:
+        return f"  VIOLATION {self.what}: {self.task} {self.detail}".rstrip()
+
+
+def fingerprint(engine: sa.Engine, teams: list[uuid.UUID]) -> tuple[int, str]:
+    with engine.connect() as conn:
+        row = conn.execute(FINGERPRINT, {"teams": [str(t) for t in teams]}).one()
+    return int(row.n), str(row.digest)
+
+
+def expected_end(plan: TaskPlan) -> tuple[str, int]:
+    """(status, run) the task must end in."""
+    if plan.case == "invalid":
+        return "FAILED", 0
+    if plan.case.startswith("cancel_") and plan.cancel_outcome == "cancelled":
+        return "CANCELLED", 0
+    if plan.case == "fail_retry":
+        return "COMPLETED", 1
+    return "COMPLETED", 0
+
+
+class Verifier:
+    def __init__(
+        self,
+        engine: sa.Engine,
+        plans: list[TaskPlan],
+        reminder_teams: list[uuid.UUID],
+        max_attempts: int,
+    ) -> None:
+        self.engine, self.plans = engine, plans
+        self.reminder_teams = reminder_teams
+        self.max_attempts = max_attempts
+        self.violations: list[Violation] = []
+        self.rows: dict[uuid.UUID, Any] = {}
+
+    def add(
+        self, what: str, plan: TaskPlan | None, detail: str, task_id: uuid.UUID | None = None
+    ) -> None:
+        described = plan.describe() if plan else "-"
+        task_id = task_id or (plan.task_id if plan else None)
+        self.violations.append(Violation(what, described, detail, task_id))
+
+    def run(
+        self, tickets_before: tuple[int, str], export_teams: list[uuid.UUID]
+    ) -> list[Violation]:
+        with self.engine.connect() as conn:
+            self.rows = {r.id: r for r in conn.execute(TASKS)}
+            self._global(conn)
+        self._tasks()
+        self._reminders()
+        if fingerprint(self.engine, export_teams) != tickets_before:
+            self.add("tickets-changed", None, "the exported teams' tickets changed during the soak")
+        return self.violations
+
+    def _global(self, conn: sa.Connection) -> None:
+        for row in self.rows.values():
+            if row.status in ("WAITING", "RUNNING"):
+                self.add(
+                    "not-finished",
+                    self._plan_of(row.id),
+                    f"is {row.status} (run {row.run})",
+                    row.id,
+                )
+        known = {p.task_id for p in self.plans}
+        for task_id in set(self.rows) - known:
+            self.add("unknown-task", None, "was not created by the soak", task_id)
+        for stale in audit.stale_writes(conn):
+            self.add(
+                "stale-write",
+                self._plan_of(stale.task_id),
+                f"audit #{stale.audit_id} {stale.event} run {stale.run} by {stale.execution_id}",
+            )
+        for task_id, n in audit.repeated_completions(conn).items():
+            self.add("repeated-completion", self._plan_of(task_id), f"{n} COMPLETE rows")
+
+    def _plan_of(self, task_id: uuid.UUID) -> TaskPlan | None:
+        return next((p for p in self.plans if p.task_id == task_id), None)
+
+    def _tasks(self) -> None:
+        for plan in self.plans:
+            if plan.create_error is not None or plan.task_id is None:
+                self.add("not-created", plan, plan.create_error or "never submitted")
+                continue
+            row = self.rows.get(plan.task_id)
+            if row is None:
+                self.add("missing", plan, "no ledger row")
+                continue
+            status, run = expected_end(plan)
+            if (row.status, row.run) != (status, run):
+                self.add(
+                    "end-state",
+                    plan,
+                    f"is {row.status} run {row.run} (attempts {row.attempts}, recoveries "
+                    f"{row.recoveries}, last_error {row.last_error!r}), expected {status} run {run}"
+                    f"; cancel: {plan.cancel_outcome}",
+                )
+            if row.filters != plan.filters:
+                self.add("filters", plan, f"stored filters {row.filters!r} differ from the request")
+            self._case(plan, row)
+            if plan.kind == "EXPORT":
+                self._export(plan, row)
+
+    def _case(self, plan: TaskPlan, row: Any) -> None:
+        if plan.case == "invalid" and (row.attempts, row.last_error) != (1, plan.error):
+            self.add(
+                "rejection",
+                plan,
+                f"attempts {row.attempts}, last_error {row.last_error!r}; expected 1, "
+                f"{plan.error!r}",
+            )
+        if plan.case == "fail_retry":
+            exhausted = MSG_EXHAUSTED.format(n=self.max_attempts)
+            seen = plan.run0 or {}
+            ok = (
+                seen.get("status") == "FAILED"
+                and seen.get("attempts") == self.max_attempts
+                and seen.get("last_error") in (exhausted, MSG_QUEUE_FAILED)
+            )
+            if not ok:
+                self.add(
+                    "last-attempt",
+                    plan,
+                    f"run 0 ended {seen}; expected FAILED, "
+                    f"attempts {self.max_attempts}, {exhausted!r}",
+                )
+
+    def _export(self, plan: TaskPlan, row: Any) -> None:
+        if row.status != "COMPLETED":
+            if row.result_csv is not None:
+                self.add("export-csv", plan, f"a {row.status} export keeps a CSV")
+            return
+        summary = f"{plan.rows} rows"
+        if (row.result_summary, row.progress) != (summary, 100):
+            self.add(
+                "export-summary",
+                plan,
+                f"summary {row.result_summary!r} progress {row.progress}; expected {summary!r} 100",
+            )
+        want = expected_csv(self.engine, row.team_id, row.owner_id, row.scope, plan.filters)
+        if row.result_csv != want:
+            self.add(
+                "export-csv",
+                plan,
+                f"CSV differs from the reference ({_first_diff(row.result_csv, want)})",
+            )
+
+    def _reminders(self) -> None:
+        with self.engine.connect() as conn:
+            notes = list(conn.execute(NOTIFICATIONS))
+            events = list(conn.execute(EVENTS))
+            tickets = {
+                r.id: r
+                for r in conn.execute(VERSIONS, {"teams": [str(t) for t in self.reminder_teams]})
+            }
+        notes_by_task = Counter({r.task_id: int(r.n) for r in notes})
+        events_by_ticket: dict[uuid.UUID, list[Any]] = {}
+        for event in events:
+            events_by_ticket.setdefault(event.ticket_id, []).append(event)
+        reminders = [p for p in self.plans if p.kind == "REMINDER" and p.task_id is not None]
+        owned_tickets = {p.ticket_id for p in reminders}
+        for plan in reminders:
+            assert plan.task_id is not None
+            row = self.rows.get(plan.task_id)
+            completed = row is not None and row.status == "COMPLETED"
+            self._side_effects(plan, completed, notes_by_task, events_by_ticket, tickets)
+        stray_notes = set(notes_by_task) - {p.task_id for p in reminders}
+        stray_events = set(events_by_ticket) - owned_tickets
+        if stray_notes or stray_events:
+            self.add(
+                "stray-side-effect",
+                None,
+                f"{len(stray_notes)} notifications, "
+                f"{len(stray_events)} tickets with events not made by a soak reminder",
+            )
+
+    def _side_effects(
+        self,
+        plan: TaskPlan,
+        completed: bool,
+        notes_by_task: Counter[uuid.UUID],
+        events_by_ticket: dict[uuid.UUID, list[Any]],
+        tickets: dict[uuid.UUID, Any],
+    ) -> None:
+        assert plan.ticket_id is not None and plan.task_id is not None
+        want = 1 if completed else 0
+        events = events_by_ticket.get(plan.ticket_id, [])
+        ticket = tickets.get(plan.ticket_id)
+        got = (
+            notes_by_task.get(plan.task_id, 0),
+            len(events),
+            ticket.version if ticket is not None else None,
+        )
+        if got != (want, want, want):
+            self.add(
+                "reminder-effects",
+                plan,
+                f"notifications {got[0]}, events {got[1]}, version +{got[2]}; expected {want} each",
+            )
+        elif events and (events[0].type, events[0].task_id) != (EVENT_TYPE, str(plan.task_id)):
+            self.add(
+                "reminder-effects", plan, f"event {events[0].type} for task {events[0].task_id}"
+            )
+
+    def audit_trail(self, task_id: uuid.UUID) -> list[str]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(AUDIT_TRAIL, {"task_id": task_id})
+            return [
+                f"    audit #{r.id} run {r.run} {r.event:9} {r.execution_id} {r.at.isoformat()}"
+                for r in rows
+            ]
+
+
+def stats(engine: sa.Engine) -> dict[str, Any]:
+    with engine.connect() as conn:
+        statuses = Counter(
+            r.status for r in conn.execute(sa.text("SELECT status FROM background_tasks"))
+        )
+        recoveries = conn.execute(
+            sa.text("SELECT coalesce(max(recoveries), 0) AS mx FROM background_tasks")
+        ).scalar_one()
+        events = {r.event: int(r.n) for r in conn.execute(AUDIT_COUNTS)}
+    return {"statuses": dict(statuses), "max_recoveries": int(recoveries), "audit": events}
+
+
+def _first_diff(got: str | None, want: str) -> str:
+    if got is None:
+        return "no CSV stored"
+    got_lines, want_lines = got.split("\n"), want.split("\n")
+    for n, (a, b) in enumerate(zip(got_lines, want_lines, strict=False)):
+        if a != b:
+            return f"line {n + 1}: got {a[:80]!r}, expected {b[:80]!r}"
+    return f"{len(got_lines)} lines, expected {len(want_lines)}"
