@@ -47,7 +47,11 @@ demo-seed: install services ## create+migrate the database, seed the demo team o
 	$(VENV)/bin/teamdesk-tasks demo-seed
 .PHONY: demo-seed
 
+bench: install services ## side-by-side performance ratios (~7 min): bench/RESULTS.md, bench/results/
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -m bench.run
+
 soak: install ## chaos run, own Redis + database (SEED=1 TASKS=2000 FAULTS=50; SOAK_ARGS="--short --keep ...")
 	$(PY) -m soak.run $(if $(SEED),--seed $(SEED)) $(if $(TASKS),--tasks $(TASKS)) $(if $(FAULTS),--faults $(FAULTS)) $(SOAK_ARGS)
 
-.PHONY: help install services test lint format migrate run soak
+.PHONY: help install services test lint format migrate run soak bench

@@ -48,7 +48,12 @@ def _audited(update: str, event: str) -> str:
 # Guard: the message's run is the ledger's run and the row is not finished.
 # A RUNNING row may be taken over: that is how a recovered or duplicate delivery
 # replaces a silent execution. Returns the owner's current role with the row.
+# Its commit does not wait for the WAL flush: other sessions see the lease at once
+# either way, and only a PostgreSQL crash could lose it - which revokes the lease, so
+# every later write of this execution is refused; the next synchronous commit (the
+# completion, a failure report) flushes it with everything before it.
 CLAIM = """
+    SELECT set_config('synchronous_commit', 'off', true);
     WITH claimed AS (
         UPDATE background_tasks
            SET status = 'RUNNING', execution_id = %(execution_id)s, lease_holder = %(holder)s,

@@ -1,0 +1,343 @@
+"""The bench's outputs: machine facts, goal checks, the printed table, ``RESULTS.md`` and the
+chart (scan time vs ledger size, throughput vs worker processes)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import redis
+import sqlalchemy as sa
+
+RESULTS_DIR = Path(__file__).with_name("results")
+RESULTS_MD = Path(__file__).with_name("RESULTS.md")
+
+# key, goal text, test on the results
+GOALS: list[tuple[str, str, Any]] = [
+    ("p1_export_ratio", ">= 0.7", lambda r: r["p1_export_ratio"] >= 0.7),
+    ("p1_reminder_ratio", ">= 0.5", lambda r: r["p1_reminder_ratio"] >= 0.5),
+    ("p2_export_ratio_to_copy", ">= 0.5", lambda r: r["p2_export_ratio_to_copy"] >= 0.5),
+    ("p3_scan_ratio_1m_10k", "<= 1.5", lambda r: r["p3_scan_ratio_1m_10k"] <= 1.5),
+    ("p3_scan_ms_1m", "< 10 ms", lambda r: r["p3_scan_ms_1m"] < 10),
+    ("p4_recovery_s", "<= 26 s", lambda r: r["p4_recovery_s"] <= 26),
+    ("p5_heartbeat_gone_s", "<= 2 s", lambda r: r["p5_heartbeat_gone_s"] <= 2),
+    ("p5_idle_exit_s", "<= 3 s", lambda r: r["p5_idle_exit_s"] <= 3),
+]
+
+ROWS: list[tuple[str, str, str]] = [  # key, what, unit
+    ("p1_export_ratio", "P1 small exports / bare Celery tasks (throughput)", "ratio"),
+    ("p1_reminder_ratio", "P1 reminders / bare Celery tasks (throughput)", "ratio"),
+    ("p1_bare_tasks_per_s", "P1 bare no-op tasks, -c 2", "tasks/s"),
+    ("p1_export_tasks_per_s", "P1 small exports, -c 2", "tasks/s"),
+    ("p1_reminder_tasks_per_s", "P1 reminders, -c 2", "tasks/s"),
+    ("p2_export_ratio_to_copy", "P2 COPY time / 10k-row export execution time", "ratio"),
+    ("p2_export_10k_ms", "P2 10k-row export, claim to completion", "ms"),
+    ("p2_copy_10k_ms", "P2 COPY (same query) TO STDOUT WITH CSV HEADER", "ms"),
+    ("p2_peak_rss_mib", "P2 peak RSS of the process running a 100k-row export", "MiB"),
+    ("p3_scan_ms_10k", "P3 one scan, 10k-row ledger", "ms"),
+    ("p3_scan_ms_1m", "P3 one scan, 1M-row ledger", "ms"),
+    ("p3_scan_ratio_1m_10k", "P3 scan time 1M / 10k", "ratio"),
+    ("p4_recovery_s", "P4 SIGKILL mid-export -> COMPLETED by another worker", "s"),
+    ("p5_heartbeat_gone_s", "P5 SIGTERM -> heartbeat member removed (idle)", "s"),
+    ("p5_idle_exit_s", "P5 SIGTERM -> process exited (idle)", "s"),
+]
+
+
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "-"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "-"
+
+
+def machine(engine: sa.Engine, client: redis.Redis) -> dict[str, Any]:
+    with engine.connect() as conn:
+        pg = conn.execute(sa.text("SHOW server_version")).scalar_one()
+        sync = conn.execute(sa.text("SHOW synchronous_commit")).scalar_one()
+    mem_kib = 0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            mem_kib = int(line.split()[1])
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "memory_gib": round(mem_kib / 1024 / 1024, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "celery": _version("celery"),
+        "kombu": _version("kombu"),
+        "billiard": _version("billiard"),
+        "redis_py": _version("redis"),
+        "sqlalchemy": _version("sqlalchemy"),
+        "psycopg2": _version("psycopg2-binary"),
+        "postgresql": str(pg),
+        "postgresql_synchronous_commit": str(sync),
+        "redis_server": str(client.info("server")["redis_version"]),
+    }
+
+
+CODE_DIRS = ("tasks", "ledger", "dispatcher", "worker", "teamdesk")
+
+
+def code_fingerprint() -> dict[str, str]:
+    """sha256 (12 hex) of every module the figures depend on: which code was measured."""
+    root = Path(__file__).resolve().parents[1]
+    out = {}
+    for folder in CODE_DIRS:
+        for path in sorted((root / folder).rglob("*.py")):
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+            out[str(path.relative_to(root))] = digest
+    return out
+
+
+def goals(results: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, text, test in GOALS:
+        if key in results:
+            out[key] = {"value": results[key], "goal": text, "met": bool(test(results))}
+    return out
+
+
+def table(results: dict[str, Any]) -> str:
+    met = results.get("goals", {})
+    lines = ["| figure | value | unit | goal | met |", "|---|---:|---|---|---|"]
+    for key, what, unit in ROWS:
+        if key not in results:
+            continue
+        goal = met.get(key, {})
+        ok = "" if not goal else ("yes" if goal["met"] else "**no**")
+        lines.append(
+            f"| {what} (`{key}`) | {results[key]} | {unit} | {goal.get('goal', '')} | {ok} |"
+        )
+    for point in results.get("scaling", []):
+        lines.append(
+            f"| scaling: small exports, `-c {point['processes']}` | {point['tasks_per_s']} "
+            "| tasks/s | shape only | |"
+        )
+    return "\n".join(lines)
+
+
+def chart(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    p3 = results.get("p3_detail", {})
+    sizes = [p3[k]["rows"] for k in ("10k", "1m") if k in p3]
+    totals = [p3[k]["scan_ms"] for k in ("10k", "1m") if k in p3]
+    without = [p3[k]["without_publish_ms"] for k in ("10k", "1m") if k in p3]
+    left.plot(sizes, totals, "o-", label="whole scan")
+    left.plot(sizes, without, "s--", label="without publishing")
+    left.axhline(10, color="grey", linestyle=":", label="goal: 10 ms")
+    left.set_xscale("log")
+    left.set_xlabel("ledger rows (background_tasks)")
+    left.set_ylabel("ms per scan (median)")
+    left.set_title("Dispatcher scan: 50 due + 10 stale rows")
+    left.set_ylim(bottom=0)
+    left.legend()
+    points = results.get("scaling", [])
+    right.plot(
+        [p["processes"] for p in points],
+        [p["tasks_per_s"] for p in points],
+        "o-",
+        label="small exports",
+    )
+    if "p1_bare_tasks_per_s" in results:
+        right.axhline(
+            results["p1_bare_tasks_per_s"],
+            color="grey",
+            linestyle=":",
+            label="bare Celery, -c 2 (P1)",
+        )
+    right.set_xlabel("worker processes (-c)")
+    right.set_ylabel("tasks/s")
+    right.set_xticks([p["processes"] for p in points])
+    right.set_title(f"Throughput vs processes ({os.cpu_count()} cores)")
+    right.set_ylim(bottom=0)
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+HOW_MEASURED = """\
+## How measured
+
+`make bench` (`.venv/bin/python -m bench.run`) creates its own databases (a template
+migrated with the Alembic revisions, one clone per part, all dropped at the end) and its
+own Redis key prefix (`tdbench-<hex>-<part>`, deleted at the end); it never touches the
+`teamdesk` database. Every figure is a ratio of two things measured in the same run.
+
+- **P1** — 100 teams x 50 tickets. 5,000 exports `{"q": "#Tnnnnn#"}` (one matching
+  ticket each, TEAM scope, created with `ledger.service.create_export`) and 5,000
+  reminders, each on a different ticket (assignee set, so each sends a notification, bumps the
+  version, writes an event) are published by the dispatcher's own scan
+  (`dispatcher.scan.run_once`) before the worker starts. The baseline is 5,000
+  `bench.noop` tasks (registered on the same app by `bench/worker_hooks.py`, loaded
+  through `TEAMDESK_TEST_HOOKS`, same options as the real tasks, empty body), published to
+  the same queue. Each batch is drained by one fresh `celery -A tasks worker -c 2 --pool
+  prefork -Q exports,reminders,maintenance --without-mingle --without-gossip`, LOG_LEVEL
+  info. Throughput = tasks / (last task end - first task start), taken inside the pool
+  children (Celery `task_prerun`/`task_postrun`). Order: (bare, exports, reminders) x 2,
+  then bare once more; each ratio is the median of its kind over the median of the bare
+  runs. A batch during which other processes kept more than 0.5 cores busy is run once
+  more (at most 3 reruns) and the quieter of the two kept. CPU per task is read from /proc
+  for the worker's processes and the PostgreSQL backends of the bench database, and from
+  `INFO cpu` for Redis; `foreign_cpu_cores` is what the rest of the machine used meanwhile.
+- **P2** — 10,000 and 100,000 tickets with commas, quotes, newlines, formula-like starts
+  and NULLs. A `-c 1` worker runs the 10k export 10 times; after each one completes, this
+  process runs `COPY (same SELECT) TO STDOUT WITH CSV HEADER` into memory over psycopg2
+  (export, COPY, export, COPY, ...). Medians of the last 9 of each (the first warms the
+  caches): `execute()` (claim to completion, timed in the child) vs COPY. The export's CSV
+  body is checked equal to COPY's. Peak RSS = `ru_maxrss` of the fresh
+  pool child that ran one 100k export (EXPORT_MAX_ROWS=100000).
+- **P3** — two ledgers, 10k and 1M rows (set-based `generate_series`, `VACUUM ANALYZE`),
+  each with 50 due WAITING and 10 RUNNING rows silent for 10 minutes. `run_once()` (all
+  five steps, in this process) alternates between them; before each scan the 60 rows are
+  reset and the broker keys cleared; median of 15 timed scans after a warm-up.
+  `publish_ms` is the time inside `queueing.publish` (marker + message, 60 per scan);
+  `idle_scan_ms` is a scan with nothing to do (median of 5).
+- **P4** — as `tests/process/test_kill_recovery.py`: default timings, real beat, worker 1
+  parked at the `export.after_read` gate, worker 2 running; SIGKILL worker 1; time until
+  the row is COMPLETED (polled every 20 ms).
+- **P5** — idle `-c 2` worker; SIGTERM; poll its member in
+  `<prefix>:worker-heartbeat:active` every 2 ms, then wait for exit; median of 3.
+- **scaling** — 1,500 small exports per point, `-c 1/2/4`, same method as P1.
+"""
+
+
+def _median_cpu(runs: list[dict[str, Any]]) -> dict[str, int]:
+    keys = ("worker_main", "worker_children", "postgres", "redis")
+    out = {}
+    for key in keys:
+        values = sorted(r["cpu_us_per_task"][key] for r in runs)
+        out[key] = values[len(values) // 2]
+    return out
+
+
+def details_md(results: dict[str, Any]) -> list[str]:
+    """Where the time goes, from the same run's detail (and its profile, when run)."""
+    lines: list[str] = []
+    runs = results.get("p1_detail", {}).get("runs", {})
+    if runs:
+        lines += [
+            "## P1: CPU per task (µs, median of the runs)",
+            "",
+            "| kind | worker main | pool children | PostgreSQL | Redis | total | "
+            "cores busy (of 2) |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for kind in ("noop", "export", "reminder"):
+            if not runs.get(kind):
+                continue
+            cpu = _median_cpu(runs[kind])
+            busy = sorted(r["cpu_busy_of_2_cores"] for r in runs[kind])[len(runs[kind]) // 2]
+            lines.append(
+                f"| {kind} | {cpu['worker_main']} | {cpu['worker_children']} | "
+                f"{cpu['postgres']} | {cpu['redis']} | {sum(cpu.values())} | {busy} |"
+            )
+        lines.append("")
+    split = results.get("profile_split_us")
+    if split:
+        kinds = [k for k in ("noop", "export", "reminder", "export_10k") if k in split]
+        parts = sorted({p for k in kinds for p in split[k]})
+        lines += [
+            "## Pool child wall time per task (µs, traced run: `--profile`)",
+            "",
+            "| part | " + " | ".join(kinds) + " |",
+            "|---|" + "---:|" * len(kinds),
+        ]
+        for part in parts:
+            lines.append(
+                f"| {part} | " + " | ".join(str(split[k].get(part, "")) for k in kinds) + " |"
+            )
+        lines += ["", "Every traced call: `results/profile.txt`.", ""]
+    p3 = results.get("p3_detail", {})
+    if "1m" in p3:
+        lines += [
+            "## P3: inside one scan (ms, medians)",
+            "",
+            "| ledger | whole scan | publishing 60 messages | the rest | scan with nothing to do |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for key in ("10k", "1m"):
+            d = p3[key]
+            lines.append(
+                f"| {d['rows']:,} rows | {d['scan_ms']} | {d['publish_ms']} | "
+                f"{d['without_publish_ms']} | {d.get('idle_scan_ms', '-')} |"
+            )
+        statements = p3.get("sql_statements_per_scan", {})
+        lines += ["", f"SQL statements per scan: {sum(statements.values())} ({statements}).", ""]
+    p2 = results.get("p2_detail", {})
+    if p2:
+        lines += [
+            "## P2: memory",
+            "",
+            f"Peak RSS of the pool child: {p2.get('rss_before_first_task_mib_100k')} MiB before "
+            f"its first task, {p2.get('peak_rss_mib_10k')} MiB after a 10k-row export "
+            f"({p2.get('csv_bytes_10k', 0) // 1024} KiB of CSV), {results.get('p2_peak_rss_mib')} "
+            f"MiB after a 100k-row export ({p2.get('csv_bytes_100k', 0) // 1024} KiB of CSV, "
+            f"{p2.get('export_100k_ms')} ms).",
+            "",
+        ]
+    return lines
+
+
+def write_results_md(results: dict[str, Any]) -> None:
+    m = results["machine"]
+    lines = [
+        "# Bench results (last run)",
+        "",
+        f"Run at {results['finished_at']} in {results['duration_s']} s (`{results['command']}`).",
+        "",
+        table(results),
+        "",
+        "![scan time vs ledger size; throughput vs worker processes](results/chart.png)",
+        "",
+        "## Machine",
+        "",
+        f"{m['cpu_count']} x {m['cpu_model']}, {m['memory_gib']} GiB, Linux {m['kernel']}; "
+        f"Python {m['python']}, Celery {m['celery']}, kombu {m['kombu']}, billiard "
+        f"{m['billiard']}, redis-py {m['redis_py']}, SQLAlchemy {m['sqlalchemy']}, psycopg2 "
+        f"{m['psycopg2']}; PostgreSQL {m['postgresql']} (synchronous_commit="
+        f"{m['postgresql_synchronous_commit']}), Redis {m['redis_server']}.",
+        "",
+        f"Other load on the machine during P1 (cores busy outside the measurement): "
+        f"{results.get('p1_foreign_cpu_cores', '-')}.",
+        "",
+        *details_md(results),
+        HOW_MEASURED,
+    ]
+    notes = results.get("notes")
+    if notes:
+        lines += ["## Notes on this run", "", *[f"- {n}" for n in notes], ""]
+    RESULTS_MD.write_text("\n".join(lines))
+
+
+def main() -> None:
+    """Re-render RESULTS.md and chart.png from results/latest.json (no measuring)."""
+    import json
+
+    results = json.loads((RESULTS_DIR / "latest.json").read_text())
+    chart(results, RESULTS_DIR / "chart.png")
+    write_results_md(results)
+
+
+if __name__ == "__main__":
+    main()
