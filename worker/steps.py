@@ -11,6 +11,12 @@ from worker.liveness import Liveness, held_delivery_tags, renew_interval_s
 
 _current: Liveness | None = None
 
+WAKE_S = 0.1
+
+
+def _noop() -> None:
+    """Nothing: the timer exists to bound the event loop's sleep (see LivenessStep.start)."""
+
 
 def current_liveness() -> Liveness | None:
     """This process's liveness, once the worker built it (None outside a worker)."""
@@ -34,6 +40,7 @@ class LivenessStep(bootsteps.StartStopStep):
             get_settings(), held_delivery_tags, renew_visibility=teamdesk_renew_visibility
         )
         self.tref: Any = None
+        self.wake: Any = None
         _current = self.liveness
         from tasks import queueing
 
@@ -43,6 +50,10 @@ class LivenessStep(bootsteps.StartStopStep):
         self.liveness.tick()
         interval = renew_interval_s(self.liveness.settings)
         self.tref = parent.timer.call_repeatedly(interval, self.liveness.tick, priority=10)
+        # The worker's event loop sleeps until its next timer, up to 1 s, and a signal
+        # does not cut that sleep short; a no-op timer every WAKE_S makes a SIGTERM start
+        # the drain within WAKE_S instead (an idle worker then exits about 0.8 s sooner).
+        self.wake = parent.timer.call_repeatedly(WAKE_S, _noop, priority=0)
 
     def stop(self, parent: Any) -> None:
         from tasks import queueing
@@ -50,6 +61,9 @@ class LivenessStep(bootsteps.StartStopStep):
         if self.tref is not None:
             self.tref.cancel()
             self.tref = None
+        if self.wake is not None:
+            self.wake.cancel()
+            self.wake = None
         self.liveness.stop()
         queueing.set_lease_holder(None)
 
