@@ -29,6 +29,7 @@ from teamdesk import config, db
 from teamdesk.config import Settings
 from tests.support import databases
 from tests.support.processes import Proc, celery_argv, settings_env, worker_argv
+from tests.support.waiting import wait_for
 
 REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 HOOKS_MODULE = "bench.worker_hooks"
@@ -184,14 +185,8 @@ def read_stats(directory: Path) -> list[dict[str, Any]]:
 
 
 def wait_until(probe: Any, timeout: float, interval: float = 0.05, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"bench: timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+    """The tests' polling helper (a deadline, never an ordering)."""
+    return wait_for(probe, timeout=timeout, interval=interval, what=f"bench: {what}")
 
 
 # ---- CPU accounting from /proc (same host) ------------------------------------------------

@@ -21,6 +21,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from tests.support.csv_reference import matches
+
 TICKETS_PER_TEAM = 400
 DAYS = 40
 BASE_DAY = date(2025, 3, 1)
@@ -170,24 +172,6 @@ def insert(conn: Connection, world: World) -> None:
 
 
 # ---- export filters with a known number of matching rows ----------------------------------
-
-
-def matches(ticket: Ticket, owner: uuid.UUID, scope: str, filters: dict[str, Any]) -> bool:
-    """SPEC §3 export filters over the generated model (used only to size the filters)."""
-    if scope == "MINE" and owner not in (ticket.requester_id, ticket.assignee_id):
-        return False
-    if "status" in filters and ticket.status not in filters["status"]:
-        return False
-    if "priority" in filters and ticket.priority not in filters["priority"]:
-        return False
-    if "assignee_id" in filters and str(ticket.assignee_id) != filters["assignee_id"]:
-        return False
-    day = ticket.created_at.astimezone(UTC).date()
-    if "created_from" in filters and day < date.fromisoformat(filters["created_from"]):
-        return False
-    if "created_to" in filters and day > date.fromisoformat(filters["created_to"]):
-        return False
-    return not ("q" in filters and filters["q"].lower() not in ticket.title.lower())
 
 
 def _random_filters(rng: random.Random, team: Team) -> tuple[uuid.UUID, str, dict[str, Any]]:

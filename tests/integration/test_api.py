@@ -8,6 +8,7 @@ health probes with the database or Redis unreachable.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -773,11 +774,18 @@ def test_logs_carry_no_token_body_or_csv(
 
 def test_a_hung_check_answers_at_its_deadline_and_in_flight_checks_are_capped() -> None:
     release = threading.Event()
+    running = [threading.Event(), threading.Event()]
     checks = BoundedChecks(max_in_flight=2)
 
+    def hang(started: threading.Event) -> bool:
+        started.set()
+        return release.wait()
+
     async def scenario() -> None:
-        hung = [asyncio.create_task(checks.run(release.wait, 30.0)) for _ in range(2)]
-        await asyncio.sleep(0)  # let both take their slot
+        hung = [asyncio.create_task(checks.run(functools.partial(hang, e), 30.0)) for e in running]
+        # Gate: both checks hold their slot (the slot is taken before the thread starts).
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, lambda: all(e.wait(10) for e in running))
         started = time.monotonic()
         with pytest.raises(CheckFailed):  # no slot left: fails at once, no thread started
             await checks.run(lambda: True, 30.0)

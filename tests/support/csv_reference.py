@@ -40,14 +40,15 @@ def expected_csv(
             {"t": team_id},
         ).all()
     kept = sorted(
-        (r for r in rows if _matches(r, owner_id, scope, filters)),
+        (r for r in rows if matches(r, owner_id, scope, filters)),
         key=lambda r: (r.created_at, r.id),
     )
     lines = [HEADER] + [",".join(cell(v) for v in row) for row in kept]
     return "\n".join(lines) + "\n"
 
 
-def _matches(row: Any, owner_id: uuid.UUID, scope: str, filters: dict[str, Any]) -> bool:
+def matches(row: Any, owner_id: uuid.UUID, scope: str, filters: dict[str, Any]) -> bool:
+    """SPEC §3 export filters for one ticket (anything with the tickets' attribute names)."""
     if scope == "MINE" and owner_id not in (row.requester_id, row.assignee_id):
         return False
     if "status" in filters and row.status not in filters["status"]:
