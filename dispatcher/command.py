@@ -1,4 +1,5 @@
-"""``teamdesk-tasks scan``: one dispatcher scan from the command line (SPEC §7).
+"""``teamdesk-tasks scan``: one dispatcher scan from the command line (docs/design.md,
+"Dispatch"): recover, re-publish lost messages, fill the window, purge.
 
 Prints one line saying what the scan did (or one JSON object with ``--json``) and exits
 0; exits 1 with one clear line on stderr when PostgreSQL or Redis (or the broker) cannot
@@ -13,6 +14,7 @@ from typing import TextIO
 
 from dispatcher.errors import ScanUnavailable
 from dispatcher.scan import run_once
+from tasks.celery_app import create_app
 from teamdesk.config import Settings
 
 _HINTS = {
@@ -28,8 +30,6 @@ def scan_command(
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> int:
-    from tasks.celery_app import create_app
-
     out, err = out or sys.stdout, err or sys.stderr
     app = create_app(settings)
     try:

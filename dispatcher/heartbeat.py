@@ -24,9 +24,11 @@ this process from sending new renewals at all.
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import redis
 
@@ -41,7 +43,9 @@ local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
 local now_text = string.format('%.6f', now)
 """
 
-# KEYS: global set, scope set, tombstone. ARGV: member, ttl (s). Returns 1, or 0 if stopped.
+# KEYS: global set, scope set, tombstone, info. ARGV: member, ttl (s), info (JSON: the
+# queues the process consumes and its pool size; the dispatcher sizes each queue's window
+# from them). Returns 1, or 0 if stopped.
 _RENEW = (
     _REDIS_NOW
     + """
@@ -56,23 +60,25 @@ for i = 1, 2 do
   redis.call('ZADD', KEYS[i], score, ARGV[1])
   redis.call('PEXPIRE', KEYS[i], keep_ms)
 end
+redis.call('SET', KEYS[4], ARGV[3], 'PX', keep_ms)
 return 1
 """
 )
 
-# KEYS: global set, scope set, tombstone, draining set. ARGV: member, tombstone TTL (ms),
-# ttl (s), "1" to keep the member as draining.
+# KEYS: global set, scope set, tombstone, info, draining set. ARGV: member, tombstone TTL
+# (ms), ttl (s), "1" to keep the member as draining.
 _REMOVE = (
     _REDIS_NOW
     + """
 redis.call('SET', KEYS[3], '1', 'PX', ARGV[2])
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('DEL', KEYS[4])
 if ARGV[4] == '1' then
   local ttl = tonumber(ARGV[3])
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now_text)
-  redis.call('ZADD', KEYS[4], string.format('%.6f', now + ttl), ARGV[1])
-  redis.call('PEXPIRE', KEYS[4], string.format('%d', math.ceil(ttl * 2000)))
+  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now_text)
+  redis.call('ZADD', KEYS[5], string.format('%.6f', now + ttl), ARGV[1])
+  redis.call('PEXPIRE', KEYS[5], string.format('%d', math.ceil(ttl * 2000)))
 end
 return 1
 """
@@ -112,26 +118,62 @@ def draining_key(prefix: str) -> str:
     return f"{prefix}:worker-heartbeat:draining"
 
 
+def info_key(prefix: str, member: str) -> str:
+    """What a live process consumes: ``{"queues": [...], "concurrency": n}`` (JSON)."""
+    return f"{prefix}:worker-heartbeat:info:{member}"
+
+
 def tombstone_key(prefix: str, member: str) -> str:
     """Set when ``member`` stopped; the renewal script refuses to re-add it."""
     return f"{prefix}:worker-heartbeat:stopped:{member}"
+
+
+@dataclass(frozen=True)
+class WorkerSlots:
+    """What one worker process offers: the queues it consumes and its pool size."""
+
+    queues: tuple[str, ...]
+    concurrency: int
+
+    def as_json(self) -> str:
+        return json.dumps({"queues": list(self.queues), "concurrency": self.concurrency})
+
+    @classmethod
+    def from_json(cls, raw: bytes | str | None) -> WorkerSlots | None:
+        """None for a missing or unreadable entry (never raises)."""
+        if raw is None:
+            return None
+        try:
+            data = json.loads(raw)
+            return cls(tuple(str(q) for q in data["queues"]), int(data["concurrency"]))
+        except (ValueError, KeyError, TypeError):
+            return None
 
 
 class Heartbeat:
     """This process's heartbeat member. Give ``client`` short socket timeouts: renewal
     runs on the worker's timer and must not block it."""
 
-    def __init__(self, client: redis.Redis, prefix: str, scope: str, ttl_s: float) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str,
+        scope: str,
+        ttl_s: float,
+        consumes: WorkerSlots | None = None,
+    ) -> None:
         self.client = client
         self.prefix = prefix
         self.scope = scope
         self.ttl_s = ttl_s
         self.member = f"{scope}/{uuid.uuid4()}"
+        self.consumes = consumes or WorkerSlots((), 0)
         self._stopping = threading.Event()
         self._keys = [
             active_key(prefix),
             active_key(prefix, scope),
             tombstone_key(prefix, self.member),
+            info_key(prefix, self.member),
         ]
 
     @property
@@ -179,7 +221,8 @@ class Heartbeat:
     def _run_renewal(self) -> bool:
         """The renewal script alone, without the ``stopping`` check (tests replay a late one)."""
         script = self.client.register_script(_RENEW)
-        return int(script(keys=self._keys, args=[self.member, repr(float(self.ttl_s))])) == 1
+        args = [self.member, repr(float(self.ttl_s)), self.consumes.as_json()]
+        return int(script(keys=self._keys, args=args)) == 1
 
 
 def has_heartbeat(client: redis.Redis, prefix: str, scope: str | None = None) -> bool:
@@ -193,6 +236,21 @@ def live_members(client: redis.Redis, prefix: str, scope: str | None = None) -> 
     script = client.register_script(_LIVE_MEMBERS)
     members = script(keys=[active_key(prefix, scope)])
     return {m.decode() if isinstance(m, bytes) else str(m) for m in members}
+
+
+def slots_by_queue(client: redis.Redis, prefix: str) -> dict[str, int]:
+    """Pool processes of the live (not draining) workers, per queue they consume."""
+    members = sorted(live_members(client, prefix))
+    if not members:
+        return {}
+    slots: dict[str, int] = {}
+    for raw in client.mget([info_key(prefix, m) for m in members]):
+        offer = WorkerSlots.from_json(raw)
+        if offer is None:
+            continue
+        for queue in offer.queues:
+            slots[queue] = slots.get(queue, 0) + offer.concurrency
+    return slots
 
 
 def lease_holders_alive(client: redis.Redis, prefix: str) -> set[str]:

@@ -1,9 +1,15 @@
-"""The dispatcher's ledger writes (SPEC §7), each one statement over a bounded batch.
+"""The dispatcher's ledger statements (docs/design.md, "Dispatch"), each one statement.
 
-Every selection locks its rows with ``FOR UPDATE SKIP LOCKED`` inside the caller's
-transaction, so overlapping scans split the rows between them instead of handling one
-twice, and every selection walks a partial index, so a scan's cost follows the number
-of rows it has work for, not the size of the table.
+The ledger is the queue: a WAITING row with ``dispatched_at IS NULL`` is ready once its
+``run_at`` has come; stamping ``dispatched_at`` puts it in the *window* (the few runs the
+broker holds); a claim takes it out again. Every threshold here is the database's clock
+(``now()``); no caller passes a time in.
+
+Selections lock their rows ``FOR UPDATE SKIP LOCKED`` inside the statement that changes
+them, so two dispatchers that overlap (a standby taking over) never stamp one row twice;
+the round-robin selection ranks before it locks, so an overlapping copy gets fewer rows,
+never a row twice. Every selection walks a partial index over live rows, so a pass costs
+what it has to do, not what the table holds.
 """
 
 from __future__ import annotations
@@ -14,23 +20,29 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import bindparam, text
-from sqlalchemy.dialects.postgresql import ARRAY, TEXT
+from sqlalchemy.dialects.postgresql import ARRAY, TEXT, TIMESTAMP
 from sqlalchemy.engine import Connection
 
+from ledger.states import KINDS
+
 MSG_TOO_MANY_RECOVERIES = "The task stopped responding too many times."
-MSG_QUEUE_FAILED = "The task's queue message failed."
 
 
 @dataclass(frozen=True)
 class RunRef:
+    """One run the dispatcher acts on; ``stamp`` is its ``dispatched_at`` when published."""
+
     task_id: uuid.UUID
     run: int
     kind: str
     status: str = "WAITING"
+    stamp: datetime | None = None
 
 
-# Guard: still RUNNING, and silent (no ledger write since stale_before) or held by a
-# process whose heartbeat member is gone. Past max_recoveries the run FAILS instead.
+# Guard: still RUNNING, and silent (no ledger write for stale_after_s, database clock) or
+# held by a process whose heartbeat member is gone. Past max_recoveries the run FAILS.
+# A recovered run starts its attempts afresh: stalls have their own budget
+# (max_recoveries); the attempt budget is for errors the task itself raised.
 # The heartbeat rule only covers rows last written before ``holders_seen_at`` (the
 # database's clock when the caller read the live members): a process that registered
 # and claimed after that read is missing from the members read, not dead.
@@ -38,10 +50,10 @@ RECOVER_STALE = text("""
     WITH silent AS (
         SELECT id, execution_id FROM background_tasks
          WHERE status = 'RUNNING'
-           AND (updated_at < :stale_before
+           AND (updated_at < now() - make_interval(secs => :stale_after_s)
                 OR (:use_heartbeats AND lease_holder IS NOT NULL
                     AND lease_holder <> ALL(:live_members)
-                    AND updated_at < COALESCE(:holders_seen_at, now())))
+                    AND updated_at < :holders_seen_at))
          ORDER BY updated_at
          LIMIT :batch
            FOR UPDATE SKIP LOCKED
@@ -52,6 +64,7 @@ RECOVER_STALE = text("""
                                  ELSE t.recoveries + 1 END,
                last_error = CASE WHEN t.recoveries >= :max_recoveries THEN :too_many
                                  ELSE t.last_error END,
+               attempts = CASE WHEN t.recoveries >= :max_recoveries THEN t.attempts ELSE 0 END,
                execution_id = NULL, lease_holder = NULL, dispatched_at = NULL, updated_at = now()
           FROM silent
          WHERE t.id = silent.id
@@ -63,64 +76,115 @@ RECOVER_STALE = text("""
     SELECT id, run, kind, status FROM recovered
 """).bindparams(bindparam("live_members", type_=ARRAY(TEXT)))
 
-# Rows due for their first publish of this run (partial index ix_background_tasks_due).
-LOCK_DUE = text("""
-    SELECT id, run, kind FROM background_tasks
-     WHERE status = 'WAITING' AND dispatched_at IS NULL AND run_at <= :now
-     ORDER BY run_at
-     LIMIT :batch
-       FOR UPDATE SKIP LOCKED
+# In flight per kind (running, or published and not yet claimed: ix_background_tasks_inflight),
+# and how long until the next scheduled run becomes ready (ix_background_tasks_due).
+WINDOW_STATE = text("""
+    SELECT (SELECT coalesce(jsonb_object_agg(kind, n), '{}'::jsonb)
+              FROM (SELECT kind, count(*) AS n FROM background_tasks
+                     WHERE status = 'RUNNING' OR (status = 'WAITING' AND dispatched_at IS NOT NULL)
+                     GROUP BY kind) k) AS inflight,
+           (SELECT extract(epoch FROM min(run_at) - now()) FROM background_tasks
+             WHERE status = 'WAITING' AND dispatched_at IS NULL AND run_at > now()) AS next_due_s
 """)
 
-# Guard: the run is WAITING and unpublished; its queue message is known to have failed.
-RECONCILE_FAILED = text("""
-    WITH reconciled AS (
-        UPDATE background_tasks
-           SET status = 'FAILED', last_error = :message, updated_at = now()
-         WHERE id = :task_id AND run = :run AND status = 'WAITING' AND dispatched_at IS NULL
-        RETURNING id, run
-    ), audit AS (
-        INSERT INTO task_audit (task_id, run, event) SELECT id, run, 'RECONCILE' FROM reconciled
+# Guard: WAITING, unpublished, due by the database's clock. Chooses up to :n ready runs of
+# one kind, round-robin over teams: a loose index scan finds the teams with ready rows
+# (ix_background_tasks_ready), each team offers its oldest rows up to its share
+# (:cap minus what it has in flight; :cap 0 = no cap), and the rows are ranked by their
+# team's load after taking them, so the least loaded team goes first. The chosen rows are
+# locked, re-checked and stamped in the same statement; returned in publish order.
+STAMP_READY = text("""
+    WITH RECURSIVE busy AS (
+        (SELECT b.team_id FROM background_tasks b
+          WHERE b.kind = :kind AND b.status = 'WAITING' AND b.dispatched_at IS NULL
+          ORDER BY b.team_id LIMIT 1)
+        UNION ALL
+        SELECT (SELECT b.team_id FROM background_tasks b
+                 WHERE b.kind = :kind AND b.status = 'WAITING' AND b.dispatched_at IS NULL
+                   AND b.team_id > busy.team_id
+                 ORDER BY b.team_id LIMIT 1)
+          FROM busy WHERE busy.team_id IS NOT NULL
+    ), load AS (
+        SELECT busy.team_id,
+               (SELECT count(*) FROM background_tasks r
+                 WHERE r.team_id = busy.team_id
+                   AND (r.status = 'RUNNING'
+                        OR (r.status = 'WAITING' AND r.dispatched_at IS NOT NULL))) AS n
+          FROM busy WHERE busy.team_id IS NOT NULL
+    ), candidates AS (
+        SELECT c.id, c.run_at, load.n + c.rn AS slot
+          FROM load CROSS JOIN LATERAL (
+              SELECT b.id, b.run_at, row_number() OVER (ORDER BY b.run_at, b.id) AS rn
+                FROM background_tasks b
+               WHERE b.kind = :kind AND b.team_id = load.team_id AND b.status = 'WAITING'
+                 AND b.dispatched_at IS NULL AND b.run_at <= now()
+               ORDER BY b.run_at, b.id
+               LIMIT CASE WHEN :cap > 0 THEN least(:n, greatest(:cap - load.n, 0)) ELSE :n END
+          ) c
+    ), picked AS (
+        SELECT id, slot, run_at FROM candidates ORDER BY slot, run_at, id LIMIT :n
+    ), locked AS (
+        SELECT t.id FROM background_tasks t JOIN picked p ON p.id = t.id
+         WHERE t.status = 'WAITING' AND t.dispatched_at IS NULL
+           FOR UPDATE OF t SKIP LOCKED
+    ), stamped AS (
+        UPDATE background_tasks t SET dispatched_at = now(), updated_at = now()
+          FROM locked WHERE t.id = locked.id
+        RETURNING t.id, t.run, t.kind, t.dispatched_at
     )
-    SELECT id FROM reconciled
+    SELECT s.id, s.run, s.kind, s.dispatched_at AS stamp
+      FROM stamped s JOIN picked p ON p.id = s.id
+     ORDER BY p.slot, p.run_at, p.id
 """)
 
-# Guard: the run is WAITING and unpublished (the caller holds the row locks); ``keys``
-# are "<id>/<run>" strings, so a row of another run is never stamped.
-MARK_MANY_DISPATCHED = text("""
-    UPDATE background_tasks SET dispatched_at = :now, updated_at = now()
-     WHERE id = ANY(CAST(:ids AS uuid[])) AND id::text || '/' || run = ANY(:keys)
-       AND status = 'WAITING' AND dispatched_at IS NULL
-    RETURNING id, run, kind
-""").bindparams(bindparam("ids", type_=ARRAY(TEXT)), bindparam("keys", type_=ARRAY(TEXT)))
+# The kinds among :kinds with a run ready now (the scan warns when nobody consumes them).
+READY_KINDS = text("""
+    SELECT k.kind FROM unnest(CAST(:kinds AS text[])) AS k(kind)
+     WHERE EXISTS (SELECT 1 FROM background_tasks b
+                    WHERE b.kind = k.kind AND b.status = 'WAITING' AND b.dispatched_at IS NULL
+                      AND b.run_at <= now())
+""").bindparams(bindparam("kinds", type_=ARRAY(TEXT)))
 
-# Guard: still the publish this scan stamped; nothing else happened to the row since.
-CLEAR_DISPATCHED = text("""
+# Guard: still the publish this dispatcher stamped (``stamp``); nothing happened since.
+# Used when the broker refused the message: the run is ready again.
+UNSTAMP = text("""
     UPDATE background_tasks SET dispatched_at = NULL, updated_at = now()
-     WHERE id = :task_id AND run = :run AND status = 'WAITING' AND dispatched_at = :stamp
-""")
+     WHERE id = ANY(CAST(:ids AS uuid[])) AND status = 'WAITING' AND dispatched_at = :stamp
+""").bindparams(bindparam("ids", type_=ARRAY(TEXT)))
 
-# Published long enough ago that the broker should have delivered it
-# (partial index ix_background_tasks_dispatched).
-LOCK_PUBLISHED_BEFORE = text("""
-    SELECT id, run, kind FROM background_tasks
-     WHERE status = 'WAITING' AND dispatched_at IS NOT NULL AND dispatched_at < :before
+# Published at least :grace_s ago (database clock) and still not claimed
+# (ix_background_tasks_dispatched): the runs whose message may have been lost.
+PUBLISHED_BEFORE = text("""
+    SELECT id, run, kind, dispatched_at AS stamp FROM background_tasks
+     WHERE status = 'WAITING' AND dispatched_at IS NOT NULL
+       AND dispatched_at < now() - make_interval(secs => :grace_s)
      ORDER BY dispatched_at
      LIMIT :batch
-       FOR UPDATE SKIP LOCKED
 """)
 
-# Guard: the run is WAITING and was last published at or before ``before``.
-MARK_REDISPATCHED = text("""
-    UPDATE background_tasks SET dispatched_at = :now, updated_at = now()
-     WHERE id = :task_id AND run = :run AND status = 'WAITING' AND dispatched_at < :before
-""")
+# Guard: WAITING and still carrying the stamp the caller judged lost (locks it; a row
+# claimed or re-stamped meanwhile is left alone). Stamps it anew for the re-publish.
+RESTAMP = text("""
+    WITH judged AS (
+        SELECT j.id, j.stamp
+          FROM unnest(CAST(:ids AS uuid[]), CAST(:stamps AS timestamptz[])) AS j(id, stamp)
+    ), lost AS (
+        SELECT t.id FROM background_tasks t JOIN judged j ON j.id = t.id
+         WHERE t.status = 'WAITING' AND t.dispatched_at = j.stamp
+           FOR UPDATE OF t SKIP LOCKED
+    )
+    UPDATE background_tasks t SET dispatched_at = now(), updated_at = now()
+      FROM lost WHERE t.id = lost.id
+    RETURNING t.id, t.run, t.kind, t.dispatched_at AS stamp
+""").bindparams(
+    bindparam("ids", type_=ARRAY(TEXT)), bindparam("stamps", type_=ARRAY(TIMESTAMP(timezone=True)))
+)
 
-# CSVs past their 24 h (partial index ix_background_tasks_expiring).
+# CSVs past their 24 h, by the database's clock (ix_background_tasks_expiring).
 PURGE_EXPIRED = text("""
     WITH expired AS (
         SELECT id FROM background_tasks
-         WHERE result_csv IS NOT NULL AND expires_at < :now
+         WHERE result_csv IS NOT NULL AND expires_at < now()
          ORDER BY expires_at
          LIMIT :batch
            FOR UPDATE SKIP LOCKED
@@ -129,12 +193,19 @@ PURGE_EXPIRED = text("""
       FROM expired WHERE t.id = expired.id
 """)
 
-
 DATABASE_NOW = text("SELECT clock_timestamp()")
 
-# Bounds every statement of the caller's transaction (a scan must not hang on a lock
-# or a stuck server); it ends with the transaction.
+# Bounds every statement of the caller's transaction (a pass must not hang on a lock or a
+# stuck server); it ends with the transaction.
 LIMIT_STATEMENT_TIME = text("SELECT set_config('statement_timeout', :ms, true)")
+
+
+@dataclass(frozen=True)
+class WindowState:
+    """Runs in flight per kind, and seconds until the next scheduled run is ready."""
+
+    inflight: dict[str, int]
+    next_due_s: float | None
 
 
 def database_now(conn: Connection) -> datetime:
@@ -149,7 +220,13 @@ def limit_statement_time(conn: Connection, seconds: float) -> None:
 
 def _refs(rows: Iterable[object]) -> list[RunRef]:
     return [
-        RunRef(row.id, row.run, row.kind, getattr(row, "status", "WAITING"))  # type: ignore[attr-defined]
+        RunRef(
+            row.id,  # type: ignore[attr-defined]
+            row.run,  # type: ignore[attr-defined]
+            row.kind,  # type: ignore[attr-defined]
+            getattr(row, "status", "WAITING"),
+            getattr(row, "stamp", None),
+        )
         for row in rows
     ]
 
@@ -157,23 +234,22 @@ def _refs(rows: Iterable[object]) -> list[RunRef]:
 def recover_stale(
     conn: Connection,
     *,
-    stale_before: datetime,
+    stale_after_s: float,
     live_members: Collection[str],
     use_heartbeats: bool,
+    holders_seen_at: datetime,
     max_recoveries: int,
     batch: int,
-    holders_seen_at: datetime | None = None,
 ) -> list[RunRef]:
     """Take silent RUNNING rows back to WAITING (or FAILED past ``max_recoveries``).
 
     ``holders_seen_at``: the database's clock just before ``live_members`` was read
-    (:func:`database_now`); None means this transaction's start, which is right when the
-    members were read inside this transaction.
+    (:func:`database_now`).
     """
     rows = conn.execute(
         RECOVER_STALE,
         {
-            "stale_before": stale_before,
+            "stale_after_s": stale_after_s,
             "use_heartbeats": use_heartbeats,
             "live_members": list(live_members),
             "max_recoveries": max_recoveries,
@@ -185,49 +261,44 @@ def recover_stale(
     return _refs(rows)
 
 
-def lock_due(conn: Connection, *, now: datetime, batch: int) -> list[RunRef]:
-    return _refs(conn.execute(LOCK_DUE, {"now": now, "batch": batch}))
+def window_state(conn: Connection) -> WindowState:
+    row = conn.execute(WINDOW_STATE).one()
+    inflight = {kind: int(row.inflight.get(kind, 0)) for kind in KINDS}
+    next_due = None if row.next_due_s is None else max(0.0, float(row.next_due_s))
+    return WindowState(inflight, next_due)
 
 
-def reconcile_failed(conn: Connection, ref: RunRef) -> bool:
-    result = conn.execute(
-        RECONCILE_FAILED, {"task_id": ref.task_id, "run": ref.run, "message": MSG_QUEUE_FAILED}
-    )
-    return result.rowcount == 1
+def stamp_ready(conn: Connection, *, kind: str, n: int, team_cap: int) -> list[RunRef]:
+    """Stamp up to ``n`` ready runs of ``kind``, round-robin over teams; in publish order."""
+    if n <= 0:
+        return []
+    return _refs(conn.execute(STAMP_READY, {"kind": kind, "n": n, "cap": team_cap}))
 
 
-def mark_many_dispatched(conn: Connection, refs: Sequence[RunRef], now: datetime) -> list[RunRef]:
-    """Stamp ``dispatched_at`` on the rows about to be published; returns those stamped."""
+def ready_kinds(conn: Connection, kinds: Collection[str]) -> set[str]:
+    return {str(row.kind) for row in conn.execute(READY_KINDS, {"kinds": list(kinds)})}
+
+
+def unstamp(conn: Connection, refs: Sequence[RunRef]) -> int:
+    """Make runs whose publish failed ready again (only if still carrying their stamp)."""
+    cleared = 0
+    for stamp in {ref.stamp for ref in refs}:
+        ids = [str(ref.task_id) for ref in refs if ref.stamp == stamp]
+        cleared += int(conn.execute(UNSTAMP, {"ids": ids, "stamp": stamp}).rowcount)
+    return cleared
+
+
+def published_before(conn: Connection, *, grace_s: float, batch: int) -> list[RunRef]:
+    return _refs(conn.execute(PUBLISHED_BEFORE, {"grace_s": grace_s, "batch": batch}))
+
+
+def restamp(conn: Connection, refs: Sequence[RunRef]) -> list[RunRef]:
+    """Stamp again the runs judged lost, if each still carries the stamp it was judged by."""
     if not refs:
         return []
-    rows = conn.execute(
-        MARK_MANY_DISPATCHED,
-        {
-            "ids": [str(ref.task_id) for ref in refs],
-            "keys": [f"{ref.task_id}/{ref.run}" for ref in refs],
-            "now": now,
-        },
-    )
-    return _refs(rows)
+    params = {"ids": [str(ref.task_id) for ref in refs], "stamps": [ref.stamp for ref in refs]}
+    return _refs(conn.execute(RESTAMP, params))
 
 
-def clear_dispatched(conn: Connection, ref: RunRef, stamp: datetime) -> bool:
-    result = conn.execute(
-        CLEAR_DISPATCHED, {"task_id": ref.task_id, "run": ref.run, "stamp": stamp}
-    )
-    return result.rowcount == 1
-
-
-def lock_published_before(conn: Connection, *, before: datetime, batch: int) -> list[RunRef]:
-    return _refs(conn.execute(LOCK_PUBLISHED_BEFORE, {"before": before, "batch": batch}))
-
-
-def mark_redispatched(conn: Connection, ref: RunRef, *, now: datetime, before: datetime) -> bool:
-    result = conn.execute(
-        MARK_REDISPATCHED, {"task_id": ref.task_id, "run": ref.run, "now": now, "before": before}
-    )
-    return result.rowcount == 1
-
-
-def purge_expired(conn: Connection, *, now: datetime, batch: int) -> int:
-    return int(conn.execute(PURGE_EXPIRED, {"now": now, "batch": batch}).rowcount)
+def purge_expired(conn: Connection, *, batch: int) -> int:
+    return int(conn.execute(PURGE_EXPIRED, {"batch": batch}).rowcount)

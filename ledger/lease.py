@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import psycopg2
@@ -25,6 +24,7 @@ from sqlalchemy.engine import Connection
 
 from ledger.errors import LeaseLost
 from ledger.states import COMPLETED
+from ledger.wake import WAKE_SQL
 
 # The lease condition every write of a running execution carries.
 _LEASE = (
@@ -47,7 +47,9 @@ def _audited(update: str, event: str) -> str:
 
 # Guard: the message's run is the ledger's run and the row is not finished.
 # A RUNNING row may be taken over: that is how a recovered or duplicate delivery
-# replaces a silent execution. Returns the owner's current role with the row.
+# replaces a silent execution. Starting a WAITING row starts the run's next attempt
+# (the first, a retry after backoff, or the one after a recovery); a takeover continues
+# the attempt it replaces. Returns the attempt and the owner's current role with the row.
 # Its commit does not wait for the WAL flush: other sessions see the lease at once
 # either way, and only a PostgreSQL crash could lose it - which revokes the lease, so
 # every later write of this execution is refused; the next synchronous commit (the
@@ -57,14 +59,16 @@ CLAIM = """
     WITH claimed AS (
         UPDATE background_tasks
            SET status = 'RUNNING', execution_id = %(execution_id)s, lease_holder = %(holder)s,
-               attempts = %(attempt)s, progress = 0, updated_at = now()
+               attempts = CASE WHEN status = 'WAITING' THEN attempts + 1
+                               ELSE greatest(attempts, 1) END,
+               progress = 0, updated_at = now()
          WHERE id = %(task_id)s AND run = %(run)s AND status IN ('WAITING', 'RUNNING')
-        RETURNING id, run, kind, team_id, owner_id, scope, filters
+        RETURNING id, run, kind, team_id, owner_id, scope, filters, attempts
     ), audit AS (
         INSERT INTO task_audit (task_id, run, event, execution_id)
         SELECT id, run, 'CLAIM', %(execution_id)s FROM claimed
     )
-    SELECT c.kind, c.team_id, c.owner_id, c.scope, c.filters, m.role
+    SELECT c.kind, c.team_id, c.owner_id, c.scope, c.filters, c.attempts, m.role
       FROM claimed c
       LEFT JOIN memberships m ON m.team_id = c.team_id AND m.user_id = c.owner_id
 """
@@ -82,8 +86,9 @@ REPORT_PROGRESS = f"""
      WHERE {_LEASE}
 """
 
-# Guard: the lease. The CSV is kept 24 h from the commit.
-COMPLETE_EXPORT = _audited(
+# Guard: the lease. The CSV is kept 24 h from the commit. Wakes the dispatcher (a window
+# slot is free) at commit.
+COMPLETE_EXPORT = WAKE_SQL + ";" + _audited(
     f"""
         UPDATE background_tasks
            SET status = 'COMPLETED', progress = 100, result_csv = %(csv)s,
@@ -93,8 +98,9 @@ COMPLETE_EXPORT = _audited(
     "'COMPLETE'",
 )
 
-# Guard: the lease; the caller's transaction holds the side effects.
-COMPLETE = _audited(
+# Guard: the lease; the caller's transaction holds the side effects (and the wake-up,
+# which a rollback drops with them).
+COMPLETE = WAKE_SQL + ";" + _audited(
     f"""
         UPDATE background_tasks
            SET status = 'COMPLETED', progress = 100, result_summary = %(summary)s,
@@ -103,13 +109,17 @@ COMPLETE = _audited(
     "'COMPLETE'",
 )
 
-# Guard: the lease. A WAITING row keeps dispatched_at = when its queue retry is due,
-# so the dispatcher neither publishes it again nor calls it lost before then.
-REPORT_FAILURE = _audited(
+# Guard: the lease. A retry is a ledger row like any other: WAITING, unpublished, ready
+# at run_at = the database's clock + the backoff; the dispatcher publishes it then.
+# Wakes the dispatcher at commit (a slot is free; a new run_at to wait for).
+REPORT_FAILURE = WAKE_SQL + ";" + _audited(
     f"""
         UPDATE background_tasks
            SET status = %(status)s, last_error = %(message)s, execution_id = NULL,
-               lease_holder = NULL, dispatched_at = %(retry_at)s, updated_at = now()
+               lease_holder = NULL, dispatched_at = NULL,
+               run_at = CASE WHEN %(status)s = 'WAITING'
+                             THEN now() + make_interval(secs => %(delay_s)s) ELSE run_at END,
+               updated_at = now()
          WHERE {_LEASE}""",
     "CASE WHEN %(status)s = 'FAILED' THEN 'FAIL' ELSE 'WAIT' END",
 )
@@ -157,21 +167,20 @@ def _execute(conn: Connection, sql: str, params: dict[str, Any]) -> Any:
 
 
 def claim(
-    conn: Connection, task_id: uuid.UUID, run: int, attempt: int, holder: str | None = None
+    conn: Connection, task_id: uuid.UUID, run: int, holder: str | None = None
 ) -> Claim | None:
     """Take the lease for ``run`` with a fresh execution id; None means skip the message."""
     execution_id = uuid.uuid4()
     params = {
         "task_id": str(task_id),
         "run": run,
-        "attempt": attempt,
         "execution_id": str(execution_id),
         "holder": holder,
     }
     row = _execute(conn, CLAIM, params).fetchone()
     if row is None:
         return None
-    kind, team_id, owner_id, scope, filters, owner_role = row
+    kind, team_id, owner_id, scope, filters, attempt, owner_role = row
     return Claim(
         lease=Lease(task_id=task_id, run=run, execution_id=execution_id, attempt=attempt),
         kind=kind,
@@ -206,14 +215,15 @@ def complete_in_transaction(conn: Connection, lease: Lease, summary: str) -> Non
 
 
 def report_failure(
-    conn: Connection, lease: Lease, *, final: bool, message: str, retry_at: datetime | None = None
+    conn: Connection, lease: Lease, *, final: bool, message: str, retry_in_s: float = 0.0
 ) -> bool:
-    """FAILED (final) or WAITING until ``retry_at``; False when a newer execution owns it."""
+    """FAILED (final), or WAITING and ready again ``retry_in_s`` from now by the database's
+    clock; False when a newer execution owns the task."""
     params = {
         **lease.params(),
         "status": "FAILED" if final else "WAITING",
         "message": message,
-        "retry_at": None if final else retry_at,
+        "delay_s": float(retry_in_s),
     }
     return bool(_execute(conn, REPORT_FAILURE, params).rowcount == 1)
 

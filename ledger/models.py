@@ -133,6 +133,24 @@ sa.Index(
     background_tasks.c.run_at,
     postgresql_where=sa.text("status = 'WAITING' AND dispatched_at IS NULL"),
 )
+# The dispatcher's round-robin selection: busy teams, then each team's oldest due rows.
+sa.Index(
+    "ix_background_tasks_ready",
+    background_tasks.c.kind,
+    background_tasks.c.team_id,
+    background_tasks.c.run_at,
+    background_tasks.c.id,
+    postgresql_where=sa.text("status = 'WAITING' AND dispatched_at IS NULL"),
+)
+# In flight (running, or published and not yet claimed): per team and per queue.
+sa.Index(
+    "ix_background_tasks_inflight",
+    background_tasks.c.team_id,
+    background_tasks.c.kind,
+    postgresql_where=sa.text(
+        "status = 'RUNNING' OR (status = 'WAITING' AND dispatched_at IS NOT NULL)"
+    ),
+)
 # Dispatcher step 4: WAITING rows already published, by publish (or retry-due) time.
 sa.Index(
     "ix_background_tasks_dispatched",

@@ -19,6 +19,7 @@ from sqlalchemy.engine import Connection, RowMapping
 from ledger.errors import InvalidInput, InvalidState, NotAllowed, NotFound
 from ledger.filters import validate_filters
 from ledger.states import SCOPES
+from ledger.wake import WAKE_SQL
 
 STAFF = "STAFF"
 
@@ -36,9 +37,12 @@ MSG_CANCEL_STATE = "only WAITING or RUNNING tasks can be cancelled"
 
 ROLE = text("SELECT role FROM memberships WHERE team_id = :team_id AND user_id = :user_id")
 
+# The insert wakes the dispatcher through the table's statement trigger (ledger/wake.py).
+# With no run_at the task is ready at once by the database's clock.
 INSERT_TASK = text("""
     INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters, run_at)
-    VALUES (:kind, :team_id, :owner_id, :scope, CAST(:filters AS jsonb), :run_at)
+    VALUES (:kind, :team_id, :owner_id, :scope, CAST(:filters AS jsonb),
+            coalesce(CAST(:run_at AS timestamptz), now()))
     RETURNING id
 """)
 
@@ -58,7 +62,11 @@ LIST_TASKS = text(f"""
      LIMIT :limit
 """)
 
-SELECT_CSV = text("SELECT result_csv, expires_at FROM background_tasks WHERE id = :task_id")
+# The CSV while it is kept (expiry by the database's clock), else NULL.
+SELECT_CSV = text("""
+    SELECT CASE WHEN expires_at > now() THEN result_csv END AS result_csv
+      FROM background_tasks WHERE id = :task_id
+""")
 
 # Guard: only a finished-without-result run opens a new one (SPEC §6).
 RETRY = text("""
@@ -93,6 +101,8 @@ CANCEL = text("""
     )
     SELECT id FROM cancelled
 """)
+
+WAKE = text(WAKE_SQL)
 
 TICKET_IN_TEAM = text("SELECT 1 FROM tickets WHERE id = :ticket_id AND team_id = :team_id")
 
@@ -159,7 +169,7 @@ def _insert(
             "owner_id": owner_id,
             "scope": scope,
             "filters": json.dumps(filters),
-            "run_at": run_at or datetime.now(UTC),
+            "run_at": run_at,
         },
     ).one()
     return uuid.UUID(str(row.id))
@@ -224,11 +234,11 @@ def list_tasks(
 
 def read_csv(
     conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID
-) -> tuple[RowMapping, str | None, datetime | None]:
-    """The task, its CSV (None when not produced or purged) and when it expires."""
+) -> tuple[RowMapping, str | None]:
+    """The task and its CSV (None when not produced, expired or purged)."""
     task = _visible_task(conn, task_id, user_id)
     row = conn.execute(SELECT_CSV, {"task_id": task_id}).one()
-    return task, row.result_csv, row.expires_at
+    return task, row.result_csv
 
 
 def retry(conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID) -> int:
@@ -245,6 +255,7 @@ def retry(conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID) -> int:
     row = conn.execute(RETRY, {"task_id": task_id}).one_or_none()
     if row is None:
         raise InvalidState(MSG_RETRY_STATE)
+    conn.execute(WAKE)  # delivered when the caller's transaction commits
     return int(row.run)
 
 
@@ -253,3 +264,4 @@ def cancel(conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID) -> None:
     _visible_task(conn, task_id, user_id)
     if conn.execute(CANCEL, {"task_id": task_id}).rowcount != 1:
         raise InvalidState(MSG_CANCEL_STATE)
+    conn.execute(WAKE)  # a cancelled run in flight frees a window slot

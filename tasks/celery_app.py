@@ -9,21 +9,22 @@ from typing import Any
 from celery import Celery, signals
 from kombu import Queue
 
-from beat_schedule import MAINTENANCE_QUEUE, PURGE_TASK, SCAN_TASK
+from dispatcher.beat_host import beat_config
+from tasks.definitions import register
+from tasks.names import EXPORTS_QUEUE, QUEUE_OF, REMINDERS_QUEUE
+from worker import lifecycle
+from worker.steps import LivenessStep
 from teamdesk.config import Settings, get_settings
 from teamdesk.logs import setup_logging
 
-EXPORT_TASK = "teamdesk.export"
-REMINDER_TASK = "teamdesk.reminder"
-EXPORTS_QUEUE = "exports"
-REMINDERS_QUEUE = "reminders"
-# The dispatcher's scan and purge go to MAINTENANCE_QUEUE: a backlog of exports must not
-# delay the scan that recovers them (every worker consumes all three queues by default).
-QUEUE_OF = {EXPORT_TASK: EXPORTS_QUEUE, REMINDER_TASK: REMINDERS_QUEUE}
-ROUTES = {**QUEUE_OF, SCAN_TASK: MAINTENANCE_QUEUE, PURGE_TASK: MAINTENANCE_QUEUE}
-TASK_OF_KIND = {"EXPORT": EXPORT_TASK, "REMINDER": REMINDER_TASK}
-
 RESULT_EXPIRES = timedelta(days=1)
+# How long a delivered, unacknowledged message stays invisible to other consumers on a
+# Redis broker (kombu's default). Not a recovery mechanism here: the dispatcher takes a
+# silent worker's runs back through the ledger (heartbeats, STALE_AFTER_S by the
+# database's clock) and publishes them anew. kombu compares delivery times with each
+# worker's own clock, so a short timeout would let a worker whose clock runs ahead take
+# every in-flight message of the cluster; an hour is beyond any skew worth tolerating.
+VISIBILITY_TIMEOUT_S = 3600
 
 
 def _is_redis(url: str) -> bool:
@@ -38,11 +39,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # Every broker key (queues, unacked messages, their index) lives under the prefix,
         # so two clusters, or two test runs, can share one Redis.
         broker_options["global_keyprefix"] = prefix
-        # A delivered message another consumer may take once its holder stopped renewing
-        # it (worker/liveness.py renews it while the task runs); swept every few seconds.
-        broker_options["visibility_timeout"] = settings.stale_after_s
-        broker_options["unacked_restore_interval"] = max(1.0, min(10.0, settings.stale_after_s / 4))
-        broker_options["unacked_restore_throttle"] = 1
+        broker_options["visibility_timeout"] = VISIBILITY_TIMEOUT_S
     return {
         "broker_url": settings.broker_url,
         "broker_transport_options": broker_options,
@@ -60,14 +57,15 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": False,
         "worker_prefetch_multiplier": 1,
-        # Flower builds its view from events only.
+        # Flower builds its view from events only. It lists a task from its receipt by a
+        # worker: the dispatcher sends no task-sent events (they cost ~45% of a publish).
         "worker_send_task_events": True,
-        "task_send_sent_event": True,
+        "task_send_sent_event": False,
         "event_exchange": f"{settings.queue_prefix}.celeryev",
         "control_exchange": f"{settings.queue_prefix}.control",
-        "task_queues": (Queue(EXPORTS_QUEUE), Queue(REMINDERS_QUEUE), Queue(MAINTENANCE_QUEUE)),
+        "task_queues": (Queue(EXPORTS_QUEUE), Queue(REMINDERS_QUEUE)),
         "task_default_queue": EXPORTS_QUEUE,
-        "task_routes": {name: {"queue": queue} for name, queue in ROUTES.items()},
+        "task_routes": {name: {"queue": queue} for name, queue in QUEUE_OF.items()},
         "task_create_missing_queues": False,
         # We log in JSON ourselves (teamdesk.logs); Celery must not replace the handlers.
         "worker_hijack_root_logger": False,
@@ -78,16 +76,13 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 
 
 def create_app(settings: Settings | None = None) -> Celery:
+    """The composition root: the app with its tasks, the worker's liveness step and
+    lifecycle receivers, and beat configured to run the dispatcher."""
     settings = settings or get_settings()
     app = Celery("teamdesk", set_as_current=False)
     app.conf.update(celery_config(settings))
-    from beat_schedule import install as install_beat
-    from tasks.definitions import register
-    from worker import lifecycle
-    from worker.steps import LivenessStep
-
+    app.conf.update(beat_config(settings))
     register(app, settings)
-    install_beat(app, settings)
     app.steps["worker"].add(LivenessStep)
     lifecycle.connect()
     return app

@@ -7,7 +7,7 @@ from typing import Any
 from celery import Celery, Task
 
 from ledger.errors import TaskRejected
-from tasks.celery_app import EXPORT_TASK, REMINDER_TASK
+from tasks.names import EXPORT_TASK, REMINDER_TASK
 from tasks.execution import TaskFailed, execute
 from tasks.export import run_export
 from tasks.reminder import run_reminder
@@ -19,12 +19,11 @@ def register(app: Celery, settings: Settings) -> None:
         "bind": True,
         "shared": False,  # registered on each app explicitly (tests build several)
         "acks_late": True,
-        # A worker process that dies mid-task sends the message again, counted against the
-        # same attempt budget (Celery 5.7). Unbounded reject-and-requeue would let a task
-        # that kills its process loop forever.
+        # A pool process that dies mid-task sends the message again at once (Celery 5.7),
+        # at most MAX_TASK_ATTEMPTS - 1 times; the new delivery takes the lease over.
+        # Unbounded reject-and-requeue would let a task that kills its process loop forever.
         "retry_on_worker_lost": True,
         "max_retries": settings.max_task_attempts - 1,
-        "default_retry_delay": settings.retry_base_delay_s,
         # Expected outcomes: Celery logs them without a traceback.
         "throws": (TaskRejected, TaskFailed),
     }

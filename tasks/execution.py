@@ -1,15 +1,21 @@
 """The one execution wrapper both task kinds share: claim (or skip) -> run -> classify.
 
-Outcomes (SPEC §5):
+Outcomes (docs/design.md, "Lifecycle"):
 - success: the body committed under the lease; ``task.completed`` / ``task.skipped`` is
   decided by re-reading the ledger afterwards.
 - :class:`LeaseLost`: a newer execution (or a cancel, or the dispatcher) owns the row. Log
   ``task.lease_lost`` and return quietly: no progress 100, no failure, no retry.
 - :class:`TaskRejected`: write FAILED now and end the queue message failed, no retry.
-- anything else: write WAITING and retry with backoff ``RETRY_BASE_DELAY_S * 2^(n-1)``
-  until ``MAX_TASK_ATTEMPTS`` (the first included), then FAILED.
+- anything else: with attempts left, write WAITING, ready again after the backoff
+  ``RETRY_BASE_DELAY_S * 2^(n-1)`` by the database's clock, and end the message as RETRY
+  (the dispatcher publishes the next attempt when it is due); on the last attempt
+  (``MAX_TASK_ATTEMPTS``, the first included) write FAILED.
 A failure report that matches 0 rows means a newer execution owns the task: return
 quietly, never raise into the queue.
+
+No retry travels through the broker: Celery's countdowns are host clocks (the sender's
+and whichever worker receives the message), and a message parked in a worker's memory
+until its ETA would sit outside the dispatcher's window.
 """
 
 from __future__ import annotations
@@ -18,10 +24,10 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task
+from celery.exceptions import Retry
 from sqlalchemy.engine import Connection
 
 from ledger import lease
@@ -61,92 +67,82 @@ class Context:
 Body = Callable[[Context], str]
 
 
-def _fields(task_id: uuid.UUID, run: int, attempt: int, **extra: Any) -> dict[str, Any]:
+def backoff_s(settings: Settings, attempt: int) -> float:
+    """The wait before attempt ``attempt + 1``: 2 s, 4 s, ... with the default base."""
+    return float(settings.retry_base_delay_s * 2 ** (attempt - 1))
+
+
+def _fields(task_id: uuid.UUID, run: int, attempt: int | None, **extra: Any) -> dict[str, Any]:
     return {"task_id": str(task_id), "run": run, "attempt": attempt, **extra}
+
+
+def _outcome(task_id: uuid.UUID, run: int, outcome: str, **extra: Any) -> dict[str, Any]:
+    """The small JSON result the queue keeps for a message."""
+    return {"task_id": str(task_id), "run": run, "outcome": outcome, **extra}
 
 
 def execute(task: Task, task_id_text: str, run: int, body: Body) -> dict[str, Any]:
     """Run one delivery of ``task_id``/``run``; returns a small JSON result for the queue."""
     settings = get_settings()
     task_id = uuid.UUID(task_id_text)
-    attempt = int(task.request.retries or 0) + 1
     with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         try:
             hooks.fire("task.before_claim", task_id=task_id, run=run)
-            claimed = lease.claim(conn, task_id, run, attempt, queueing.lease_holder())
+            claimed = lease.claim(conn, task_id, run, queueing.lease_holder())
         except Exception as exc:
-            return _claim_failed(task, task_id, run, attempt, exc, settings)
+            _claim_failed(task_id, run, exc)
         # After the claim: until it committed the row still said WAITING, and a scan that
         # saw no marker then would publish a duplicate that takes the lease over.
         queueing.message_started(task_id, run)
         if claimed is None:
-            log_event(log, "task.skipped", **_fields(task_id, run, attempt, reason="not claimable"))
-            return {"task_id": task_id_text, "run": run, "outcome": "skipped"}
-        fields = _fields(task_id, run, attempt, execution=str(claimed.lease.execution_id)[:8])
+            log_event(log, "task.skipped", **_fields(task_id, run, None, reason="not claimable"))
+            return _outcome(task_id, run, "skipped")
+        held = claimed.lease
+        fields = _fields(task_id, run, held.attempt, execution=str(held.execution_id)[:8])
         log_event(log, "task.started", kind=claimed.kind, **fields)
         hooks.fire("task.claimed", claim=claimed)
-        context = Context(claimed, settings, conn, _progress_reporter(task, conn, claimed.lease))
+        context = Context(claimed, settings, conn, _progress_reporter(task, conn, held))
         try:
             summary = body(context)
         except LeaseLost:
-            log_event(log, "task.lease_lost", **fields)
-            return {"task_id": task_id_text, "run": run, "outcome": "lease_lost"}
+            return _lease_lost(held, fields)
         except TaskRejected as exc:
-            return _rejected(claimed.lease, exc, fields)
+            return _rejected(held, exc, fields)
         except Exception as exc:
-            return _failed_attempt(task, claimed.lease, exc, settings, fields)
-        return _finished(conn, task_id, run, summary, fields)
+            return _failed_attempt(held, exc, settings, fields)
+        completed = lease.run_completed(conn, task_id, run)
+        log_event(log, "task.completed" if completed else "task.skipped", **fields)
+        return _outcome(task_id, run, "completed" if completed else "skipped", summary=summary)
 
 
-def _claim_failed(
-    task: Task, task_id: uuid.UUID, run: int, attempt: int, exc: Exception, settings: Settings
-) -> dict[str, Any]:
+def _claim_failed(task_id: uuid.UUID, run: int, exc: Exception) -> NoReturn:
     """The claim itself failed (the database went away): nothing was written, the row is
-    as the dispatcher left it. The message is sent again after the backoff, with the
-    queued marker kept; once the attempts are spent it ends failed and the marker goes
-    with it, so the dispatcher's re-publish step sees the run as lost and sends it again
-    (a marker outliving its message would keep the run WAITING forever)."""
-    fields = _fields(task_id, run, attempt, stage="claim")
-    exhausted = attempt >= settings.max_task_attempts
+    WAITING and published, as the dispatcher left it. The message ends (as RETRY) and its
+    queued marker goes with it, so the dispatcher sees the message as lost and publishes
+    the run again once the database answers (a marker outliving its message would keep
+    the run waiting until the marker expires)."""
+    queueing.message_started(task_id, run)
     log_event(
         log,
         "task.attempt_failed",
         logging.WARNING,
         error=type(exc).__name__,
-        exhausted=exhausted,
-        **fields,
+        exhausted=False,
+        **_fields(task_id, run, None, stage="claim"),
     )
-    if exhausted:
-        queueing.message_started(task_id, run)
-        raise TaskFailed(MSG_CLAIM_FAILED) from None
-    delay = settings.retry_base_delay_s * 2 ** (attempt - 1)
-    with queueing.retry_marker(task_id, run):
-        raise task.retry(
-            countdown=delay,
-            max_retries=settings.max_task_attempts - 1,
-            exc=TaskFailed(MSG_CLAIM_FAILED),
-        )
+    raise Retry(MSG_CLAIM_FAILED, exc=TaskFailed(MSG_CLAIM_FAILED)) from None
 
 
-def _finished(
-    conn: Connection, task_id: uuid.UUID, run: int, summary: str, fields: dict[str, Any]
-) -> dict[str, Any]:
-    completed = lease.run_completed(conn, task_id, run)
-    log_event(log, "task.completed" if completed else "task.skipped", **fields)
-    return {
-        "task_id": str(task_id),
-        "run": run,
-        "outcome": "completed" if completed else "skipped",
-        "summary": summary,
-    }
+def _lease_lost(held: lease.Lease, fields: dict[str, Any]) -> dict[str, Any]:
+    log_event(log, "task.lease_lost", **fields)
+    return _outcome(held.task_id, held.run, "lease_lost")
 
 
 def _rejected(held: lease.Lease, exc: TaskRejected, fields: dict[str, Any]) -> dict[str, Any]:
     with get_engine().begin() as conn:
         written = lease.report_failure(conn, held, final=True, message=exc.message)
     if not written:
-        log_event(log, "task.lease_lost", **fields)
-        return {"task_id": str(held.task_id), "run": held.run, "outcome": "lease_lost"}
+        return _lease_lost(held, fields)
     log_event(
         log,
         "task.failed",
@@ -160,51 +156,33 @@ def _rejected(held: lease.Lease, exc: TaskRejected, fields: dict[str, Any]) -> d
 
 
 def _failed_attempt(
-    task: Task, held: lease.Lease, exc: Exception, settings: Settings, fields: dict[str, Any]
+    held: lease.Lease, exc: Exception, settings: Settings, fields: dict[str, Any]
 ) -> dict[str, Any]:
+    """Record the failed attempt in the ledger: FAILED on the last one, else WAITING until
+    the backoff has passed. If the ledger cannot be told, the row stays RUNNING under this
+    execution's lease until the dispatcher's staleness rule takes it back."""
     final = held.attempt >= settings.max_task_attempts
-    delay = settings.retry_base_delay_s * 2 ** (held.attempt - 1)
-    retry_at = datetime.now(UTC) + timedelta(seconds=delay)
+    delay = backoff_s(settings, held.attempt)
     message = MSG_EXHAUSTED.format(n=held.attempt) if final else MSG_RETRYING
     report_error: dict[str, str] = {}
     try:
         hooks.fire("task.before_failure_report", lease=held, final=final)
         with get_engine().begin() as conn:
             written = lease.report_failure(
-                conn, held, final=final, message=message, retry_at=retry_at
+                conn, held, final=final, message=message, retry_in_s=delay
             )
-    except Exception as report_exc:  # the ledger is unreachable: the queue still decides
+    except Exception as report_exc:
         written, report_error = True, {"report_error": type(report_exc).__name__}
     if not written:
-        log_event(log, "task.lease_lost", **fields)
-        return {"task_id": str(held.task_id), "run": held.run, "outcome": "lease_lost"}
+        return _lease_lost(held, fields)
+    error = type(exc).__name__
     if final:
-        log_event(
-            log,
-            "task.failed",
-            logging.ERROR,
-            exhausted=True,
-            error=type(exc).__name__,
-            **report_error,
-            **fields,
-        )
+        log_event(log, "task.failed", logging.ERROR, exhausted=True, error=error,
+                  **report_error, **fields)
         raise TaskFailed(message) from None
-    log_event(
-        log,
-        "task.attempt_failed",
-        logging.WARNING,
-        error=type(exc).__name__,
-        exhausted=False,
-        retry_in_s=delay,
-        **report_error,
-        **fields,
-    )
-    with queueing.retry_marker(held.task_id, held.run):
-        raise task.retry(
-            countdown=delay,
-            max_retries=settings.max_task_attempts - 1,
-            exc=TaskFailed(MSG_RETRYING),
-        )
+    log_event(log, "task.attempt_failed", logging.WARNING, error=error, exhausted=False,
+              retry_in_s=delay, **report_error, **fields)
+    raise Retry(MSG_RETRYING, exc=TaskFailed(MSG_RETRYING), when=delay) from None
 
 
 def _progress_reporter(

@@ -1,10 +1,20 @@
-"""The queue side of a task: message ids, the queued marker, progress events, publishing.
+"""The queue side of a task: message ids, queued markers, publishing, progress events.
 
-The queued marker ``<prefix>:queued:<id>-<run>`` says "the broker holds a message for this
-run". It is set before every publish of the run's message (the dispatch and each same-run
-retry) and deleted when a worker starts on the message. The dispatcher re-publishes a
-WAITING run only when the marker is gone, so a message merely waiting behind a backlog is
-never duplicated (SPEC §7 step 4).
+Only the dispatcher publishes (docs/design.md, "Dispatch"). It stamps a run's
+``dispatched_at`` in the ledger first, then publishes the window's messages in one batch
+(one round trip to a Redis broker), then sets each run's *queued marker*
+``<prefix>:queued:<id>-<run>`` to that stamp. A worker deletes the marker once it has
+claimed the run. A published run that is still WAITING while its marker is missing or
+carries another stamp has lost its message (a Redis restart, a dispatcher killed between
+the stamp and the send, ...): the dispatcher publishes it again.
+
+The marker is set *after* the send: a dispatcher killed in between leaves a message with
+no marker, which costs a duplicate message (the lease absorbs it), never a run stranded
+behind a marker whose message was never sent. Markers live ``MARKER_TTL_FACTOR`` x
+``STALE_AFTER_S``: far longer than a message waits in a window of two messages per
+worker process, and short enough that a message lost while its marker survived (a worker
+killed between taking it off the list and registering it as unacknowledged) is published
+again within minutes.
 """
 
 from __future__ import annotations
@@ -12,19 +22,21 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Sequence
 
 import redis
 from celery import Celery, Task
-from celery.exceptions import Retry
+from kombu.exceptions import KombuError
+from kombu.transport.redis import BatchPublishError
 
-from tasks.celery_app import QUEUE_OF, TASK_OF_KIND
-from teamdesk.config import get_settings
+from ledger.dispatch import RunRef
+from tasks.names import QUEUE_OF, QUEUE_OF_KIND, TASK_OF_KIND
+from teamdesk.config import Settings, get_settings
 
 log = logging.getLogger("teamdesk.queue")
 
-MARKER_TTL_S = 7 * 24 * 3600  # garbage bound only; markers are deleted when work starts
+MARKER_TTL_FACTOR = 5  # a marker lives this many STALE_AFTER_S
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 _client: redis.Redis | None = None
 _client_url: str | None = None
@@ -41,11 +53,19 @@ def marker_key(task_id: uuid.UUID | str, run: int, prefix: str | None = None) ->
     return f"{prefix}:queued:{message_id(task_id, run)}"
 
 
+def marker_ttl_s(settings: Settings) -> int:
+    return max(60, round(MARKER_TTL_FACTOR * settings.stale_after_s))
+
+
+def is_redis_url(url: str) -> bool:
+    return url.startswith(REDIS_SCHEMES)
+
+
 def marker_redis() -> redis.Redis:
     """The broker's Redis when the broker is Redis (same failure domain), else REDIS_URL."""
     global _client, _client_url
     settings = get_settings()
-    url = settings.broker_url if settings.broker_url.startswith("redis") else settings.redis_url
+    url = settings.broker_url if is_redis_url(settings.broker_url) else settings.redis_url
     with _client_lock:
         if _client is None or _client_url != url:
             _client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
@@ -64,83 +84,95 @@ def lease_holder() -> str | None:
 
 
 def message_started(task_id: uuid.UUID, run: int) -> None:
+    """The run is claimed (or could not be): its message no longer stands for it."""
     try:
         marker_redis().delete(marker_key(task_id, run))
     except redis.RedisError:
-        # Harmless: a later publish of this run sets the marker again before it matters.
+        # Harmless: the marker carries its publish's stamp, and a later publish of this
+        # run carries a new one.
         log.debug("queued marker not deleted", extra={"task_id": str(task_id), "run": run})
 
 
-@contextmanager
-def retry_marker(task_id: uuid.UUID, run: int) -> Iterator[None]:
-    """Set the marker around a same-run retry; remove it again if the retry was not sent."""
-    key = marker_key(task_id, run)
-    marker_redis().set(key, "1", ex=MARKER_TTL_S)
-    try:
-        yield
-    except Retry:
-        raise
-    except BaseException:
-        marker_redis().delete(key)
-        raise
-
-
-def publish(app: Celery, task_id: uuid.UUID, run: int, kind: str) -> None:
-    """Publish the run's message with id ``{id}-{run}``; raises when the broker refused it."""
-    name = TASK_OF_KIND[kind]
-    key = marker_key(task_id, run)
-    client = marker_redis()
-    client.set(key, "1", ex=MARKER_TTL_S)
-    try:
-        app.send_task(
-            name, args=[str(task_id), run], task_id=message_id(task_id, run), queue=QUEUE_OF[name]
-        )
-    except BaseException:
-        client.delete(key)
-        raise
-
-
 class PublishFailed(Exception):
-    """Publishing stopped at the first failure; ``published`` messages went out before it."""
+    """The broker refused the batch. ``sent`` messages certainly went out; with
+    ``uncertain`` the rest may have too (a pipeline that failed while executing)."""
 
-    def __init__(self, published: int, error: str) -> None:
-        super().__init__(f"publish failed after {published} messages ({error})")
-        self.published, self.error = published, error
+    def __init__(self, sent: int, error: str, uncertain: bool) -> None:
+        super().__init__(f"publish failed after {sent} messages ({error})")
+        self.sent, self.error, self.uncertain = sent, error, uncertain
 
 
-def publish_many(app: Celery, runs: Sequence[tuple[uuid.UUID, int, str]]) -> int:
-    """Publish several runs: their markers in one round trip, the messages on one producer
-    connection. Raises PublishFailed (markers of the unsent runs removed) on the first error."""
+def publish_batch(app: Celery, runs: Sequence[RunRef]) -> None:
+    """Publish ``runs`` on one producer, in one batch where the transport can (one round
+    trip for a Redis broker), in order. Raises PublishFailed."""
     if not runs:
-        return 0
-    client = marker_redis()
-    keys = [marker_key(task_id, run) for task_id, run, _ in runs]
+        return
+    amqp = app.amqp
     sent = 0
     try:
-        with client.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.set(key, "1", ex=MARKER_TTL_S)
-            pipe.execute()
         with app.producer_or_acquire() as producer:
-            for task_id, run, kind in runs:
-                name = TASK_OF_KIND[kind]
-                app.send_task(
-                    name,
-                    args=[str(task_id), run],
-                    task_id=message_id(task_id, run),
-                    queue=QUEUE_OF[name],
-                    producer=producer,
-                )
-                sent += 1
-    except Exception as exc:
-        with suppress(redis.RedisError):
-            client.delete(*keys[sent:])
-        raise PublishFailed(sent, type(exc).__name__) from exc
-    return sent
+            # Declared once per batch, not once per message (kombu caches it anyway).
+            for queue in {QUEUE_OF_KIND[r.kind] for r in runs}:
+                producer.maybe_declare(amqp.queues[queue])
+            with producer.batch(max_size=len(runs) + 1):
+                for run in runs:
+                    _send(amqp, producer, run)
+                    sent += 1
+    except BatchPublishError as exc:
+        raise PublishFailed(0, type(exc.__cause__ or exc).__name__, uncertain=True) from exc
+    except (KombuError, OSError, redis.RedisError) as exc:
+        # A batch that never flushed sent nothing; a transport without batches sent the
+        # messages before the one that failed.
+        immediate = not _batches(app)
+        raise PublishFailed(sent if immediate else 0, type(exc).__name__, False) from exc
 
 
-def marker_present(task_id: uuid.UUID, run: int) -> bool:
-    return bool(marker_redis().exists(marker_key(task_id, run)))
+def _send(amqp: object, producer: object, run: RunRef) -> None:
+    name = TASK_OF_KIND[run.kind]
+    args = [str(run.task_id), run.run]
+    message = amqp.create_task_message(  # type: ignore[attr-defined]
+        message_id(run.task_id, run.run),
+        name,
+        args,
+        {},
+        argsrepr=repr(args),
+        kwargsrepr="{}",
+        create_sent_event=False,
+    )
+    amqp.send_task_message(producer, name, message, queue=QUEUE_OF[name], declare=[])  # type: ignore[attr-defined]
+
+
+def _batches(app: Celery) -> bool:
+    return is_redis_url(app.conf.broker_url or "")
+
+
+def set_markers(runs: Sequence[RunRef], settings: Settings) -> None:
+    """Say "the broker holds this run's message, sent with this stamp" (one round trip)."""
+    if not runs:
+        return
+    ttl = marker_ttl_s(settings)
+    with marker_redis().pipeline(transaction=False) as pipe:
+        for run in runs:
+            pipe.set(marker_key(run.task_id, run.run, settings.queue_prefix), _stamp(run), ex=ttl)
+        pipe.execute()
+
+
+def marker_matches(runs: Sequence[RunRef], settings: Settings) -> list[bool]:
+    """For each run: does its marker carry the stamp its row carries (one round trip)?"""
+    if not runs:
+        return []
+    with marker_redis().pipeline(transaction=False) as pipe:
+        for run in runs:
+            pipe.get(marker_key(run.task_id, run.run, settings.queue_prefix))
+        values = pipe.execute()
+    return [
+        value is not None and value.decode() == _stamp(run)
+        for run, value in zip(runs, values, strict=True)
+    ]
+
+
+def _stamp(run: RunRef) -> str:
+    return run.stamp.isoformat() if run.stamp is not None else ""
 
 
 def report_progress(task: Task, percent: int, done: int, total: int) -> None:

@@ -47,6 +47,16 @@ class Settings:
     export_max_rows: int = 10_000
     export_batch_size: int = 500
     shutdown_timeout_s: float = 75.0
+    dispatch_window: int = 0  # 0: two per live worker process consuming the queue
+    team_max_running: int = 0  # 0: no per-team cap (teams still share round-robin)
+    dispatch_listen_url: str | None = ""  # "": DATABASE_URL; None: poll only, no LISTEN
+
+    @property
+    def listen_url(self) -> str | None:
+        """Where the dispatcher LISTENs (a direct PostgreSQL connection), or None (off)."""
+        if self.dispatch_listen_url == "":
+            return self.database_url
+        return self.dispatch_listen_url
 
     def with_overrides(self, **changes: object) -> Settings:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -101,6 +111,17 @@ def _text(env: Mapping[str, str], name: str, default: str) -> str:
     return value
 
 
+LISTEN_OFF = "off"
+
+
+def _listen_url(env: Mapping[str, str]) -> str | None:
+    """DISPATCH_LISTEN_URL: a PostgreSQL URL, ``off`` (poll only), or unset (DATABASE_URL)."""
+    raw = (env.get("DISPATCH_LISTEN_URL") or "").strip()
+    if raw.lower() == LISTEN_OFF:
+        return None
+    return _url(env, "DISPATCH_LISTEN_URL", "", _DATABASE_SCHEMES)
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read and validate every variable; raise ConfigError naming the first bad one."""
     env = os.environ if env is None else env
@@ -126,6 +147,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         export_max_rows=_number(env, "EXPORT_MAX_ROWS", 10_000, int, 1),
         export_batch_size=_number(env, "EXPORT_BATCH_SIZE", 500, int, 1),
         shutdown_timeout_s=_number(env, "SHUTDOWN_TIMEOUT_S", 75.0, float, 0.0),
+        dispatch_window=_number(env, "DISPATCH_WINDOW", 0, int, 0),
+        team_max_running=_number(env, "TEAM_MAX_RUNNING", 0, int, 0),
+        dispatch_listen_url=_listen_url(env),
     )
 
 

@@ -36,6 +36,9 @@ EVENTS = frozenset(
         "dispatcher.failed",
         "dispatcher.recovered",
         "dispatcher.scan",
+        "dispatcher.leader",
+        "dispatcher.listen",
+        "dispatcher.no_consumers",
         "heartbeat.failed",
     }
 )

@@ -34,7 +34,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from dispatcher.heartbeat import Heartbeat
+from dispatcher.heartbeat import Heartbeat, WorkerSlots
 from tasks import queueing
 from teamdesk.config import Settings
 from teamdesk.logs import log_event
@@ -78,6 +78,7 @@ class Liveness:
         settings: Settings,
         delivery_tags: Callable[[], Iterable[str]],
         renew_visibility: bool = True,
+        consumes: WorkerSlots | None = None,
     ) -> None:
         self.settings = settings
         self.client = short_redis(settings.redis_url)
@@ -86,6 +87,7 @@ class Liveness:
             settings.queue_prefix,
             settings.worker_instance_id,
             settings.heartbeat_ttl_s,
+            consumes,
         )
         self.delivery_tags = delivery_tags
         broker_is_redis = settings.broker_url.startswith(("redis://", "rediss://", "unix://"))

@@ -6,6 +6,7 @@ from typing import Any
 
 from celery import bootsteps
 
+from dispatcher.heartbeat import WorkerSlots
 from teamdesk.config import get_settings
 from worker.liveness import Liveness, held_delivery_tags, renew_interval_s
 
@@ -23,6 +24,16 @@ def current_liveness() -> Liveness | None:
     return _current
 
 
+def _consumes(worker: Any) -> WorkerSlots:
+    """The task queues this worker consumes (after ``-Q``) and its pool size: the
+    dispatcher sizes each queue's window from what live workers offer."""
+    try:
+        queues = tuple(sorted(worker.app.amqp.queues.consume_from))
+    except AttributeError:
+        queues = ()
+    return WorkerSlots(queues, int(getattr(worker, "concurrency", 0) or 0))
+
+
 class LivenessStep(bootsteps.StartStopStep):
     """Renews the heartbeat member and message visibility on the worker's timer.
 
@@ -37,7 +48,10 @@ class LivenessStep(bootsteps.StartStopStep):
         global _current
         super().__init__(parent, **kwargs)
         self.liveness = Liveness(
-            get_settings(), held_delivery_tags, renew_visibility=teamdesk_renew_visibility
+            get_settings(),
+            held_delivery_tags,
+            renew_visibility=teamdesk_renew_visibility,
+            consumes=_consumes(parent),
         )
         self.tref: Any = None
         self.wake: Any = None

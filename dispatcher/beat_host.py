@@ -1,0 +1,66 @@
+"""celery beat runs the dispatcher: ``celery -A tasks beat`` is the one process role the
+cluster needs besides its workers (docs/design.md, "Dispatch").
+
+Beat's scheduler is replaced by :class:`DispatchingScheduler`: it schedules no Celery
+tasks at all. Each ``tick`` runs the dispatcher loop for at most ``TICK_BUDGET_S`` and
+returns; beat calls it again at once while this process leads, and after about a second
+while it stands by. Nothing is sent to any queue but the task messages themselves, so
+dispatch does not depend on which queues the workers consume.
+
+Stopping: beat turns SIGTERM/SIGINT into ``SystemExit`` wherever the loop is (usually
+waiting on the LISTEN socket); beat then closes the scheduler, which releases the leader
+lock, so a standby takes over within a second. Errors the loop knows (PostgreSQL or Redis
+unreachable) never leave ``tick``; beat keeps running through outages and Redis
+restarts. Run it under a supervisor that restarts it anyway (a bug ends it with exit 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.beat import Scheduler
+
+from dispatcher.context import Cluster
+from dispatcher.leader import leader_ttl_s
+from dispatcher.loop import DispatchLoop
+from teamdesk.config import Settings, get_settings
+
+SCHEDULER = "dispatcher.beat_host:DispatchingScheduler"
+MAX_TICK_BUDGET_S = 1.0  # one tick works at most this long (and a third of the lock's TTL)
+
+
+def tick_budget_s(settings: Settings) -> float:
+    return min(MAX_TICK_BUDGET_S, leader_ttl_s(settings) / 3)
+
+
+def beat_config(settings: Settings) -> dict[str, Any]:
+    """Celery settings for beat: run the dispatcher instead of a schedule."""
+    return {
+        "beat_scheduler": SCHEDULER,
+        "beat_schedule": {},
+        "beat_max_loop_interval": tick_budget_s(settings),
+    }
+
+
+class DispatchingScheduler(Scheduler):
+    """A beat scheduler with no entries whose tick is the dispatcher loop."""
+
+    _loop: DispatchLoop | None = None
+
+    def setup_schedule(self) -> None:
+        self.data = {}
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        if self._loop is None:
+            self._loop = DispatchLoop(Cluster(self.app, get_settings()))
+        return self._loop.run_for(tick_budget_s(self._loop.cluster.settings))
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+        super().close()
+
+    @property
+    def info(self) -> str:
+        return "dispatcher (leader lock on REDIS_URL)"

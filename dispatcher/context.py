@@ -1,0 +1,90 @@
+"""What every dispatcher pass works with: the app (to publish), the settings, a database
+engine of its own and the ``REDIS_URL`` client (heartbeats, the leader lock).
+
+The engine's connections carry a statement timeout (a pass must not hang on a lock or a
+stuck server) and skip the pre-ping: a pass that meets a dropped connection fails, the
+pool forgets it, and the next pass, moments later, takes a new one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import redis
+import sqlalchemy.exc
+from celery import Celery
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from sqlalchemy.engine import Connection, Engine
+
+from teamdesk.config import Settings
+from teamdesk.db import make_engine
+
+STATEMENT_TIMEOUT_S = 10.0  # any one dispatcher statement
+REDIS_TIMEOUT_S = 2.0  # connect / read of the REDIS_URL client
+APPLICATION_NAME = "teamdesk-dispatcher"
+
+# Errors that mean "PostgreSQL is unreachable or stuck", not a bug in the pass.
+DATABASE_ERRORS = (
+    sqlalchemy.exc.OperationalError,
+    sqlalchemy.exc.InterfaceError,
+    sqlalchemy.exc.TimeoutError,
+)
+
+
+def dispatcher_engine(settings: Settings) -> Engine:
+    return make_engine(
+        settings.database_url,
+        pool_pre_ping=False,
+        pool_size=2,
+        max_overflow=2,
+        connect_args={
+            "connect_timeout": 5,
+            "application_name": APPLICATION_NAME,
+            "options": f"-c statement_timeout={round(STATEMENT_TIMEOUT_S * 1000)}",
+        },
+    )
+
+
+def results_redis(settings: Settings) -> redis.Redis:
+    """A ``REDIS_URL`` client with short timeouts and one quick retry (a pooled connection
+    cut by a Redis restart), no backoff: the next pass is moments away."""
+    return redis.Redis.from_url(
+        settings.redis_url,
+        socket_timeout=REDIS_TIMEOUT_S,
+        socket_connect_timeout=REDIS_TIMEOUT_S,
+        retry=Retry(NoBackoff(), 1),
+    )
+
+
+@dataclass
+class Cluster:
+    """The dispatcher's handles on the cluster; :meth:`close` releases them."""
+
+    app: Celery
+    settings: Settings
+    engine: Engine = field(default=None)  # type: ignore[assignment]
+    results: redis.Redis = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.engine is None:
+            self.engine = dispatcher_engine(self.settings)
+        if self.results is None:
+            self.results = results_redis(self.settings)
+
+    def close(self) -> None:
+        self.engine.dispose()
+        self.results.close()
+
+
+@contextmanager
+def transaction(engine: Engine) -> Iterator[Connection]:
+    with engine.begin() as conn:
+        yield conn
+
+
+def error_class(exc: BaseException) -> str:
+    """The driver's error class when SQLAlchemy wrapped one (never its message)."""
+    return type(getattr(exc, "orig", None) or exc).__name__

@@ -1,0 +1,112 @@
+"""One active dispatcher: a Redis lock with a time to live, extended while its holder works.
+
+Every beat process runs the dispatcher loop, but only the holder of
+``<QUEUE_PREFIX>:dispatcher:leader`` (on ``REDIS_URL``) dispatches; the others stand by and
+try to take the lock about once a second. A leader that stops cleanly releases the lock
+(a standby takes over within a second); one that dies or freezes loses it when its time
+to live runs out (``leader_ttl_s``, 15 s with the defaults).
+
+Overlap is safe, only wasteful: every ledger write the dispatcher makes is conditional and
+locks its rows ``SKIP LOCKED``. So when Redis cannot be reached the leader keeps
+dispatching until its last confirmed hold would have expired, then stands down; after a
+Redis restart (the lock is gone with the data) it takes the lock again unless a standby
+was quicker.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import redis
+from redis.exceptions import LockError
+
+from teamdesk.config import Settings
+from teamdesk.logs import log_event
+
+log = logging.getLogger("teamdesk.dispatcher")
+
+TTL_LOOPS = 5  # the lock outlives this many scan intervals without an extension...
+MIN_TTL_S = 2  # ... and never less (the lock's TTL is set in whole seconds)
+MAX_LOOP_S = 5.0  # the scan interval counted above, at most
+
+
+def leader_key(prefix: str) -> str:
+    return f"{prefix}:dispatcher:leader"
+
+
+def leader_ttl_s(settings: Settings) -> int:
+    """How long the lock outlives a leader that stopped extending it."""
+    return max(MIN_TTL_S, math.ceil(TTL_LOOPS * min(settings.scan_interval_s, MAX_LOOP_S)))
+
+
+class Leadership:
+    """This process's claim on the leader lock."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        key: str,
+        ttl_s: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.lock = client.lock(key, timeout=ttl_s, thread_local=False)
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._confirmed_until: float | None = None  # when our last confirmed hold runs out
+        self._said_standby = False
+
+    @property
+    def leading(self) -> bool:
+        return self._confirmed_until is not None and self._clock() < self._confirmed_until
+
+    def ensure(self) -> bool:
+        """Take or extend the lock; True while this process may dispatch. Never raises."""
+        was_leading = self._confirmed_until is not None
+        started = self._clock()
+        try:
+            held = self._extend() if was_leading else self._acquire()
+        except redis.RedisError as exc:
+            # Cannot tell: lead on until what we last confirmed runs out, then stand down.
+            if not self.leading and was_leading:
+                self._stand_down("lost", error=type(exc).__name__)
+            return self.leading
+        if held:
+            self._confirmed_until = started + self.ttl_s
+            if not was_leading:
+                self._said_standby = False
+                log_event(log, "dispatcher.leader", role="leader", ttl_s=self.ttl_s)
+        elif was_leading:
+            self._stand_down("lost")
+        elif not self._said_standby:
+            self._said_standby = True
+            log_event(log, "dispatcher.leader", role="standby", ttl_s=self.ttl_s)
+        return held
+
+    def release(self) -> None:
+        """Give the lock up (a clean stop): a standby takes over at its next try."""
+        if self._confirmed_until is None:
+            return
+        self._confirmed_until = None
+        try:
+            self.lock.release()
+        except (LockError, redis.RedisError):
+            pass  # expired or unreachable: it lapses on its own
+
+    def _acquire(self) -> bool:
+        return bool(self.lock.acquire(blocking=False))
+
+    def _extend(self) -> bool:
+        """Reset the lock's time to live; if it is no longer ours (it expired, or Redis
+        restarted empty), try to take it afresh."""
+        try:
+            self.lock.reacquire()
+            return True
+        except LockError:
+            return self._acquire()
+
+    def _stand_down(self, role: str, **fields: object) -> None:
+        self._confirmed_until = None
+        log_event(log, "dispatcher.leader", logging.WARNING, role=role, **fields)

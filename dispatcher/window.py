@@ -1,0 +1,135 @@
+"""Filling the window: publish ready runs while their queue has room (docs/design.md,
+"Dispatch").
+
+The broker holds only a short *window* of each queue's runs. A queue's limit is
+``DISPATCH_WINDOW`` when set, else two per live worker process consuming it (from the
+workers' heartbeats): one running, one waiting behind it, so a process that finishes
+finds its next message already there while the dispatcher tops the window up. A run
+counts against the limit from its publish until it ends (running included), so the
+broker's list never holds more than the limit minus what is running, whatever the
+backlog in the ledger.
+
+One fill: read what is in flight per kind, stamp up to the free room of ready runs,
+round-robin over teams (ledger/dispatch.py ``STAMP_READY``), commit, publish them in one
+batch, then set their queued markers. Ledger first: a run is stamped before its message
+exists, never the other way round; a publish the broker refused is un-stamped (the run
+is ready again), one whose outcome is uncertain keeps its stamp and the scan's lost-message
+check publishes it again if its marker never appears.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import redis
+
+from dispatcher.context import Cluster, transaction
+from dispatcher.heartbeat import slots_by_queue
+from ledger import dispatch
+from ledger.dispatch import RunRef
+from ledger.states import KINDS
+from tasks import queueing
+from tasks.names import QUEUE_OF_KIND, TASK_QUEUES
+from teamdesk.config import Settings
+
+WINDOW_PER_SLOT = 2  # messages in flight per live worker process of the queue
+CAPACITY_MAX_AGE_S = 1.0  # the heartbeats are read at most this often
+
+
+@dataclass
+class Published:
+    """What one publish did: messages sent, refused (run ready again), or uncertain."""
+
+    sent: int = 0
+    refused: int = 0
+    uncertain: int = 0
+    error: str | None = None
+
+
+@dataclass
+class FillCounts:
+    dispatched: int = 0
+    publish_failed: int = 0
+    redis_error: str | None = None
+    next_due_s: float | None = None  # until the next scheduled run is ready (database clock)
+    limits: dict[str, int] = field(default_factory=dict)
+
+
+class Capacity:
+    """Live worker processes per queue, read from the heartbeats at most once per
+    ``CAPACITY_MAX_AGE_S``; a failed read keeps the last good one."""
+
+    def __init__(self, cluster: Cluster, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cluster = cluster
+        self._clock = clock
+        self._slots: dict[str, int] = {}
+        self._read_at: float | None = None
+        self.error: str | None = None
+
+    def slots(self, refresh: bool = False) -> dict[str, int]:
+        now = self._clock()
+        if refresh or self._read_at is None or now - self._read_at >= CAPACITY_MAX_AGE_S:
+            try:
+                self._slots = slots_by_queue(self.cluster.results, self.cluster.settings.queue_prefix)
+                self.error = None
+            except redis.RedisError as exc:
+                self.error = type(exc).__name__
+            self._read_at = now
+        return dict(self._slots)
+
+
+def limits_for(slots: dict[str, int], settings: Settings) -> dict[str, int]:
+    """Each queue's window: DISPATCH_WINDOW, or two per live worker process consuming it."""
+    if settings.dispatch_window > 0:
+        return dict.fromkeys(TASK_QUEUES, settings.dispatch_window)
+    return {queue: WINDOW_PER_SLOT * slots.get(queue, 0) for queue in TASK_QUEUES}
+
+
+def fill(cluster: Cluster, capacity: Capacity) -> FillCounts:
+    """Publish ready runs into the free room of each queue's window. Raises the database's
+    errors (the caller reports them); a broker or Redis error is recorded in the counts."""
+    limits = limits_for(capacity.slots(), cluster.settings)
+    counts = FillCounts(limits=limits, redis_error=capacity.error)
+    with transaction(cluster.engine) as conn:
+        state = dispatch.window_state(conn)
+        stamped: list[RunRef] = []
+        for kind in KINDS:
+            room = limits[QUEUE_OF_KIND[kind]] - state.inflight[kind]
+            stamped += dispatch.stamp_ready(
+                conn, kind=kind, n=room, team_cap=cluster.settings.team_max_running
+            )
+    counts.next_due_s = state.next_due_s
+    outcome = publish(cluster, stamped)
+    counts.dispatched = outcome.sent
+    counts.publish_failed = outcome.refused + outcome.uncertain
+    counts.redis_error = outcome.error or counts.redis_error
+    return counts
+
+
+def publish(cluster: Cluster, stamped: Sequence[RunRef]) -> Published:
+    """Publish stamped runs, then set their markers; un-stamp what the broker refused."""
+    if not stamped:
+        return Published()
+    try:
+        queueing.publish_batch(cluster.app, stamped)
+    except queueing.PublishFailed as exc:
+        if exc.uncertain:  # keep the stamps: the lost-message check decides later
+            return Published(uncertain=len(stamped), error=exc.error)
+        sent, refused = list(stamped[: exc.sent]), list(stamped[exc.sent :])
+        with transaction(cluster.engine) as conn:
+            dispatch.unstamp(conn, refused)
+        _mark(cluster, sent)
+        return Published(sent=len(sent), refused=len(refused), error=exc.error)
+    return Published(sent=len(stamped), error=_mark(cluster, stamped))
+
+
+def _mark(cluster: Cluster, sent: Sequence[RunRef]) -> str | None:
+    """Set the markers of sent runs; without them a run is published again after the
+    grace (a duplicate the lease absorbs), so a failure here is only reported."""
+    try:
+        queueing.set_markers(sent, cluster.settings)
+    except redis.RedisError as exc:
+        return type(exc).__name__
+    return None

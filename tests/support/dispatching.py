@@ -1,0 +1,47 @@
+"""The real dispatcher loop in a thread of the test process (leader lock, LISTEN, window).
+
+``running_dispatcher(app)`` runs :class:`dispatcher.loop.DispatchLoop` the way beat does
+(``run_for`` in a loop) until the block ends, then stops it and releases its lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from celery import Celery
+
+from dispatcher.context import Cluster
+from dispatcher.loop import DispatchLoop
+from teamdesk.config import Settings, get_settings
+
+TICK_S = 0.2  # short ticks, so the thread notices the stop quickly
+
+
+@contextmanager
+def running_dispatcher(app: Celery, settings: Settings | None = None) -> Iterator[DispatchLoop]:
+    loop = DispatchLoop(Cluster(app, settings or get_settings()))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            while not stop.is_set():
+                pause = loop.run_for(TICK_S)
+                if pause:
+                    stop.wait(pause)
+        except BaseException as exc:  # reported by the test, not swallowed
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="test-dispatcher", daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        loop.close()
+    assert not thread.is_alive(), "the dispatcher thread did not stop"
+    if errors:
+        raise errors[0]
