@@ -1,4 +1,4 @@
-"""``GET /api/health`` and ``GET /api/workers/health`` (SPEC §8-9).
+"""``GET /api/health`` and ``GET /api/workers/health`` (docs/design.md, "Heartbeats").
 
 Both answer within :data:`CHECK_DEADLINE_S`: the check runs in a daemon thread and the
 request stops waiting at the deadline (see :mod:`api.bounded`). Answers never carry
@@ -19,6 +19,7 @@ from api.deps import ResourcesDep
 from api.resources import Resources
 from api.schemas import HealthOut, WorkersOut
 from dispatcher.heartbeat import has_heartbeat
+from dispatcher.roles import read_roles
 
 CHECK_DEADLINE_S = 2.0
 NO_STORE = {"Cache-Control": "no-store"}
@@ -33,8 +34,9 @@ def select_one(res: Resources) -> None:
             raise CheckFailed("unexpected answer")
 
 
-def any_worker(res: Resources) -> bool:
-    return has_heartbeat(res.redis, res.settings.queue_prefix)
+def cluster_roles(res: Resources) -> dict[str, Any]:
+    roles = read_roles(res.redis, res.settings.queue_prefix)
+    return {"workers": has_heartbeat(res.redis, res.settings.queue_prefix), **roles.as_dict()}
 
 
 def _checks(res: Resources) -> BoundedChecks:
@@ -61,18 +63,22 @@ async def health(res: ResourcesDep) -> JSONResponse:
 @router.get(
     "/workers/health",
     response_model=WorkersOut,
-    summary="Whether any worker process has a live heartbeat",
-    description="`workers` is true when at least one worker heartbeat (SPEC §8) is live. "
-    "503 with `workers: null` when Redis cannot be read within about 2 s. Never cached.",
+    summary="Whether the cluster's process roles are alive",
+    description="`workers` is true when at least one worker heartbeat is live; `dispatcher` "
+    "when a dispatcher (beat) holds the leader lock; `consumers` counts live worker "
+    "processes per task queue; `missing` names the roles the cluster lacks (tasks of a "
+    "queue nobody consumes, or any task when there is no dispatcher, wait until they "
+    "return). 503 with `workers: null` when Redis cannot be read within about 2 s. Never "
+    "cached.",
     responses={503: {"model": WorkersOut, "description": "Redis could not be read"}},
 )
 async def workers_health(res: ResourcesDep) -> JSONResponse:
     try:
-        live = await _checks(res).run(lambda: any_worker(res), CHECK_DEADLINE_S)
+        roles = await _checks(res).run(lambda: cluster_roles(res), CHECK_DEADLINE_S)
     except CheckFailed as exc:
         _log_failure("redis", exc)
         return JSONResponse({"workers": None}, status_code=503, headers=NO_STORE)
-    return JSONResponse({"workers": bool(live)}, headers=NO_STORE)
+    return JSONResponse(roles, headers=NO_STORE)
 
 
 def _log_failure(check: str, exc: CheckFailed) -> None:

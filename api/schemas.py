@@ -135,3 +135,14 @@ class HealthOut(BaseModel):
 
 class WorkersOut(BaseModel):
     workers: bool | None = Field(description="null when Redis could not be read")
+    dispatcher: bool | None = Field(
+        default=None, description="a dispatcher (beat) holds the leader lock"
+    )
+    consumers: dict[str, int] | None = Field(
+        default=None, description="live worker processes per task queue"
+    )
+    missing: list[str] | None = Field(
+        default=None,
+        description='process roles the cluster lacks: "dispatcher", "exports worker", '
+        '"reminders worker"',
+    )

@@ -72,7 +72,9 @@ class Capacity:
         now = self._clock()
         if refresh or self._read_at is None or now - self._read_at >= CAPACITY_MAX_AGE_S:
             try:
-                self._slots = slots_by_queue(self.cluster.results, self.cluster.settings.queue_prefix)
+                self._slots = slots_by_queue(
+                    self.cluster.results, self.cluster.settings.queue_prefix
+                )
                 self.error = None
             except redis.RedisError as exc:
                 self.error = type(exc).__name__

@@ -88,32 +88,43 @@ REPORT_PROGRESS = f"""
 
 # Guard: the lease. The CSV is kept 24 h from the commit. Wakes the dispatcher (a window
 # slot is free) at commit.
-COMPLETE_EXPORT = WAKE_SQL + ";" + _audited(
-    f"""
+COMPLETE_EXPORT = (
+    WAKE_SQL
+    + ";"
+    + _audited(
+        f"""
         UPDATE background_tasks
            SET status = 'COMPLETED', progress = 100, result_csv = %(csv)s,
                result_summary = %(summary)s, expires_at = now() + interval '24 hours',
                execution_id = NULL, lease_holder = NULL, last_error = NULL, updated_at = now()
          WHERE {_LEASE}""",
-    "'COMPLETE'",
+        "'COMPLETE'",
+    )
 )
 
 # Guard: the lease; the caller's transaction holds the side effects (and the wake-up,
 # which a rollback drops with them).
-COMPLETE = WAKE_SQL + ";" + _audited(
-    f"""
+COMPLETE = (
+    WAKE_SQL
+    + ";"
+    + _audited(
+        f"""
         UPDATE background_tasks
            SET status = 'COMPLETED', progress = 100, result_summary = %(summary)s,
                execution_id = NULL, lease_holder = NULL, last_error = NULL, updated_at = now()
          WHERE {_LEASE}""",
-    "'COMPLETE'",
+        "'COMPLETE'",
+    )
 )
 
 # Guard: the lease. A retry is a ledger row like any other: WAITING, unpublished, ready
 # at run_at = the database's clock + the backoff; the dispatcher publishes it then.
 # Wakes the dispatcher at commit (a slot is free; a new run_at to wait for).
-REPORT_FAILURE = WAKE_SQL + ";" + _audited(
-    f"""
+REPORT_FAILURE = (
+    WAKE_SQL
+    + ";"
+    + _audited(
+        f"""
         UPDATE background_tasks
            SET status = %(status)s, last_error = %(message)s, execution_id = NULL,
                lease_holder = NULL, dispatched_at = NULL,
@@ -121,7 +132,8 @@ REPORT_FAILURE = WAKE_SQL + ";" + _audited(
                              THEN now() + make_interval(secs => %(delay_s)s) ELSE run_at END,
                updated_at = now()
          WHERE {_LEASE}""",
-    "CASE WHEN %(status)s = 'FAILED' THEN 'FAIL' ELSE 'WAIT' END",
+        "CASE WHEN %(status)s = 'FAILED' THEN 'FAIL' ELSE 'WAIT' END",
+    )
 )
 
 READ_STATE = "SELECT status, run FROM background_tasks WHERE id = %(task_id)s"

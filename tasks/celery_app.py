@@ -12,10 +12,10 @@ from kombu import Queue
 from dispatcher.beat_host import beat_config
 from tasks.definitions import register
 from tasks.names import EXPORTS_QUEUE, QUEUE_OF, REMINDERS_QUEUE
-from worker import lifecycle
-from worker.steps import LivenessStep
 from teamdesk.config import Settings, get_settings
 from teamdesk.logs import setup_logging
+from worker import lifecycle
+from worker.steps import LivenessStep
 
 RESULT_EXPIRES = timedelta(days=1)
 # How long a delivered, unacknowledged message stays invisible to other consumers on a

@@ -7,9 +7,9 @@ from typing import Any
 from celery import Celery, Task
 
 from ledger.errors import TaskRejected
-from tasks.names import EXPORT_TASK, REMINDER_TASK
 from tasks.execution import TaskFailed, execute
 from tasks.export import run_export
+from tasks.names import EXPORT_TASK, REMINDER_TASK
 from tasks.reminder import run_reminder
 from teamdesk.config import Settings
 

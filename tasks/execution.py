@@ -177,11 +177,20 @@ def _failed_attempt(
         return _lease_lost(held, fields)
     error = type(exc).__name__
     if final:
-        log_event(log, "task.failed", logging.ERROR, exhausted=True, error=error,
-                  **report_error, **fields)
+        log_event(
+            log, "task.failed", logging.ERROR, exhausted=True, error=error, **report_error, **fields
+        )
         raise TaskFailed(message) from None
-    log_event(log, "task.attempt_failed", logging.WARNING, error=error, exhausted=False,
-              retry_in_s=delay, **report_error, **fields)
+    log_event(
+        log,
+        "task.attempt_failed",
+        logging.WARNING,
+        error=error,
+        exhausted=False,
+        retry_in_s=delay,
+        **report_error,
+        **fields,
+    )
     raise Retry(MSG_RETRYING, exc=TaskFailed(MSG_RETRYING), when=delay) from None
 
 

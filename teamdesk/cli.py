@@ -48,6 +48,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
+    if args.cluster:
+        from dispatcher.roles import cluster_command
+
+        return cluster_command(settings_or_exit())
     from worker.probe import health_command
 
     return health_command(settings_or_exit(), args.scope)
@@ -94,15 +98,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="heartbeat scope to check (default: WORKER_INSTANCE_ID, else the hostname)",
     )
+    health.add_argument(
+        "--cluster",
+        action="store_true",
+        help="check the cluster's roles instead: print {redis, dispatcher, consumers, "
+        "missing} and exit 0 only when a dispatcher leads and every task queue has a live "
+        "worker",
+    )
     health.set_defaults(handler=cmd_health)
     scan = sub.add_parser(
         "scan",
         help="run one dispatcher scan now and print what it did",
-        description="Run the dispatcher scan once (what beat runs every SCAN_INTERVAL_S): "
-        "recover silent runs, fail runs whose queue message failed, publish due runs, "
-        "re-publish lost messages, purge expired CSVs. Prints one line (or one JSON object "
-        "with --json) and exits 0; exits 1 when PostgreSQL or Redis cannot be reached. "
-        "Safe to run while beat is running.",
+        description="Run the dispatcher's scan once (what beat runs every SCAN_INTERVAL_S): "
+        "recover silent runs, re-publish lost messages, fill the window with ready runs, "
+        "purge expired CSVs. Prints one line (or one JSON object with --json) and exits 0; "
+        "exits 1 when PostgreSQL or Redis cannot be reached. Safe to run while beat is "
+        "running.",
     )
     scan.add_argument("--json", action="store_true", help="print the counts as one JSON object")
     scan.set_defaults(handler=cmd_scan)

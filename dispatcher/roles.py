@@ -1,0 +1,68 @@
+"""Which process roles the cluster has right now: a leading dispatcher, and live worker
+processes per task queue. Read from Redis alone (the leader lock and the heartbeats), so
+the API and the CLI can say which role is missing without touching the broker.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from dispatcher.heartbeat import slots_by_queue
+from dispatcher.leader import leader_key
+from tasks.names import TASK_QUEUES
+from teamdesk.config import Settings
+
+TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True)
+class Roles:
+    """``dispatcher``: a dispatcher holds the leader lock. ``consumers``: live worker
+    processes (pool slots) per task queue."""
+
+    dispatcher: bool
+    consumers: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def missing(self) -> list[str]:
+        gone = [] if self.dispatcher else ["dispatcher"]
+        return gone + [f"{q} worker" for q in TASK_QUEUES if self.consumers.get(q, 0) == 0]
+
+    def as_dict(self) -> dict[str, Any]:
+        consumers = {q: self.consumers.get(q, 0) for q in TASK_QUEUES}
+        return {"dispatcher": self.dispatcher, "consumers": consumers, "missing": self.missing}
+
+
+def read_roles(client: redis.Redis, prefix: str) -> Roles:
+    """Raises ``redis.RedisError`` when Redis cannot be read."""
+    leading = bool(client.exists(leader_key(prefix)))
+    return Roles(leading, slots_by_queue(client, prefix))
+
+
+def cluster_command(settings: Settings, out: TextIO | None = None) -> int:
+    """``teamdesk-tasks health --cluster``: one JSON line; 0 when every role is present."""
+    out = out or sys.stdout
+    client = redis.Redis.from_url(
+        settings.redis_url,
+        socket_timeout=TIMEOUT_S,
+        socket_connect_timeout=TIMEOUT_S,
+        retry=Retry(NoBackoff(), 0),
+    )
+    try:
+        fields: dict[str, Any] = {
+            "redis": True,
+            **read_roles(client, settings.queue_prefix).as_dict(),
+        }
+    except redis.RedisError:
+        fields = {"redis": False, "dispatcher": None, "consumers": None, "missing": None}
+    finally:
+        client.close()
+    out.write(json.dumps(fields) + "\n")
+    return 0 if fields["redis"] and not fields["missing"] else 1
