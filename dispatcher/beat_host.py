@@ -48,7 +48,7 @@ class DispatchingScheduler(Scheduler):
     _loop: DispatchLoop | None = None
 
     def setup_schedule(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         if self._loop is None:

@@ -15,6 +15,7 @@ was quicker.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -90,10 +91,8 @@ class Leadership:
         if self._confirmed_until is None:
             return
         self._confirmed_until = None
-        try:
-            self.lock.release()
-        except (LockError, redis.RedisError):
-            pass  # expired or unreachable: it lapses on its own
+        with contextlib.suppress(LockError, redis.RedisError):  # expired or unreachable:
+            self.lock.release()  # it lapses on its own
 
     def _acquire(self) -> bool:
         return bool(self.lock.acquire(blocking=False))

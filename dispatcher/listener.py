@@ -17,6 +17,7 @@ for polling only (:class:`Poller`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import select
 import time
@@ -92,10 +93,8 @@ class Listener:
 
     def close(self) -> None:
         if self._conn is not None:
-            try:
+            with contextlib.suppress(psycopg2.Error):
                 self._conn.close()
-            except psycopg2.Error:
-                pass
             self._conn = None
 
     def _connect(self) -> bool:
