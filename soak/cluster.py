@@ -26,7 +26,7 @@ from tests.support.processes import Proc, celery_argv, free_port, worker_argv
 REDIS_START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 30.0  # a SIGTERM'd worker: drain budget + hard-exit guard + margin
 RESTART_BACKOFF_S = 1.0  # before restarting a process that exited on its own
-WORKER_QUEUES = "exports,reminders,maintenance"
+WORKER_QUEUES = "exports,reminders"
 
 
 class SoakRedis:

@@ -3,8 +3,9 @@
 1. A fresh database (created and migrated from ``ledger/migrations``), a fresh key
    prefix, and a dedicated ``redis-server`` on a free 127.0.0.1 port.
 2. The seeded world (soak/world.py) and one plan per task (soak/workload.py).
-3. Three ``celery -A tasks worker -Q exports,reminders,maintenance`` processes (prefork)
-   and one ``celery -A tasks beat``, all configured through SPEC §12 variables only.
+3. Three ``celery -A tasks worker -Q exports,reminders`` processes (prefork) and one
+   ``celery -A tasks beat`` (the dispatcher), all configured through SPEC §12 variables
+   only.
 4. During the chaos window: tasks are created at their planned times, the soak's users
    cancel and retry, and faults land at seeded random times (soak/faults.py).
 5. Wait (bounded) until nothing is WAITING or RUNNING, then check from PostgreSQL alone

@@ -31,7 +31,8 @@ from api.bounded import BoundedChecks, CheckFailed
 from api.errors import MSG_LIMIT, MSG_TASK_NOT_FOUND, MSG_TEAM_NOT_FOUND
 from api.middleware import MAX_BODY_BYTES
 from api.tasks import MSG_EXPIRED, MSG_NOT_AN_EXPORT, MSG_NOT_COMPLETED
-from dispatcher.heartbeat import Heartbeat
+from dispatcher.heartbeat import Heartbeat, WorkerSlots
+from dispatcher.leader import Leadership, leader_key
 from ledger import service
 from ledger.filters import MSG_DATE_ORDER, MSG_NOT_OBJECT, MSG_Q, MSG_STATUS, MSG_UNKNOWN_KEY
 from ledger.filters import MSG_Q_CHARS as MSG_TEXT
@@ -118,17 +119,37 @@ def test_health_does_not_need_redis(settings: Settings) -> None:
 # --- /api/workers/health ----------------------------------------------------------------
 
 
-def test_workers_health_false_then_true_after_a_heartbeat(
+def roles(workers: bool, dispatcher: bool, exports: int, reminders: int) -> dict[str, object]:
+    missing = [] if dispatcher else ["dispatcher"]
+    missing += [f"{q} worker" for q, n in (("exports", exports), ("reminders", reminders)) if not n]
+    return {
+        "workers": workers,
+        "dispatcher": dispatcher,
+        "consumers": {"exports": exports, "reminders": reminders},
+        "missing": missing,
+    }
+
+
+def test_workers_health_says_which_roles_are_live_and_which_are_missing(
     client: TestClient, settings: Settings, redis_client: redis.Redis
 ) -> None:
     response = client.get("/api/workers/health")
-    assert (response.status_code, response.json()) == (200, {"workers": False})
+    assert (response.status_code, response.json()) == (200, roles(False, False, 0, 0))
     assert response.headers["Cache-Control"] == "no-store"
-    beat = Heartbeat(redis_client, settings.queue_prefix, "api-test", settings.heartbeat_ttl_s)
-    assert beat.renew()
-    assert client.get("/api/workers/health").json() == {"workers": True}
-    beat.remove()
-    assert client.get("/api/workers/health").json() == {"workers": False}
+    prefix, ttl = settings.queue_prefix, settings.heartbeat_ttl_s
+    exporter = Heartbeat(redis_client, prefix, "api-test", ttl, WorkerSlots(("exports",), 2))
+    assert exporter.renew()
+    assert client.get("/api/workers/health").json() == roles(True, False, 2, 0)
+    leader = Leadership(redis_client, leader_key(prefix), 15)
+    assert leader.ensure()
+    mixed = WorkerSlots(("exports", "reminders"), 3)
+    both = Heartbeat(redis_client, prefix, "api-test", ttl, mixed)
+    assert both.renew()
+    assert client.get("/api/workers/health").json() == roles(True, True, 5, 3)
+    exporter.remove(draining=True)  # a draining worker takes no new work
+    both.remove()
+    leader.release()
+    assert client.get("/api/workers/health").json() == roles(False, False, 0, 0)
 
 
 def test_workers_health_503_when_redis_is_unreachable(settings: Settings) -> None:

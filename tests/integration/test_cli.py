@@ -463,7 +463,7 @@ def _claimed_export(engine: sa.Engine, world: World, rows: int = 3) -> lease.Lea
     with engine.begin() as conn:
         add_tickets(conn, world.team_id, world.customer_id, rows)
         task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
-        claim = lease.claim(conn, task_id, 0, 1)
+        claim = lease.claim(conn, task_id, 0)
     assert claim is not None
     return claim.lease
 
@@ -584,8 +584,8 @@ def test_the_procfile_runs_the_documented_cluster() -> None:
     assert list(processes) == ["exports", "mixed", "beat", "flower", "api"]
     words = {name: shlex.split(command) for name, command in processes.items()}
     for name, queues in (
-        ("exports", "exports,maintenance"),
-        ("mixed", "reminders,exports,maintenance"),
+        ("exports", "exports"),
+        ("mixed", "reminders,exports"),
     ):
         assert words[name][:2] == ["env", f"WORKER_INSTANCE_ID=local-{name}"]
         assert words[name][2:] == [

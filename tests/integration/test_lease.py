@@ -10,18 +10,17 @@ import sqlalchemy as sa
 
 from ledger import lease
 from ledger.errors import LeaseLost
-from tests.support.factories import World, insert_task, later, task_row
+from tests.support.factories import World, insert_task, task_row
 
 
 def claim(
     engine: sa.Engine,
     task_id: uuid.UUID,
     run: int = 0,
-    attempt: int = 1,
     holder: str | None = "host/a",
 ) -> lease.Claim | None:
     with engine.begin() as conn:
-        return lease.claim(conn, task_id, run, attempt, holder)
+        return lease.claim(conn, task_id, run, holder)
 
 
 def claimed(engine: sa.Engine, task_id: uuid.UUID, **kw: object) -> lease.Lease:
@@ -30,15 +29,25 @@ def claimed(engine: sa.Engine, task_id: uuid.UUID, **kw: object) -> lease.Lease:
     return result.lease
 
 
+def set_attempts(engine: sa.Engine, task_id: uuid.UUID, attempts: int) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE background_tasks SET attempts = :n WHERE id = :id"),
+            {"n": attempts, "id": task_id},
+        )
+
+
 def test_claim_sets_running_with_fresh_lease(engine: sa.Engine, world: World) -> None:
     task_id = insert_task_committed(engine, world, filters={"q": "x"})
-    result = claim(engine, task_id, attempt=2, holder="host-1/abc")
+    set_attempts(engine, task_id, 1)  # its first attempt failed; this is the retry
+    result = claim(engine, task_id, holder="host-1/abc")
     assert result is not None
     row = task_row(engine, task_id)
     assert row["status"] == "RUNNING"
     assert row["execution_id"] == result.lease.execution_id
     assert row["lease_holder"] == "host-1/abc"
     assert row["attempts"] == 2 and row["progress"] == 0
+    assert result.lease.attempt == 2
     assert row["updated_at"] > row["created_at"]
     assert (result.kind, result.scope, result.filters) == ("EXPORT", "TEAM", {"q": "x"})
     assert result.team_id == world.team_id and result.owner_id == world.staff_id
@@ -69,8 +78,9 @@ def test_new_claim_replaces_running_lease_and_old_writes_change_nothing(
 ) -> None:
     task_id = insert_task_committed(engine, world)
     old = claimed(engine, task_id, holder="host/a")
-    new = claimed(engine, task_id, attempt=1, holder="host/b")
+    new = claimed(engine, task_id, holder="host/b")
     assert new.execution_id != old.execution_id
+    assert (old.attempt, new.attempt) == (1, 1)  # a takeover continues the attempt
     with engine.begin() as conn:
         lease.report_progress(conn, new, 40)
     snapshot = task_row(engine, task_id)
@@ -84,9 +94,7 @@ def test_new_claim_replaces_running_lease_and_old_writes_change_nothing(
         lease.complete_in_transaction(conn, old, "old result")
     with engine.begin() as conn:
         assert lease.report_failure(conn, old, final=True, message="boom") is False
-        assert (
-            lease.report_failure(conn, old, final=False, message="boom", retry_at=later(2)) is False
-        )
+        assert lease.report_failure(conn, old, final=False, message="boom", retry_in_s=2) is False
     with pytest.raises(LeaseLost), engine.begin() as conn:
         lease.check_lease(conn, old)
     assert task_row(engine, task_id) == snapshot
@@ -111,31 +119,36 @@ def test_failure_report_never_touches_a_completed_row(engine: sa.Engine, world: 
     completed = task_row(engine, task_id)
     with engine.begin() as conn:
         assert lease.report_failure(conn, held, final=True, message="late") is False
-        assert (
-            lease.report_failure(conn, held, final=False, message="late", retry_at=later(1))
-            is False
-        )
+        assert lease.report_failure(conn, held, final=False, message="late", retry_in_s=1) is False
     assert claim(engine, task_id) is None
     assert task_row(engine, task_id) == completed
 
 
 def test_retryable_failure_sets_waiting_until_retry_is_due(engine: sa.Engine, world: World) -> None:
+    """The retry is a ledger row: WAITING, unpublished, ready after the backoff by the
+    database's clock; the next claim starts attempt 2."""
     task_id = insert_task_committed(engine, world)
     held = claimed(engine, task_id)
-    due = later(4)
     with engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE background_tasks SET dispatched_at = now() WHERE id = :id"),
+            {"id": task_id},
+        )
         assert lease.report_failure(
-            conn, held, final=False, message="Temporary error; will retry.", retry_at=due
+            conn, held, final=False, message="Temporary error; will retry.", retry_in_s=4
         )
     row = task_row(engine, task_id)
     assert row["status"] == "WAITING" and row["execution_id"] is None
     assert row["lease_holder"] is None and row["last_error"] == "Temporary error; will retry."
-    assert row["dispatched_at"] == due and row["attempts"] == 1
+    assert row["dispatched_at"] is None and row["attempts"] == 1
+    assert (row["run_at"] - row["updated_at"]).total_seconds() == pytest.approx(4, abs=0.001)
+    assert claimed(engine, task_id).attempt == 2
 
 
 def test_final_failure_sets_failed(engine: sa.Engine, world: World) -> None:
     task_id = insert_task_committed(engine, world)
-    held = claimed(engine, task_id, attempt=3)
+    set_attempts(engine, task_id, 2)
+    held = claimed(engine, task_id)
     with engine.begin() as conn:
         assert lease.report_failure(conn, held, final=True, message="Export failed.")
     row = task_row(engine, task_id)
@@ -205,7 +218,7 @@ def test_two_claims_gated_between_read_and_commit_leave_one_lease(
                     sa.text("SELECT status FROM background_tasks WHERE id = :id"), {"id": task_id}
                 ).one()
                 barrier.wait()
-                got = lease.claim(conn, task_id, 0, 1, f"host/{name}")
+                got = lease.claim(conn, task_id, 0, f"host/{name}")
                 assert got is not None
                 leases[name] = got.lease
         except BaseException as exc:  # surfaced below

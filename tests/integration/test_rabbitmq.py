@@ -7,16 +7,20 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+import redis
 import sqlalchemy as sa
 from celery import Celery
 from celery.result import AsyncResult
 
 from ledger import service
 from tasks import queueing
+from teamdesk import config
 from tests.support.csv_reference import expected_csv
+from tests.support.dispatching import running_cluster
 from tests.support.factories import World, add_tickets, task_row
+from tests.support.queues import marker_present
 from tests.support.waiting import wait_for
-from tests.support.workers import EventLog, running_worker
+from tests.support.workers import EventLog
 
 
 def rabbitmqctl(*args: str) -> None:
@@ -36,7 +40,11 @@ def rabbit_vhost() -> Iterator[str]:
 
 
 def test_worker_on_rabbitmq_completes_an_export(
-    engine: sa.Engine, world: World, make_app: Callable[..., Celery], rabbit_vhost: str
+    engine: sa.Engine,
+    world: World,
+    make_app: Callable[..., Celery],
+    rabbit_vhost: str,
+    redis_client: redis.Redis,
 ) -> None:
     app = make_app(
         broker_url=f"amqp://guest:guest@127.0.0.1:5672/{rabbit_vhost}", export_batch_size=100
@@ -45,8 +53,7 @@ def test_worker_on_rabbitmq_completes_an_export(
         add_tickets(conn, world.team_id, world.customer_id, 250)
         task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
     message = queueing.message_id(task_id, 0)
-    with EventLog(app) as events, running_worker(app):
-        queueing.publish(app, task_id, 0, "EXPORT")
+    with EventLog(app) as events, running_cluster(app):
         wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="COMPLETED")
         wait_for(lambda: events.of_type("task-succeeded", message), what="task-succeeded")
         progress = [e["result"] for e in events.of_type("task-progress", message)]
@@ -55,4 +62,5 @@ def test_worker_on_rabbitmq_completes_an_export(
     assert (row["attempts"], row["progress"], row["result_summary"]) == (1, 100, "250 rows")
     assert progress == ["40% (100/250 rows)", "80% (200/250 rows)"]
     assert AsyncResult(message, app=app).state == "SUCCESS"
-    assert not queueing.marker_present(task_id, 0)
+    assert row["dispatched_at"] is not None  # the dispatcher published it
+    assert not marker_present(redis_client, config.get_settings().queue_prefix, task_id, 0)

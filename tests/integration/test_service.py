@@ -39,7 +39,7 @@ def failed_task(
         task_id = insert_task(
             conn, world, scope=scope, owner_id=owner, kind=kind, filters={"status": ["OPEN"]}
         )
-        held = lease.claim(conn, task_id, 0, 3, "host/a")
+        held = lease.claim(conn, task_id, 0, "host/a")
         assert held is not None
         lease.report_progress(conn, held.lease, 60)
         assert lease.report_failure(conn, held.lease, final=True, message="Export failed.")
@@ -168,8 +168,8 @@ def test_retry_by_owner_opens_a_new_run_and_resets_every_field(
     assert row["run_at"] > before["run_at"] and row["updated_at"] > before["updated_at"]
     # A message of the old run is skipped; the new run can be claimed.
     with engine.begin() as conn:
-        assert lease.claim(conn, task_id, 0, 1, "host/a") is None
-        assert lease.claim(conn, task_id, 1, 1, "host/a") is not None
+        assert lease.claim(conn, task_id, 0, "host/a") is None
+        assert lease.claim(conn, task_id, 1, "host/a") is not None
 
 
 def test_retry_by_other_staff_of_a_team_task(engine: sa.Engine, world: World) -> None:
@@ -223,7 +223,7 @@ def test_retry_only_failed_or_cancelled(engine: sa.Engine, world: World, status:
     with engine.begin() as conn:
         task_id = insert_task(conn, world)
         if status != "WAITING":
-            held = lease.claim(conn, task_id, 0, 1, None)
+            held = lease.claim(conn, task_id, 0, None)
             assert held is not None
             if status == "COMPLETED":
                 lease.complete_in_transaction(conn, held.lease, "done")
@@ -256,13 +256,13 @@ def test_cancel_waiting(engine: sa.Engine, world: World) -> None:
     row = task_row(engine, task_id)
     assert (row["status"], row["execution_id"]) == ("CANCELLED", None)
     with engine.begin() as conn:
-        assert lease.claim(conn, task_id, 0, 1, None) is None
+        assert lease.claim(conn, task_id, 0, None) is None
 
 
 def test_cancel_running_revokes_the_lease(engine: sa.Engine, world: World) -> None:
     with engine.begin() as conn:
         task_id = insert_task(conn, world, kind="REMINDER")
-        held = lease.claim(conn, task_id, 0, 1, "host/a")
+        held = lease.claim(conn, task_id, 0, "host/a")
         assert held is not None
     with engine.begin() as conn:
         service.cancel(conn, task_id, world.staff2_id)
@@ -286,7 +286,7 @@ def test_cancel_running_revokes_the_lease(engine: sa.Engine, world: World) -> No
 def test_cancel_completed_is_refused(engine: sa.Engine, world: World) -> None:
     with engine.begin() as conn:
         task_id = insert_task(conn, world)
-        held = lease.claim(conn, task_id, 0, 1, None)
+        held = lease.claim(conn, task_id, 0, None)
         assert held is not None
         lease.complete_export(conn, held.lease, "id\r\n", "0 rows")
     before = task_row(engine, task_id)

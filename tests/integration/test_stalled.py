@@ -1,5 +1,6 @@
-"""SPEC §13 bullet 4 with real workers: a stalled execution is taken over, a late failure
-callback cannot erase the new lease, and a run that keeps stalling ends FAILED.
+"""Stalled executions with real workers: a stalled execution is taken over, a late
+failure callback cannot erase the new lease (nor can an old FAILURE in the result
+backend fail the recovered run), and a run that keeps stalling ends FAILED.
 
 (The other two real-worker scenarios of that bullet, a transient failure retried once
 after its backoff and a permanent rejection failing at once, are in
@@ -26,6 +27,7 @@ from tests.support.csv_reference import expected_csv
 from tests.support.factories import World, add_ticket, add_tickets, age_task, task_row
 from tests.support.gates import Gate
 from tests.support.processes import Proc, cluster, settings_env, worker_argv
+from tests.support.queues import marker_present, send_message
 from tests.support.remote_gates import RemoteGate
 from tests.support.scenario import outcomes, side_effects
 from tests.support.waiting import wait_for
@@ -63,10 +65,10 @@ def test_stalled_execution_is_taken_over_and_its_late_error_writes_nothing(
     tmp_path: Path,
     kind: str,
 ) -> None:
-    """A stops renewing its message (renewal off, visibility = STALE_AFTER_S = 1 s); the
-    broker hands the message to worker B, which claims E2. A then resumes with a read
-    error: its failure report matches no row."""
-    app = make_app(stale_after_s=1.0)
+    """A stalls (parked at a gate) and its lease goes silent past STALE_AFTER_S; the
+    dispatcher's scan takes the run back and publishes it again; worker B claims E2. A
+    then resumes with a read error: its failure report matches no row."""
+    app = make_app()
     settings = config.get_settings()
     prefix, queue = settings.queue_prefix, "exports" if kind == "EXPORT" else "reminders"
     task_id, ticket = create(engine, world, kind)
@@ -83,24 +85,28 @@ def test_stalled_execution_is_taken_over_and_its_late_error_writes_nothing(
         cluster(tmp_path) as procs,
         EventLog(app) as events,
         hooks.installed(PAUSE_AT[kind], gate_a.hook(then=raise_late_read_error)),
-        running_worker(app, concurrency=1, teamdesk_renew_visibility=False),
+        running_worker(app, concurrency=1),
     ):
         try:
-            queueing.publish(app, task_id, 0, kind)
+            assert run_once(app).dispatched == 1
             gate_a.wait_reached()
             e1 = gate_a.context["claim"].lease.execution_id
             worker_b = Proc("b", worker_argv("b", concurrency=1), b_env, tmp_path).start()
             procs.append(worker_b)
+            worker_b.wait_event("worker.started", timeout=60)
+            age_task(engine, task_id, 600)
+            counts = run_once(app)
+            assert (counts.recovered, counts.dispatched) == (1, 1)
             e2 = uuid.UUID(gate_b.wait_reached(timeout=60)["execution_id"])
             assert e2 != e1
             snapshot = task_row(engine, task_id)
             assert (snapshot["status"], snapshot["execution_id"]) == ("RUNNING", e2)
-            assert broker_state(redis_client, prefix, queue) == (1, 0)  # only B holds it
+            assert snapshot["recoveries"] == 1
+            assert broker_state(redis_client, prefix, queue) == (2, 0)  # A's and B's messages
             gate_a.release()
             wait_for(lambda: outcomes(events, message), what="A to return")
             assert "'outcome': 'lease_lost'" in outcomes(events, message)[0]
             assert task_row(engine, task_id) == snapshot
-            assert not queueing.marker_present(task_id, 0)
             if ticket:
                 assert side_effects(engine, ticket) == before
         finally:
@@ -112,9 +118,10 @@ def test_stalled_execution_is_taken_over_and_its_late_error_writes_nothing(
         finished = [e for e in worker_b.events("task.completed") if e["task_id"] == str(task_id)]
         assert [e["execution"] for e in finished] == [str(e2)[:8]]
         wait_for(
-            lambda: broker_state(redis_client, prefix, queue) == (0, 0), what="B's acknowledgement"
+            lambda: broker_state(redis_client, prefix, queue) == (0, 0), what="both acknowledged"
         )
         assert AsyncResult(message, app=app).state == "SUCCESS"
+        assert not marker_present(redis_client, prefix, task_id, 0)
         if ticket:
             after = side_effects(engine, ticket)
             assert before is not None
@@ -124,7 +131,7 @@ def test_stalled_execution_is_taken_over_and_its_late_error_writes_nothing(
                 engine, world.team_id, world.staff_id, "TEAM", {}
             )
             assert done["result_summary"] == "700 rows" and done["expires_at"] is not None
-        queueing.publish(app, task_id, 0, kind)  # once more: a completed task gains nothing
+        send_message(app, task_id, 0, kind)  # once more: a completed task gains nothing
         wait_for(
             lambda: any("'outcome': 'skipped'" in o for o in outcomes(events, message)),
             what="the extra delivery to be skipped",
@@ -148,10 +155,11 @@ def test_late_failure_callback_cannot_erase_the_new_lease(
 ) -> None:
     """A's read fails on its only attempt and its failure report fails too, so the queue
     ends the message FAILURE while the row stays RUNNING/E1. The failure callback is
-    parked. The queue's record is lost; the dispatcher recovers the run and B claims E2.
-    Then the old callback runs. The second parameter replays what a callback that writes
-    the ledger (by task id and run, with no lease) would do: it erases E2 - which is what
-    this test detects."""
+    parked. The dispatcher recovers the run - the message's FAILURE in the result backend
+    does not fail it (the queue's states are never read back) - and B claims E2 from the
+    same message id. Then the old callback runs. The second parameter replays what a
+    callback that writes the ledger (by task id and run, with no lease) would do: it
+    erases E2 - which is what this test detects."""
     app = make_app(max_task_attempts=1)
     task_id, _ = create(engine, world, "EXPORT")
     message = queueing.message_id(task_id, 0)
@@ -193,15 +201,14 @@ def test_late_failure_callback_cannot_erase_the_new_lease(
         hooks.installed("task.claimed", gate_b.hook(when=second_claim)),
     ):
         try:
-            queueing.publish(app, task_id, 0, "EXPORT")
+            assert run_once(app).dispatched == 1
             callback.wait_reached()
             stuck = task_row(engine, task_id)
             assert (stuck["status"], stuck["execution_id"]) == ("RUNNING", claims[0])
             assert AsyncResult(message, app=app).state == "FAILURE"
-            AsyncResult(message, app=app).forget()  # the queue's record is lost
             age_task(engine, task_id, 600)
             counts = run_once(app)
-            assert (counts.recovered, counts.reconciled, counts.dispatched) == (1, 0, 1)
+            assert (counts.recovered, counts.dispatched) == (1, 1)
             gate_b.wait_reached()
             taken = task_row(engine, task_id)
             assert (taken["status"], taken["execution_id"], taken["recoveries"]) == (
@@ -254,7 +261,7 @@ def test_run_that_keeps_stalling_ends_failed_through_two_scans(
         hooks.installed("export.after_read", gate_b.hook(when=nth_read(2))),
     ):
         try:
-            queueing.publish(app, task_id, 0, "EXPORT")
+            assert run_once(app).dispatched == 1
             gate_a.wait_reached()
             age_task(engine, task_id, 600)
             first = run_once(app)

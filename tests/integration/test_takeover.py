@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
@@ -20,8 +19,10 @@ from ledger import dispatch, service
 from ledger.errors import PermissionLost
 from tasks import queueing
 from teamdesk import hooks
+from tests.support.dispatching import running_cluster
 from tests.support.factories import World, add_ticket, add_tickets, age_task, task_row
 from tests.support.gates import Gate
+from tests.support.queues import send_message
 from tests.support.scenario import event_records, outcomes, side_effects
 from tests.support.waiting import wait_for
 from tests.support.workers import EventLog, running_worker
@@ -65,7 +66,7 @@ def deliver_again_and_check_nothing_changes(
     message = queueing.message_id(task_id, 0)
     wait_for(lambda: len(outcomes(events, message)) == delivered, what="earlier outcomes")
     ended = delivered
-    queueing.publish(app, task_id, 0, kind)
+    send_message(app, task_id, 0, kind)
     wait_for(lambda: len(outcomes(events, message)) == ended + 1, what="redelivery to end")
     assert "'outcome': 'skipped'" in outcomes(events, message)[-1]
     assert task_row(engine, task_id) == before
@@ -90,7 +91,7 @@ def test_export_takeover_old_execution_cannot_commit(
         hooks.installed(pause_at, gate_a.hook()),
     ):
         try:
-            queueing.publish(celery_app, task_id, 0, "EXPORT")
+            send_message(celery_app, task_id, 0, "EXPORT")
             gate_a.wait_reached()
             # A parked before its first progress, or after all three batches (the last
             # batch's progress goes to the ledger only).
@@ -99,7 +100,7 @@ def test_export_takeover_old_execution_cannot_commit(
                 lambda: len(events.of_type("task-progress", message)) == a_progress,
                 what="A's progress events",
             )
-            queueing.publish(celery_app, task_id, 0, "EXPORT")
+            send_message(celery_app, task_id, 0, "EXPORT")
             gate_b.wait_reached()
             snapshot = task_row(engine, task_id)
             assert snapshot["status"] == "RUNNING" and snapshot["execution_id"] == claims[1]
@@ -152,16 +153,15 @@ def test_late_error_of_old_execution_changes_nothing(
         hooks.installed("export.after_read", gate_a.hook(then=fail_late)),
     ):
         try:
-            queueing.publish(app, task_id, 0, "EXPORT")
+            send_message(app, task_id, 0, "EXPORT")
             gate_a.wait_reached()
-            queueing.publish(app, task_id, 0, "EXPORT")
+            send_message(app, task_id, 0, "EXPORT")
             gate_b.wait_reached()
             snapshot = task_row(engine, task_id)
             gate_a.release()
             wait_for(lambda: outcomes(events, message), what="A to return")
             assert "'outcome': 'lease_lost'" in outcomes(events, message)[0]
             assert task_row(engine, task_id) == snapshot
-            assert not queueing.marker_present(task_id, 0), "A must not schedule a retry"
             assert events.of_type("task-retried", message) == []
             assert events.of_type("task-failed", message) == []
         finally:
@@ -200,9 +200,9 @@ def test_reminder_takeover_by_new_claim_rolls_old_transaction_back(
         hooks.installed("reminder.after_lease_read", gate_a.hook()),
     ):
         try:
-            queueing.publish(celery_app, task_id, 0, "REMINDER")
+            send_message(celery_app, task_id, 0, "REMINDER")
             gate_a.wait_reached()
-            queueing.publish(celery_app, task_id, 0, "REMINDER")
+            send_message(celery_app, task_id, 0, "REMINDER")
             gate_b.wait_reached()
             snapshot = task_row(engine, task_id)
             gate_a.release()
@@ -236,15 +236,16 @@ def test_reminder_lease_cleared_by_dispatcher_rolls_old_transaction_back(
         hooks.installed("reminder.after_lease_read", gate_a.hook()),
     ):
         try:
-            queueing.publish(celery_app, task_id, 0, "REMINDER")
+            send_message(celery_app, task_id, 0, "REMINDER")
             gate_a.wait_reached()
             age_task(engine, task_id, 3600)
             with engine.begin() as conn:
                 recovered = dispatch.recover_stale(
                     conn,
-                    stale_before=datetime.now(UTC) - timedelta(seconds=120),
+                    stale_after_s=120,
                     live_members=[],
                     use_heartbeats=False,
+                    holders_seen_at=dispatch.database_now(conn),
                     max_recoveries=2,
                     batch=10,
                 )
@@ -258,7 +259,7 @@ def test_reminder_lease_cleared_by_dispatcher_rolls_old_transaction_back(
             assert task_row(engine, task_id) == snapshot
         finally:
             gate_a.release()
-        queueing.publish(celery_app, task_id, 0, "REMINDER")
+        send_message(celery_app, task_id, 0, "REMINDER")
         wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="redelivery")
         after = side_effects(engine, ticket)
         assert (after.notifications, after.events, after.version) == (1, 1, before.version + 1)
@@ -283,12 +284,11 @@ def test_reminder_failure_after_event_insert_rolls_back_and_second_attempt_is_th
     _, second = nth_claim(2)
     with (
         EventLog(app) as events,
-        running_worker(app),
+        running_cluster(app),
         hooks.installed("reminder.after_event_insert", fail_once),
         hooks.installed("task.claimed", gate_retry.hook(when=second)),
     ):
         try:
-            queueing.publish(app, task_id, 0, "REMINDER")
             gate_retry.wait_reached()
             assert side_effects(engine, ticket) == before
             row = task_row(engine, task_id)

@@ -6,25 +6,28 @@ from __future__ import annotations
 import csv
 import io
 
+import redis
 import sqlalchemy as sa
 from celery import Celery
 from celery.result import AsyncResult
 
 from ledger import service
 from tasks import queueing
+from teamdesk import config
+from tests.support.dispatching import running_cluster
 from tests.support.factories import World, add_tickets, task_row
+from tests.support.queues import marker_present
 from tests.support.waiting import wait_for
-from tests.support.workers import EventLog, running_worker
+from tests.support.workers import EventLog
 
 
 def test_export_completes_and_progress_reaches_flower(
-    engine: sa.Engine, world: World, celery_app: Celery
+    engine: sa.Engine, world: World, celery_app: Celery, redis_client: redis.Redis
 ) -> None:
     with engine.begin() as conn:
         add_tickets(conn, world.team_id, world.customer_id, 1200)
         task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
-    with EventLog(celery_app) as events, running_worker(celery_app):
-        queueing.publish(celery_app, task_id, 0, "EXPORT")
+    with EventLog(celery_app) as events, running_cluster(celery_app):
         wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="COMPLETED")
         message = queueing.message_id(task_id, 0)
         wait_for(lambda: events.of_type("task-succeeded", message), what="task-succeeded")
@@ -56,4 +59,5 @@ def test_export_completes_and_progress_reaches_flower(
         "outcome": "completed",
         "summary": "1200 rows",
     }
-    assert not queueing.marker_present(task_id, 0)
+    assert row["dispatched_at"] is not None  # the dispatcher published it
+    assert not marker_present(redis_client, config.get_settings().queue_prefix, task_id, 0)

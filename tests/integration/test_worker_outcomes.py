@@ -9,10 +9,12 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 import pytest
+import redis
 import sqlalchemy as sa
 from celery import Celery
 from celery.result import AsyncResult
 
+from dispatcher import scan as scan_module
 from ledger import service
 from ledger.filters import MSG_STATUS
 from tasks import queueing
@@ -29,13 +31,13 @@ from tests.support.factories import (
 from tests.support.gates import Gate
 from tests.support.scenario import event_records, field, outcomes, side_effects
 from tests.support.waiting import wait_for
-from tests.support.workers import EventLog, running_worker
+from tests.support.dispatching import running_cluster
+from tests.support.queues import marker_present, send_message
+from tests.support.workers import EventLog
 
 
-def run_to_end(
-    engine: sa.Engine, app: Celery, task_id: uuid.UUID, kind: str = "EXPORT", run: int = 0
-) -> dict[str, object]:
-    queueing.publish(app, task_id, run, kind)
+def run_to_end(engine: sa.Engine, task_id: uuid.UUID) -> dict[str, object]:
+    """Wait for the running cluster (worker + dispatcher) to finish the task's run."""
     wait_for(
         lambda: task_row(engine, task_id)["status"] in ("COMPLETED", "FAILED"),
         what="the task to end",
@@ -60,6 +62,7 @@ def test_transient_error_retries_once_after_backoff(
     engine: sa.Engine,
     world: World,
     make_app: Callable[..., Celery],
+    redis_client: redis.Redis,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     base = 0.5
@@ -77,11 +80,11 @@ def test_transient_error_retries_once_after_backoff(
 
     with (
         EventLog(app) as events,
-        running_worker(app),
+        running_cluster(app),
         hooks.installed("export.after_read", fail_first_read),
         hooks.installed("task.claimed", lambda **_: claimed_at.append(time.monotonic())),
     ):
-        row = run_to_end(engine, app, task_id)
+        row = run_to_end(engine, task_id)
         message = queueing.message_id(task_id, 0)
         wait_for(lambda: events.of_type("task-succeeded", message), what="task-succeeded")
         retried = events.of_type("task-retried", message)
@@ -100,7 +103,8 @@ def test_transient_error_retries_once_after_backoff(
     assert field(attempt_failed, "error") == "ConnectionError"
     assert "database connection reset" not in caplog.text
     assert len(event_records(caplog, "task.completed", task_id)) == 1
-    assert not queueing.marker_present(task_id, 0)
+    settings = config.get_settings()
+    assert not marker_present(redis_client, settings.queue_prefix, task_id, 0)
 
 
 def test_permanent_rejection_fails_at_once(
@@ -108,8 +112,8 @@ def test_permanent_rejection_fails_at_once(
 ) -> None:
     with engine.begin() as conn:  # bypasses create-time validation, as an old row would
         task_id = insert_task(conn, world, filters={"status": ["SOLVED"]})
-    with EventLog(celery_app) as events, running_worker(celery_app):
-        row = run_to_end(engine, celery_app, task_id)
+    with EventLog(celery_app) as events, running_cluster(celery_app):
+        row = run_to_end(engine, task_id)
         message = queueing.message_id(task_id, 0)
         wait_for(lambda: events.of_type("task-failed", message), what="task-failed")
         assert events.of_type("task-retried", message) == []
@@ -126,8 +130,8 @@ def test_permission_lost_before_run_is_a_rejection(
     task_id = create_export(engine, world)
     with engine.begin() as conn:
         set_role(conn, world.team_id, world.staff_id, "CUSTOMER")
-    with running_worker(celery_app):
-        row = run_to_end(engine, celery_app, task_id)
+    with running_cluster(celery_app):
+        row = run_to_end(engine, task_id)
     assert (row["status"], row["attempts"]) == ("FAILED", 1)
     assert row["last_error"] == (
         "A team export needs a staff member; the task's creator is no longer staff."
@@ -148,9 +152,9 @@ def test_exhausted_attempts_then_manual_retry_opens_run_1(
     def always_fail(**_: object) -> None:
         raise TimeoutError("upstream timed out")
 
-    with EventLog(app) as events, running_worker(app):
+    with EventLog(app) as events, running_cluster(app):
         with hooks.installed("export.after_read", always_fail):
-            row = run_to_end(engine, app, task_id)
+            row = run_to_end(engine, task_id)
         old = queueing.message_id(task_id, 0)
         wait_for(lambda: events.of_type("task-failed", old), what="run 0 to end failed")
         assert (row["status"], row["attempts"]) == ("FAILED", 3)
@@ -160,13 +164,17 @@ def test_exhausted_attempts_then_manual_retry_opens_run_1(
         exhausted = [field(r, "exhausted") for r in event_records(caplog, "task.failed", task_id)]
         assert exhausted == [True]
 
-        with engine.begin() as conn:
-            assert service.retry(conn, task_id, world.staff_id) == 1
-        queueing.publish(app, task_id, 0, "EXPORT")  # a late message of the old run
+        send_message(app, task_id, 0, "EXPORT")  # a late message of the failed run
         wait_for(lambda: len(outcomes(events, old)) == 1, what="old message to be skipped")
         assert "'outcome': 'skipped'" in outcomes(events, old)[0]
-        assert task_row(engine, task_id)["status"] == "WAITING"
-        row = run_to_end(engine, app, task_id, run=1)
+        assert task_row(engine, task_id) == row
+
+        with engine.begin() as conn:
+            assert service.retry(conn, task_id, world.staff_id) == 1
+        send_message(app, task_id, 0, "EXPORT")  # another, after the retry opened run 1
+        wait_for(lambda: len(outcomes(events, old)) == 2, what="old message to be skipped")
+        assert "'outcome': 'skipped'" in outcomes(events, old)[1]
+        row = run_to_end(engine, task_id)
     assert (row["status"], row["run"], row["attempts"], row["last_error"]) == (
         "COMPLETED",
         1,
@@ -186,11 +194,10 @@ def test_cancel_while_running_stops_at_next_write(
     gate = Gate("after read")
     with (
         EventLog(celery_app) as events,
-        running_worker(celery_app),
+        running_cluster(celery_app),
         hooks.installed("export.after_read", gate.hook()),
     ):
         try:
-            queueing.publish(celery_app, task_id, 0, "EXPORT")
             gate.wait_reached()
             with engine.begin() as conn:
                 service.cancel(conn, task_id, world.staff_id)
@@ -243,8 +250,8 @@ def test_csv_body_is_exact(engine: sa.Engine, world: World, celery_app: Celery) 
                 )
             )
     task_id = create_export(engine, world)
-    with running_worker(celery_app):
-        row = run_to_end(engine, celery_app, task_id)
+    with running_cluster(celery_app):
+        row = run_to_end(engine, task_id)
     lines = ["id,title,status,priority,requester_id,assignee_id,due_at,created_at,updated_at"]
     for i, (_, cell) in enumerate(TRICKY_TITLES):
         assignee = str(world.staff_id) if i % 2 else ""
@@ -269,8 +276,8 @@ def test_rows_with_equal_created_at_are_ordered_by_id(
             for i in range(5)
         ]
     task_id = create_export(engine, world)
-    with running_worker(app):
-        row = run_to_end(engine, app, task_id)
+    with running_cluster(app):
+        row = run_to_end(engine, task_id)
     got = [line.split(",")[0] for line in str(row["result_csv"]).splitlines()[1:]]
     assert got == [str(i) for i in sorted(ids)]
 
@@ -302,8 +309,8 @@ def test_filters_match_the_reference(
                 created_at=datetime(2026, 1, 3 + i % 5, 23, 30, tzinfo=UTC),
             )
     task_id = create_export(engine, world, filters, scope)
-    with running_worker(celery_app):
-        row = run_to_end(engine, celery_app, task_id)
+    with running_cluster(celery_app):
+        row = run_to_end(engine, task_id)
     expected = expected_csv(engine, world.team_id, world.staff_id, scope, filters)
     assert row["status"] == "COMPLETED" and row["result_csv"] == expected
     assert row["result_summary"] == f"{len(expected.splitlines()) - 1} rows"
@@ -315,8 +322,8 @@ def test_filters_matching_nothing_give_a_header_only_csv(
     with engine.begin() as conn:
         add_tickets(conn, world.team_id, world.customer_id, 5)
     task_id = create_export(engine, world, {"q": "no such title"})
-    with running_worker(celery_app):
-        row = run_to_end(engine, celery_app, task_id)
+    with running_cluster(celery_app):
+        row = run_to_end(engine, task_id)
     assert (row["status"], row["result_summary"], row["progress"]) == ("COMPLETED", "0 rows", 100)
     assert row["result_csv"] == (
         "id,title,status,priority,requester_id,assignee_id,due_at,created_at,updated_at\n"
@@ -330,8 +337,8 @@ def test_over_the_row_limit_fails_with_the_fixed_message(
     with engine.begin() as conn:
         add_tickets(conn, world.team_id, world.customer_id, 6)
     task_id = create_export(engine, world)
-    with running_worker(app):
-        row = run_to_end(engine, app, task_id)
+    with running_cluster(app):
+        row = run_to_end(engine, task_id)
     assert (row["status"], row["attempts"], row["result_csv"]) == ("FAILED", 1, None)
     assert row["last_error"] == "The export matches more than 5 tickets; narrow the filters."
 
@@ -358,27 +365,29 @@ def test_reminder_with_nothing_to_do_completes_without_side_effects(
         if case == "assignee_left":
             set_role(conn, world.team_id, world.staff2_id, None)
     before = side_effects(engine, ticket)
-    with running_worker(celery_app):
-        row = run_to_end(engine, celery_app, task_id, "REMINDER")
+    with running_cluster(celery_app):
+        row = run_to_end(engine, task_id)
     assert (row["status"], row["result_summary"], row["progress"]) == ("COMPLETED", summary, 100)
     assert side_effects(engine, ticket) == before
 
 
-@pytest.mark.parametrize("attempts", [3, 1], ids=["retried", "exhausted-then-republished"])
 def test_a_claim_that_fails_never_strands_the_run(
-    engine: sa.Engine, world: World, make_app: Callable[..., Celery], attempts: int
+    engine: sa.Engine,
+    world: World,
+    make_app: Callable[..., Celery],
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The database drops while a message is being claimed. With attempts left the message
-    comes back after the backoff; with none, it ends failed and takes its queued marker
-    with it, so the dispatcher's re-publish step sees the run as lost and sends it again."""
-    from datetime import timedelta
-
-    from dispatcher.scan import run_once
-
-    app = make_app(retry_base_delay_s=0.05, max_task_attempts=attempts)
+    """The database drops while a message is being claimed: nothing is written, the message
+    ends (RETRY) and takes its queued marker with it, so the dispatcher's scan sees the
+    published run's message as lost and publishes it again."""
+    monkeypatch.setattr(scan_module, "PUBLISH_GRACE_S", 0.0)
+    app = make_app(scan_interval_s=0.3)
     with engine.begin() as conn:
         add_tickets(conn, world.team_id, world.customer_id, 3)
     task_id = create_export(engine, world)
+    message = queueing.message_id(task_id, 0)
     failures: list[int] = []
 
     def drop_once(**_: object) -> None:
@@ -386,25 +395,33 @@ def test_a_claim_that_fails_never_strands_the_run(
             failures.append(1)
             raise ConnectionError("server closed the connection unexpectedly")
 
-    with running_worker(app), hooks.installed("task.before_claim", drop_once):
-        counts = run_once(app)  # dispatch: dispatched_at set, marker set, message sent
-        assert counts.dispatched == 1
-        message = queueing.message_id(task_id, 0)
-        if attempts == 1:
-            wait_for(lambda: AsyncResult(message, app=app).state == "FAILURE", what="FAILURE")
-            stranded = task_row(engine, task_id)
-            assert (stranded["status"], stranded["attempts"]) == ("WAITING", 0)
-            assert not queueing.marker_present(task_id, 0)
-            stale_after = config.get_settings().stale_after_s
-            later = stranded["dispatched_at"] + timedelta(seconds=stale_after + 1)
-            assert run_once(app, now=later).redispatched == 1
-        wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="COMPLETED")
-    row = task_row(engine, task_id)
-    assert (row["run"], row["result_summary"]) == (0, "3 rows")
-    assert row["attempts"] == (2 if attempts == 3 else 1)
+    with (
+        EventLog(app) as events,
+        hooks.installed("task.before_claim", drop_once),
+        running_cluster(app) as loop,
+    ):
+        row = run_to_end(engine, task_id)
+        wait_for(lambda: events.of_type("task-succeeded", message), what="task-succeeded")
+        assert len(events.of_type("task-retried", message)) == 1
+        redispatched = loop.last_scan
+    assert failures == [1]
+    assert (row["status"], row["run"], row["attempts"], row["result_summary"]) == (
+        "COMPLETED",
+        0,
+        1,
+        "3 rows",
+    )
+    assert redispatched is not None
     with engine.connect() as conn:
-        claims = conn.execute(
-            sa.text("SELECT count(*) FROM task_audit WHERE task_id = :t AND event = 'CLAIM'"),
+        events_of_task = conn.execute(
+            sa.text("SELECT event FROM task_audit WHERE task_id = :t ORDER BY id"),
             {"t": task_id},
-        ).scalar_one()
-    assert claims == 1
+        ).scalars().all()
+    assert events_of_task == ["CLAIM", "COMPLETE"]
+    (attempt_failed,) = event_records(caplog, "task.attempt_failed", task_id)
+    assert (field(attempt_failed, "stage"), field(attempt_failed, "error")) == (
+        "claim",
+        "ConnectionError",
+    )
+    settings = config.get_settings()
+    assert not marker_present(redis_client, settings.queue_prefix, task_id, 0)

@@ -68,7 +68,7 @@ def task_in_state(
         if status == "CANCELLED":
             service.cancel(conn, task_id, owner_id or world.staff_id)
             return task_id
-        held = lease.claim(conn, task_id, 0, 1, "test-host/api")
+        held = lease.claim(conn, task_id, 0, "test-host/api")
         assert held is not None
         if status == "COMPLETED":
             if kind == "EXPORT":

@@ -9,12 +9,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from celery import Celery
 
 from dispatcher.context import Cluster
 from dispatcher.loop import DispatchLoop
 from teamdesk.config import Settings, get_settings
+from tests.support.workers import running_worker
 
 TICK_S = 0.2  # short ticks, so the thread notices the stop quickly
 
@@ -45,3 +47,12 @@ def running_dispatcher(app: Celery, settings: Settings | None = None) -> Iterato
     assert not thread.is_alive(), "the dispatcher thread did not stop"
     if errors:
         raise errors[0]
+
+
+@contextmanager
+def running_cluster(app: Celery, **worker_options: Any) -> Iterator[DispatchLoop]:
+    """An in-process worker (``running_worker``) and the dispatcher: tasks created in the
+    ledger run without the test publishing anything. The worker starts first, so its
+    heartbeat (and the window it offers) is there when the dispatcher's first scan runs."""
+    with running_worker(app, **worker_options), running_dispatcher(app) as loop:
+        yield loop

@@ -138,7 +138,7 @@ def celery_argv(*args: str) -> list[str]:
 def worker_argv(
     name: str,
     *,
-    queues: str = "exports,reminders,maintenance",
+    queues: str = "exports,reminders",
     concurrency: int = 2,
     pool: str = "prefork",
 ) -> list[str]:

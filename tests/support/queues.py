@@ -9,8 +9,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import redis
+from celery import Celery
 
-from tasks.celery_app import EXPORTS_QUEUE, REMINDERS_QUEUE
+from ledger.dispatch import RunRef
+from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
+from tasks.queueing import marker_key, publish_batch
 
 
 def queue_key(prefix: str, queue: str) -> str:
@@ -47,3 +50,14 @@ def closed_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def send_message(app: Celery, task_id: uuid.UUID, run: int, kind: str = "EXPORT") -> None:
+    """Put one message for ``task_id``/``run`` on its queue, the way the dispatcher would,
+    without touching the ledger: a late or duplicate delivery, or a first delivery in a
+    test that runs no dispatcher."""
+    publish_batch(app, [RunRef(task_id, run, kind)])
+
+
+def marker_present(client: redis.Redis, prefix: str, task_id: uuid.UUID, run: int) -> bool:
+    return bool(client.exists(marker_key(task_id, run, prefix)))

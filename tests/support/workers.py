@@ -9,7 +9,7 @@ from typing import Any
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from tasks.celery_app import EXPORTS_QUEUE, REMINDERS_QUEUE
+from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
 
 
 @contextmanager

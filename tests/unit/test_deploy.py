@@ -6,12 +6,12 @@ No Docker engine runs here, so nothing is built or started. Instead:
   check-jsonschema vendors (``--builtin-schema vendor.compose-spec``; no download);
 - every document under ``deploy/k8s/`` is validated with kubernetes-validate (strict: an
   unknown field is an error) against the Kubernetes schemas that package ships;
-- the operational points (non-root image, exec-form commands, one beat that keeps the
-  redbeat lock scheduler, every queue the code routes to consumed by some worker —
-  ``maintenance`` included, the 90 s grace above the 75 s drain, health checks, log
-  rotation, Flower auth from the environment) are checked on the parsed files by
-  ``*_problems`` functions, and every check is shown to fail on a copy of the file
-  broken in exactly that point;
+- the operational points (non-root image, exec-form commands, one beat service or
+  Deployment with a hot standby and no ``-S`` replacing the dispatcher, every task queue
+  consumed by some worker and no worker naming another queue, the 90 s grace above the
+  75 s drain, health checks, log rotation, Flower auth from the environment) are checked
+  on the parsed files by ``*_problems`` functions, and every check is shown to fail on a
+  copy of the file broken in exactly that point;
 - when the ``docker`` CLI has the compose plugin, ``docker compose config -q`` also
   validates the file (no engine needed); otherwise that one test is skipped.
 """
@@ -35,8 +35,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from beat_schedule import SCHEDULER
-from tasks.celery_app import ROUTES
+from dispatcher.beat_host import SCHEDULER, beat_config
+from tasks.names import TASK_QUEUES as DECLARED_QUEUES
+from teamdesk.config import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -47,18 +48,20 @@ K8S_DIR = DEPLOY / "k8s"
 
 # Oldest Kubernetes minor the manifests are written for; kubernetes-validate ships its schemas.
 K8S_VERSION = "1.31.0"
-DRAIN_S = 75.0  # SHUTDOWN_TIMEOUT_S default (SPEC §11)
+DRAIN_S = 75.0  # SHUTDOWN_TIMEOUT_S default
 WORKER_GRACE_S = 90.0  # the orchestrator's grace the drain is sized for
-HEALTH_HARD_CAP_S = 4.0  # `teamdesk-tasks health` hard cap (SPEC §8)
+HEALTH_HARD_CAP_S = 4.0  # `teamdesk-tasks health` hard cap
+BEAT_REPLICAS = 2  # the leader and a hot standby (deploy/README.md, "The dispatcher")
 
 TEAMDESK_SERVICES = ("migrate", "api", "worker", "beat", "flower")
 COMPOSE_SERVICES = ("postgres", "redis", *TEAMDESK_SERVICES)
 EXPECTED_LOGGING = {"driver": "json-file", "options": {"max-size": "10m", "max-file": "3"}}
 HEALTH_CMD = ["teamdesk-tasks", "health"]
 SHELLS = {"sh", "bash", "/bin/sh", "/bin/bash", "dash", "/bin/dash"}
-# Every queue the code sends tasks to (exports, reminders, and maintenance, where beat's
-# dispatcher scan and purge go): each needs a consumer somewhere in the deployment.
-ROUTED_QUEUES = frozenset(ROUTES.values())
+# The task queues (exports, reminders): the dispatcher publishes nothing to a queue no live
+# worker consumes, so each needs a consumer somewhere in the deployment; and a worker
+# naming any other queue (the old `maintenance`) fails at start.
+TASK_QUEUES = frozenset(DECLARED_QUEUES)
 FLOWER_AUTH_RE = re.compile(r"^\$\{FLOWER_USER:\?[^}]*\}:\$\{FLOWER_PASSWORD:\?[^}]*\}$")
 
 
@@ -133,7 +136,7 @@ def _consumed_queues(command: list[str]) -> set[str]:
     queue when it has none (Celery's default with `task_queues` set)."""
     value = _flag_value(command, "-Q", "--queues")
     if value is None:
-        return set(ROUTED_QUEUES)
+        return set(TASK_QUEUES)
     return {q.strip() for q in value.split(",") if q.strip()}
 
 
@@ -141,15 +144,21 @@ def _unconsumed(worker_commands: list[list[str]]) -> list[str]:
     consumed: set[str] = set()
     for command in worker_commands:
         consumed |= _consumed_queues(command)
-    return sorted(ROUTED_QUEUES - consumed)
+    return sorted(TASK_QUEUES - consumed)
+
+
+def _unknown_queues(command: list[str]) -> list[str]:
+    """Queues in a worker's -Q that the app does not declare: Celery refuses to start."""
+    return sorted(_consumed_queues(command) - TASK_QUEUES)
 
 
 def _beat_scheduler_problem(where: str, command: list[str]) -> str | None:
-    """`-S`/`--scheduler` on the command line replaces the app's redbeat scheduler, and
-    with it the Redis lock that keeps one beat active."""
+    """The app sets beat's scheduler to the dispatcher; `-S`/`--scheduler` on the command
+    line would replace it (nothing dispatched), and even naming the dispatcher there is a
+    copy that goes stale when the app's choice changes."""
     scheduler = _flag_value(command, "-S", "--scheduler")
-    if scheduler is not None and scheduler != SCHEDULER:
-        return f"{where}: --scheduler {scheduler} replaces redbeat (no beat lock)"
+    if scheduler is not None:
+        return f"{where}: --scheduler {scheduler} replaces the app's dispatcher scheduler"
     return None
 
 
@@ -212,6 +221,8 @@ def dockerfile_problems(text: str) -> list[str]:
             problems.append(f"default CMD is not the worker: {cmd}")
         elif unconsumed := _unconsumed([cmd]):
             problems.append(f"default CMD does not consume queue(s) {unconsumed}")
+        elif unknown := _unknown_queues(cmd):
+            problems.append(f"default CMD names undeclared queue(s) {unknown}")
     if entrypoints:
         entry = _exec_form(entrypoints[-1])
         if entry is None or (entry and not _is_exec_form(entry)):
@@ -301,6 +312,10 @@ def compose_problems(doc: dict[str, Any]) -> list[str]:
     ]
     if unconsumed := _unconsumed(worker_commands):
         problems.append(f"no worker service consumes queue(s) {unconsumed}")
+    for name, svc in services.items():
+        command = svc.get("command")
+        if _runs_celery(command, "worker") and (unknown := _unknown_queues(command)):
+            problems.append(f"{name}: names undeclared queue(s) {unknown}")
     worker_health = worker.get("healthcheck") or {}
     if worker_health.get("test") != ["CMD", *HEALTH_CMD]:
         problems.append("worker: health check is not [CMD, teamdesk-tasks, health]")
@@ -333,11 +348,11 @@ def compose_problems(doc: dict[str, Any]) -> list[str]:
     if beats != ["beat"]:
         problems.append(f"not exactly one beat: {beats}")
     beat = services["beat"]
-    replicas = (beat.get("deploy") or {}).get("replicas", 1)
-    if replicas != 1 or beat.get("scale", 1) != 1:
-        problems.append("beat: more than one replica")
-    if "container_name" not in beat:
-        problems.append("beat: no container_name guarding against --scale beat=N")
+    replicas = beat.get("scale", (beat.get("deploy") or {}).get("replicas", 1))
+    if replicas < BEAT_REPLICAS:
+        problems.append(f"beat: {replicas} replica(s), no hot standby")
+    if "container_name" in beat:
+        problems.append("beat: container_name is fixed, a second replica cannot start")
     if scheduler_problem := _beat_scheduler_problem("beat", beat.get("command") or []):
         problems.append(scheduler_problem)
 
@@ -465,14 +480,16 @@ def k8s_problems(docs: list[dict[str, Any]]) -> list[str]:
     ]
     if beat_deployments != ["teamdesk-beat"]:
         problems.append(f"not exactly one beat Deployment: {beat_deployments}")
-    if beat["spec"].get("replicas", 1) != 1:
-        problems.append("beat: replicas is not 1")
-    if (beat["spec"].get("strategy") or {}).get("type") != "Recreate":
-        problems.append("beat: strategy is not Recreate")
+    if beat["spec"].get("replicas", 1) < BEAT_REPLICAS:
+        problems.append("beat: replicas below 2, no hot standby")
+    strategy = beat["spec"].get("strategy") or {}
+    max_unavailable = (strategy.get("rollingUpdate") or {}).get("maxUnavailable")
+    if strategy.get("type") != "RollingUpdate" or max_unavailable != 0:
+        problems.append("beat: strategy is not RollingUpdate with maxUnavailable 0")
     if scheduler_problem := _beat_scheduler_problem("beat", _argv(_main_container(beat))):
         problems.append(scheduler_problem)
 
-    # every routed queue has a consumer among the worker Deployments
+    # every task queue has a consumer among the worker Deployments, and none names another
     k8s_worker_commands = [
         _argv(c)
         for d in docs
@@ -482,6 +499,9 @@ def k8s_problems(docs: list[dict[str, Any]]) -> list[str]:
     ]
     if unconsumed := _unconsumed(k8s_worker_commands):
         problems.append(f"no worker Deployment consumes queue(s) {unconsumed}")
+    for command in k8s_worker_commands:
+        if unknown := _unknown_queues(command):
+            problems.append(f"a worker Deployment names undeclared queue(s) {unknown}")
 
     # api
     ac = _main_container(api)
@@ -557,6 +577,17 @@ def k8s_docs() -> list[dict[str, Any]]:
     return _k8s_docs()
 
 
+# --------------------------------------------------------------------------- beat
+
+
+def test_plain_celery_beat_runs_the_dispatcher() -> None:
+    # Why every beat command is bare `celery -A tasks beat`: the app itself sets the
+    # dispatcher as beat's scheduler, and beat schedules no Celery task.
+    config = beat_config(Settings())
+    assert config["beat_scheduler"] == SCHEDULER
+    assert config["beat_schedule"] == {}
+
+
 # --------------------------------------------------------------------------- Dockerfile tests
 
 
@@ -598,9 +629,14 @@ DOCKERFILE_BREAKS: list[tuple[str, Callable[[str], str], str]] = [
         "expected python:3.11-slim",
     ),
     (
-        "CMD without maintenance",
-        lambda t: t.replace('"exports,reminders,maintenance"', '"exports,reminders"'),
-        "default CMD does not consume queue(s) ['maintenance']",
+        "CMD without reminders",
+        lambda t: t.replace('"exports,reminders"', '"exports"'),
+        "default CMD does not consume queue(s) ['reminders']",
+    ),
+    (
+        "CMD with the old maintenance queue",
+        lambda t: t.replace('"exports,reminders"', '"exports,reminders,maintenance"'),
+        "default CMD names undeclared queue(s) ['maintenance']",
     ),
     (
         "no pip install .",
@@ -794,9 +830,18 @@ COMPOSE_BREAKS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("migrate command", _set("migrate", "command", ["teamdesk-tasks", "scan"]), "migrate: command"),
     ("no wait for migrate", _compose_no_migrate_wait, "worker: does not wait for migrate"),
     (
-        "worker without maintenance",
-        _set("worker", "command", ["celery", "-A", "tasks", "worker", "-Q", "exports,reminders"]),
-        "no worker service consumes queue(s) ['maintenance']",
+        "worker without reminders",
+        _set("worker", "command", ["celery", "-A", "tasks", "worker", "-Q", "exports"]),
+        "no worker service consumes queue(s) ['reminders']",
+    ),
+    (
+        "worker with the old maintenance queue",
+        _set(
+            "worker",
+            "command",
+            ["celery", "-A", "tasks", "worker", "-Q", "exports,reminders,maintenance"],
+        ),
+        "worker: names undeclared queue(s) ['maintenance']",
     ),
     (
         "beat scheduler replaced",
@@ -805,13 +850,23 @@ COMPOSE_BREAKS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
             "command",
             ["celery", "-A", "tasks", "beat", "-S", "celery.beat:PersistentScheduler"],
         ),
-        "replaces redbeat",
+        "replaces the app's dispatcher scheduler",
+    ),
+    (
+        "beat scheduler named on the command line",
+        _set("beat", "command", ["celery", "-A", "tasks", "beat", f"--scheduler={SCHEDULER}"]),
+        "replaces the app's dispatcher scheduler",
     ),
     ("second beat service", _compose_extra_beat, "not exactly one beat"),
     ("embedded beat", _compose_embedded_beat, "not exactly one beat"),
-    ("beat replicas", _set("beat", "deploy", {"replicas": 2}), "beat: more than one replica"),
-    ("beat scale", _set("beat", "scale", 2), "beat: more than one replica"),
-    ("beat container_name", _drop("beat", "container_name"), "beat: no container_name"),
+    ("beat one replica", _set("beat", "deploy", {"replicas": 1}), "no hot standby"),
+    ("beat replicas unset", _drop("beat", "deploy"), "no hot standby"),
+    ("beat scale 1", _set("beat", "scale", 1), "no hot standby"),
+    (
+        "beat container_name",
+        _set("beat", "container_name", "teamdesk-beat"),
+        "beat: container_name is fixed",
+    ),
     ("flower literal password", _compose_flower_literal_auth, "flower: basic auth"),
     (
         "flower no auth",
@@ -1020,16 +1075,25 @@ K8S_BREAKS: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
     ),
     ("worker as root", _k8s_edit("Deployment", "teamdesk-worker", _k8s_root), "runAsNonRoot"),
     (
-        "beat replicas",
-        _k8s_edit("Deployment", "teamdesk-beat", lambda d: d["spec"].__setitem__("replicas", 2)),
-        "beat: replicas",
+        "beat one replica",
+        _k8s_edit("Deployment", "teamdesk-beat", lambda d: d["spec"].__setitem__("replicas", 1)),
+        "beat: replicas below 2",
     ),
     (
-        "beat rolling",
+        "beat recreate",
         _k8s_edit(
             "Deployment",
             "teamdesk-beat",
-            lambda d: d["spec"].__setitem__("strategy", {"type": "RollingUpdate"}),
+            lambda d: d["spec"].__setitem__("strategy", {"type": "Recreate"}),
+        ),
+        "beat: strategy",
+    ),
+    (
+        "beat rollout may stop the standby",
+        _k8s_edit(
+            "Deployment",
+            "teamdesk-beat",
+            lambda d: d["spec"]["strategy"]["rollingUpdate"].__setitem__("maxUnavailable", 1),
         ),
         "beat: strategy",
     ),
@@ -1043,16 +1107,26 @@ K8S_BREAKS: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
                 "command", ["celery", "-A", "tasks", "beat", "--scheduler=celery.beat.Scheduler"]
             ),
         ),
-        "replaces redbeat",
+        "replaces the app's dispatcher scheduler",
     ),
     (
-        "worker without maintenance",
+        "worker without exports",
         _worker_container(
             lambda c: c.__setitem__(
-                "command", ["celery", "-A", "tasks", "worker", "-Q", "exports,reminders"]
+                "command", ["celery", "-A", "tasks", "worker", "-Q", "reminders"]
             )
         ),
-        "no worker Deployment consumes queue(s) ['maintenance']",
+        "no worker Deployment consumes queue(s) ['exports']",
+    ),
+    (
+        "worker with the old maintenance queue",
+        _worker_container(
+            lambda c: c.__setitem__(
+                "command",
+                ["celery", "-A", "tasks", "worker", "-Q", "exports,reminders,maintenance"],
+            )
+        ),
+        "names undeclared queue(s) ['maintenance']",
     ),
     (
         "api readiness",
