@@ -26,6 +26,7 @@ PostgreSQL error ends the scan with :class:`ScanUnavailable`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -103,22 +104,30 @@ class HeartbeatView:
     error: str | None = None
 
 
-def read_heartbeats(client: redis.Redis, prefix: str, ttl_s: float) -> HeartbeatView:
+Uptime = Callable[[redis.Redis], float]
+
+
+def read_heartbeats(
+    client: redis.Redis, prefix: str, ttl_s: float, uptime: Uptime = redis_uptime_s
+) -> HeartbeatView:
     """Trusted only when the read worked and Redis has been up for more than one TTL
     (after a restart, live workers need one TTL to register again). Never raises."""
     try:
         live = lease_holders_alive(client, prefix)
-        up_s = redis_uptime_s(client)
+        up_s = uptime(client)
     except redis.RedisError as exc:
         return HeartbeatView(frozenset(), trusted=False, error=type(exc).__name__)
     return HeartbeatView(frozenset(live), trusted=up_s > ttl_s)
 
 
-def scan(cluster: Cluster, capacity: Capacity, *, purge: bool = False) -> ScanCounts:
-    """One scan. Raises :class:`ScanUnavailable` when PostgreSQL cannot be reached."""
+def scan(
+    cluster: Cluster, capacity: Capacity, *, purge: bool = False, uptime: Uptime = redis_uptime_s
+) -> ScanCounts:
+    """One scan. Raises :class:`ScanUnavailable` when PostgreSQL cannot be reached.
+    ``uptime`` reads Redis's uptime (tests inject one)."""
     counts = ScanCounts()
     try:
-        _recover(cluster, counts)
+        _recover(cluster, counts, uptime)
         _queue_steps(cluster, capacity, counts)
         if purge:
             with transaction(cluster.engine) as conn:
@@ -128,22 +137,26 @@ def scan(cluster: Cluster, capacity: Capacity, *, purge: bool = False) -> ScanCo
     return counts
 
 
-def run_once(app: Celery, settings: Settings | None = None) -> ScanCounts:
+def run_once(
+    app: Celery, settings: Settings | None = None, uptime: Uptime = redis_uptime_s
+) -> ScanCounts:
     """One scan with purge, on handles of its own (the ``scan`` command, tests)."""
     cluster = Cluster(app, settings or get_settings())
     try:
-        return scan(cluster, Capacity(cluster), purge=True)
+        return scan(cluster, Capacity(cluster), purge=True, uptime=uptime)
     finally:
         cluster.close()
 
 
-def _recover(cluster: Cluster, counts: ScanCounts) -> None:
+def _recover(cluster: Cluster, counts: ScanCounts, uptime: Uptime) -> None:
     """Step 1. The members are read inside the transaction, after the database clock was
     read, so a process that registers and claims later is not taken for dead."""
     settings = cluster.settings
     with transaction(cluster.engine) as conn:
         seen_at = dispatch.database_now(conn)
-        view = read_heartbeats(cluster.results, settings.queue_prefix, settings.heartbeat_ttl_s)
+        view = read_heartbeats(
+            cluster.results, settings.queue_prefix, settings.heartbeat_ttl_s, uptime
+        )
         refs = dispatch.recover_stale(
             conn,
             stale_after_s=settings.stale_after_s,

@@ -32,6 +32,7 @@ from ledger.dispatch import RunRef
 from ledger.states import KINDS
 from tasks import queueing
 from tasks.names import QUEUE_OF_KIND, TASK_QUEUES
+from teamdesk import hooks
 from teamdesk.config import Settings
 
 WINDOW_PER_SLOT = 2  # messages in flight per live worker process of the queue
@@ -114,6 +115,7 @@ def publish(cluster: Cluster, stamped: Sequence[RunRef]) -> Published:
     """Publish stamped runs, then set their markers; un-stamp what the broker refused."""
     if not stamped:
         return Published()
+    hooks.fire("dispatcher.before_publish", refs=stamped)
     try:
         queueing.publish_batch(cluster.app, stamped)
     except queueing.PublishFailed as exc:
@@ -130,6 +132,7 @@ def publish(cluster: Cluster, stamped: Sequence[RunRef]) -> Published:
 def _mark(cluster: Cluster, sent: Sequence[RunRef]) -> str | None:
     """Set the markers of sent runs; without them a run is published again after the
     grace (a duplicate the lease absorbs), so a failure here is only reported."""
+    hooks.fire("dispatcher.before_markers", refs=sent)
     try:
         queueing.set_markers(sent, cluster.settings)
     except redis.RedisError as exc:

@@ -29,6 +29,8 @@ POINTS = frozenset(
         "reminder.after_event_insert",  # side effects written, completion not yet
         "queue.failure_callback",  # Celery's task_failure signal, before it logs
         "heartbeat.before_renewal",  # checked it is not stopping; the Lua call not yet sent
+        "dispatcher.before_publish",  # runs stamped and committed; their messages not yet sent
+        "dispatcher.before_markers",  # messages sent; their queued markers not yet set
     }
 )
 

@@ -143,6 +143,7 @@ def test_partial_indexes_match_models(engine: sa.Engine) -> None:
                 assert got is None, index.name
             else:
                 assert got is not None, index.name
+
                 def normal(text: str) -> str:
                     return text.replace("'::text", "'").replace("(", "").replace(")", "")
 

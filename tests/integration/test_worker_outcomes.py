@@ -20,6 +20,7 @@ from ledger.filters import MSG_STATUS
 from tasks import queueing
 from teamdesk import config, hooks
 from tests.support.csv_reference import expected_csv
+from tests.support.dispatching import running_cluster
 from tests.support.factories import (
     World,
     add_ticket,
@@ -29,10 +30,9 @@ from tests.support.factories import (
     task_row,
 )
 from tests.support.gates import Gate
+from tests.support.queues import marker_present, send_message
 from tests.support.scenario import event_records, field, outcomes, side_effects
 from tests.support.waiting import wait_for
-from tests.support.dispatching import running_cluster
-from tests.support.queues import marker_present, send_message
 from tests.support.workers import EventLog
 
 
@@ -413,10 +413,14 @@ def test_a_claim_that_fails_never_strands_the_run(
     )
     assert redispatched is not None
     with engine.connect() as conn:
-        events_of_task = conn.execute(
-            sa.text("SELECT event FROM task_audit WHERE task_id = :t ORDER BY id"),
-            {"t": task_id},
-        ).scalars().all()
+        events_of_task = (
+            conn.execute(
+                sa.text("SELECT event FROM task_audit WHERE task_id = :t ORDER BY id"),
+                {"t": task_id},
+            )
+            .scalars()
+            .all()
+        )
     assert events_of_task == ["CLAIM", "COMPLETE"]
     (attempt_failed,) = event_records(caplog, "task.attempt_failed", task_id)
     assert (field(attempt_failed, "stage"), field(attempt_failed, "error")) == (
