@@ -11,7 +11,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
-# Issue 7: the keys latest.json must hold.
+# Issue 7 (and the dispatch redesign's P6): the keys latest.json must hold.
 ISSUE_KEYS = {
     "p1_export_ratio",
     "p1_reminder_ratio",
@@ -23,6 +23,12 @@ ISSUE_KEYS = {
     "p4_recovery_s",
     "p5_heartbeat_gone_s",
     "p5_idle_exit_s",
+    "p6_start_ms_p50",
+    "p6_start_ms_p95",
+    "p6_dispatch_ratio_1w",
+    "p6_dispatch_ratio_3w",
+    "p6_fair_start_s",
+    "p6_broker_depth_max",
     "scaling",
     "machine",
     "goals",
@@ -36,6 +42,13 @@ GOAL_KEYS = {
     "p4_recovery_s",
     "p5_heartbeat_gone_s",
     "p5_idle_exit_s",
+    "p6_start_ms_p50",
+    "p6_start_ms_p95",
+    "p6_scheduled_late_ms_p95",
+    "p6_dispatch_ratio_1w",
+    "p6_dispatch_ratio_3w",
+    "p6_fair_start_s",
+    "p6_broker_depth_max",
 }
 
 
@@ -52,6 +65,7 @@ GOAL_KEYS = {
         "bench.profile",
         "bench.tracer",
         "bench.cpu_profile",
+        "bench.dispatch_path",
     ],
 )
 def test_bench_module_imports(module: str) -> None:
@@ -73,6 +87,33 @@ def test_every_required_key_is_written_by_a_part() -> None:
         assert f'"{key}"' in source or f'results["{key}"]' in run, key
 
 
+def test_every_part_has_a_runner() -> None:
+    from bench.run import PARTS, parse, part_runners
+
+    for argv in ([], ["--quick"]):
+        assert set(part_runners(parse(argv))) == set(PARTS)
+    assert "p6" in PARTS
+    assert parse(["--only", "p6"]).only == "p6"
+
+
+def test_quick_sizes_are_smaller() -> None:
+    from bench.dispatch_path import Sizes
+
+    full, quick = Sizes(), Sizes.quick()
+    assert (full.latency, full.ratio, full.backlog) == (100, 2000, 10_000)
+    assert all(q < f for q, f in zip(vars(quick).values(), vars(full).values(), strict=True))
+
+
+def test_percentile_is_nearest_rank() -> None:
+    from bench.dispatch_path import percentile
+
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 95) == 95.0
+    assert percentile([3.0], 95) == 3.0
+    assert percentile([5.0, 1.0, 9.0], 50) == 5.0
+
+
 def test_every_goal_is_checked() -> None:
     from bench.report import GOALS
 
@@ -91,14 +132,63 @@ def test_table_and_goals_from_sample_results() -> None:
         "p4_recovery_s": 20.0,
         "p5_heartbeat_gone_s": 0.01,
         "p5_idle_exit_s": 2.0,
+        "p6_start_ms_p50": 12.0,
+        "p6_start_ms_p95": 140.0,
+        "p6_scheduled_late_ms_p95": 30.0,
+        "p6_dispatch_ratio_1w": 0.95,
+        "p6_dispatch_ratio_3w": 0.8,
+        "p6_fair_start_s": 0.1,
+        "p6_broker_depth_max": 13,
+        "p6_broker_depth_bound": 12,
         "scaling": [{"processes": 1, "tasks_per_s": 10.0}],
     }
     goals = report.goals(sample)
     sample["goals"] = goals
+    assert set(goals) == GOAL_KEYS
     assert {k for k, g in goals.items() if not g["met"]} == {
         "p1_reminder_ratio",
         "p3_scan_ms_1m",
+        "p6_start_ms_p95",
+        "p6_dispatch_ratio_3w",
+        "p6_broker_depth_max",
     }
     text = report.table(sample)
     assert "`p1_export_ratio` | 0.71" in text.replace(")", "")
+    assert "`p6_broker_depth_bound` | 12" in text.replace(")", "")
     assert "`-c 1`" in text
+
+
+def test_p6_detail_renders() -> None:
+    from bench import report
+
+    spread = {"p50": 1.0, "p95": 2.0, "max": 3.0, "min": 0.5}
+    side = {"tasks_per_s": 100.0, "creation_share_of_drain": 0.3, "beat_cpu_cores": 0.1}
+    pair = {
+        "workers": 1,
+        "ratio": 0.97,
+        "foreign_cpu_cores": 0.0,
+        "prefilled": side,
+        "dispatched": side,
+    }
+    detail = {
+        "start": {
+            k: spread for k in ("start_ms", "created_to_stamped_ms", "stamped_to_claimed_ms")
+        },
+        "scheduled": {"late_ms": spread},
+        "ratio_1w": pair,
+        "ratio_3w": {**pair, "workers": 3},
+        "fair": {"b_start_s_all": [0.05], "team_a_when_b_created": [{"waiting": 9000}]},
+        "depth": {
+            "samples": 10,
+            "lists_max": 9,
+            "lists_mean": 5.0,
+            "bound": 12,
+            "processes": 6,
+            "unacked_max": 6,
+        },
+        "backlog": {"tasks": 10_000, "tasks_per_s": 150.0},
+    }
+    text = "\n".join(report.p6_md(detail))
+    assert "| 3 x `-c 2` | 100.0 | 100.0 | 0.97 |" in text
+    assert "bound 12" in text
+    assert report.p6_md({}) == []
