@@ -57,6 +57,7 @@ from tests.support.processes import (
     settings_env,
     worker_argv,
 )
+from tests.support.queues import send_message
 from tests.support.remote_gates import RemoteGate
 from tests.support.waiting import wait_for
 
@@ -168,7 +169,7 @@ def test_flower_task_page_shows_export_progress_in_a_browser(
         wait_for(lambda: flower_sees_worker(port), timeout=30, what="Flower to see the worker")
         app = create_app(settings)
         try:
-            queueing.publish(app, task_id, 0, "EXPORT")
+            send_message(app, task_id, 0, "EXPORT")
             for batch in range(1, BATCHES + 1):
                 reached = gate.wait_reached()
                 assert (reached["done"], reached["total"]) == (batch * BATCH, ROWS)

@@ -24,6 +24,7 @@ from tasks.celery_app import create_app
 from teamdesk.config import Settings
 from tests.support.factories import World, add_tickets, task_row
 from tests.support.processes import Proc, celery_argv, cluster, free_port, settings_env, worker_argv
+from tests.support.queues import send_message
 from tests.support.remote_gates import RemoteGate
 from tests.support.waiting import wait_for
 
@@ -87,7 +88,7 @@ def test_export_progress_moves_in_flower(
         wait_for(lambda: flower_sees_worker(port), timeout=30, what="Flower to see the worker")
         app = create_app(settings)
         try:
-            queueing.publish(app, task_id, 0, "EXPORT")
+            send_message(app, task_id, 0, "EXPORT")
             seen: list[str] = []
             for batch in range(1, 11):
                 gate.wait_reached()

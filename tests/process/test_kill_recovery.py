@@ -67,7 +67,7 @@ def test_sigkilled_worker_is_taken_over_fast(
     assert (done["recoveries"], done["attempts"], done["result_summary"]) == (1, 1, "1200 rows")
     taken = [e for e in w2.events("task.started") if e["task_id"] == str(task_id)]
     assert len(taken) == 1 and taken[0]["execution"] != parked["execution_id"][:8]
-    stalled = [e for e in w2.events("task.stalled") if e["task_id"] == str(task_id)]
+    stalled = [e for e in beat.events("task.stalled") if e["task_id"] == str(task_id)]
     assert len(stalled) == 1
     assert uuid.UUID(parked["execution_id"])
     print(f"recovered {recovered_in:.1f} s after SIGKILL")

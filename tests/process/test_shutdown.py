@@ -18,11 +18,11 @@ from dispatcher.heartbeat import active_key, lease_holders_alive, live_members, 
 from dispatcher.scan import run_once
 from ledger import lease, service
 from ledger.errors import LeaseLost
-from tasks import queueing
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
 from tests.support.factories import World, add_tickets, task_row
 from tests.support.processes import Proc, cluster, settings_env, worker_argv
+from tests.support.queues import send_message
 from tests.support.remote_gates import RemoteGate
 from tests.support.waiting import wait_for
 
@@ -70,7 +70,9 @@ def test_sigterm_drains_in_flight_export_with_its_lease(
     tmp_path: Path,
     pool: str,
 ) -> None:
-    s = short(settings)
+    # A fixed window: the draining worker no longer offers capacity, yet the scan below
+    # must publish the later run to show the stopping worker does not take it.
+    s = short(settings, dispatch_window=2)
     task_id, later_id = export(engine, world), export(engine, world, rows=0)
     gate = RemoteGate(redis_client, s.queue_prefix, "export.after_read")
     app = create_app(s)
@@ -81,7 +83,7 @@ def test_sigterm_drains_in_flight_export_with_its_lease(
         procs.append(w1)
         member = w1.wait_event("worker.started")["member"]
         assert member in live_members(redis_client, s.queue_prefix, s.worker_instance_id)
-        queueing.publish(app, task_id, 0, "EXPORT")
+        send_message(app, task_id, 0, "EXPORT")
         parked = gate.wait_reached()
         first_score = unacked_scores(redis_client, s.queue_prefix)[0]
 
@@ -104,7 +106,7 @@ def test_sigterm_drains_in_flight_export_with_its_lease(
         assert (counts.heartbeat_rule, counts.recovered, counts.dispatched) == (True, 0, 1)
         held = task_row(engine, task_id)
         assert (held["status"], str(held["execution_id"])) == ("RUNNING", parked["execution_id"])
-        # The in-flight message stays held past the (shortened) visibility timeout.
+        # The drain keeps renewing the in-flight message's delivery time.
         wait_for(
             lambda: (
                 unacked_scores(redis_client, s.queue_prefix)
@@ -160,7 +162,7 @@ def test_deadline_exceeded_exits_1_and_another_worker_takes_over(
         ).start()
         procs.append(w1)
         w1.wait_event("worker.started")
-        queueing.publish(app, task_id, 0, "EXPORT")
+        send_message(app, task_id, 0, "EXPORT")
         parked = gate.wait_reached()
         e1 = uuid.UUID(parked["execution_id"])
         w1.send(signal.SIGTERM)

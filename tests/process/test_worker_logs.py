@@ -11,11 +11,11 @@ import pytest
 import sqlalchemy as sa
 
 from ledger import service
-from tasks import queueing
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
 from tests.support.factories import World, add_tickets, insert_task, task_row
 from tests.support.processes import Proc, celery_argv, cluster, settings_env, worker_argv
+from tests.support.queues import send_message
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ def run_worker_through(
         worker = Proc("w", worker_argv("w", concurrency=1), env, tmp_path).start()
         procs.append(worker)
         for task_id in (good, bad):
-            queueing.publish(app, task_id, 0, "EXPORT")
+            send_message(app, task_id, 0, "EXPORT")
         wait_for(
             lambda: (
                 task_row(engine, good)["status"] == "COMPLETED"

@@ -162,7 +162,12 @@ def test_p6_detail_renders() -> None:
     from bench import report
 
     spread = {"p50": 1.0, "p95": 2.0, "max": 3.0, "min": 0.5}
-    side = {"tasks_per_s": 100.0, "creation_share_of_drain": 0.3, "beat_cpu_cores": 0.1}
+    side = {
+        "tasks_per_s": 100.0,
+        "creation_share_of_drain": 0.3,
+        "beat_cpu_cores": 0.1,
+        "dispatcher_pg_cpu_cores": 0.05,
+    }
     pair = {
         "workers": 1,
         "ratio": 0.97,
@@ -189,6 +194,6 @@ def test_p6_detail_renders() -> None:
         "backlog": {"tasks": 10_000, "tasks_per_s": 150.0},
     }
     text = "\n".join(report.p6_md(detail))
-    assert "| 3 x `-c 2` | 100.0 | 100.0 | 0.97 |" in text
+    assert "| 3 x `-c 2` | 100.0 | 100.0 | 0.97 | 0.3 | 0.1 + 0.05 | 0.0 |" in text
     assert "bound 12" in text
     assert report.p6_md({}) == []
