@@ -25,6 +25,7 @@ services: $(STAMP) ## check that PostgreSQL and Redis answer
 test: install services ## install, check services, run the whole test suite
 	TEAMDESK_CHECK_RABBITMQ=1 $(PY) scripts/check_services.py
 	bash scripts/ensure_chromium.sh
+	bash scripts/ensure_debian.sh faketime faketime
 	$(PY) -m pytest
 
 lint: install ## ruff and mypy

@@ -25,6 +25,7 @@ START_TIMEOUT_S = 10.0
 class RedisServer:
     process: subprocess.Popen[bytes]
     port: int
+    args: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
@@ -32,6 +33,16 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, decode_responses=True, socket_timeout=2)
+
+    def restart(self, down_s: float = 0.0) -> None:
+        """Stop the server (everything in it is lost: no persistence), stay down for
+        ``down_s``, then start it again on the same port and wait until it answers."""
+        _stop(self.process)
+        time.sleep(down_s)  # the outage itself, not an ordering wait
+        self.process = subprocess.Popen(
+            list(self.args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        _wait_until_answering(self)
 
     @contextmanager
     def frozen(self) -> Iterator[None]:
@@ -76,12 +87,12 @@ def dedicated_redis() -> Iterator[RedisServer]:
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     args += ["--dir", workdir]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    server = RedisServer(process=process, port=port)
+    server = RedisServer(process=process, port=port, args=tuple(args))
     try:
         _wait_until_answering(server)
         yield server
     finally:
-        _stop(process)
+        _stop(server.process)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -42,6 +42,8 @@ def _describe(context: dict[str, Any]) -> str:
     for key in ("done", "total", "member"):
         if key in context:
             info[key] = context[key]
+    if "refs" in context:  # the dispatcher's publish points
+        info["task_ids"] = [str(ref.task_id) for ref in context["refs"]]
     return json.dumps(info)
 
 

@@ -1,0 +1,343 @@
+"""The dispatcher as platform teams run it: real ``celery -A tasks beat`` and ``worker``
+subprocesses, real signals (docs/design.md, "Dispatch").
+
+- workers split by queue (``-Q exports`` / ``-Q reminders``) plus beat run everything, and
+  a queue nobody consumes is reported by the dispatcher, the CLI and the API;
+- a standby beat takes over from a SIGKILLed leader, and at once from a SIGTERMed one;
+- a beat SIGKILLed in the middle of a publish (between its stamp and its send, and
+  between its send and its markers) strands nothing;
+- a Redis restart (broker, results, heartbeats, the lock: all lost) costs seconds, and no
+  process exits;
+- a dispatcher and a worker whose clocks are 150 s off never take a live lease, and
+  scheduled reminders start on the database's time.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+from dispatcher.leader import leader_key
+from ledger import service
+from teamdesk.config import Settings
+from tests.support.factories import World, add_ticket, add_tickets, task_row
+from tests.support.processes import Proc, celery_argv, cluster, settings_env, worker_argv
+from tests.support.redis_server import dedicated_redis
+from tests.support.remote_gates import RemoteGate
+from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.slow
+
+FAST = {"scan_interval_s": 0.5, "heartbeat_ttl_s": 3.0}
+GATES = "tests.support.remote_gates"
+
+
+def fast(settings: Settings, **overrides: Any) -> Settings:
+    return settings.with_overrides(**{**FAST, **overrides})
+
+
+def export(engine: sa.Engine, world: World) -> uuid.UUID:
+    with engine.begin() as conn:
+        return service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+
+
+def reminder(engine: sa.Engine, world: World, in_s: float = 0.0) -> tuple[uuid.UUID, Any]:
+    """A reminder due ``in_s`` from now by the database's clock; returns it and run_at."""
+    with engine.begin() as conn:
+        ticket = add_ticket(
+            conn, world.team_id, world.customer_id, "Call back", assignee_id=world.staff2_id
+        )
+        run_at = conn.execute(
+            sa.text("SELECT now() + make_interval(secs => :s)"), {"s": in_s}
+        ).scalar_one()
+        task_id = service.create_reminder(conn, world.team_id, world.staff_id, ticket, run_at)
+    return task_id, run_at
+
+
+def audit(engine: sa.Engine, task_id: uuid.UUID) -> list[tuple[str, Any]]:
+    with engine.connect() as conn:
+        return [
+            (r.event, r.at)
+            for r in conn.execute(
+                sa.text("SELECT event, at FROM task_audit WHERE task_id = :t ORDER BY id"),
+                {"t": task_id},
+            )
+        ]
+
+
+def events_of(engine: sa.Engine, task_id: uuid.UUID) -> list[str]:
+    return [event for event, _ in audit(engine, task_id)]
+
+
+def status(engine: sa.Engine, task_id: uuid.UUID) -> str:
+    return str(task_row(engine, task_id)["status"])
+
+
+def health_cluster(s: Settings) -> tuple[int, dict[str, Any]]:
+    env = settings_env(s)
+    command = [str(Path(sys.executable).parent / "teamdesk-tasks"), "health", "--cluster"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
+    return done.returncode, json.loads(done.stdout)
+
+
+@pytest.fixture
+def seeded(engine: sa.Engine, world: World) -> World:
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 30)
+    return world
+
+
+def test_workers_split_by_queue_and_one_beat_run_everything_and_a_missing_role_is_loud(
+    engine: sa.Engine, seeded: World, settings: Settings, tmp_path: Path
+) -> None:
+    s = fast(settings)
+    env = settings_env(s)
+    with cluster(tmp_path) as procs:
+        exporter = Proc("exp", worker_argv("exp", queues="exports"), env, tmp_path).start()
+        reminder_worker = Proc("rem", worker_argv("rem", queues="reminders"), env, tmp_path)
+        beat = Proc("beat", celery_argv("beat"), env, tmp_path)
+        procs += [exporter, reminder_worker.start(), beat.start()]
+        exporter.wait_event("worker.started", timeout=60)
+        reminder_worker.wait_event("worker.started", timeout=60)
+        beat.wait_event("dispatcher.leader", timeout=60)
+        task_export = export(engine, seeded)
+        task_reminder, _ = reminder(engine, seeded)
+        wait_for(
+            lambda: status(engine, task_export) == status(engine, task_reminder) == "COMPLETED",
+            timeout=30,
+            what="the export and the reminder to complete",
+        )
+        wait_for(lambda: health_cluster(s)[0] == 0, timeout=10, what="every role present")
+
+        reminder_worker.send(signal.SIGTERM)
+        assert reminder_worker.wait(timeout=30) == 0
+        waiting, _ = reminder(engine, seeded)
+        warning = beat.wait_event("dispatcher.no_consumers", timeout=30)
+        assert warning["queue"] == "reminders" and warning["level"] == "warn"
+        code, printed = health_cluster(s)
+        assert (code, printed["missing"]) == (1, ["reminders worker"])
+        assert (status(engine, waiting), task_row(engine, waiting)["dispatched_at"]) == (
+            "WAITING",
+            None,
+        )
+
+        again = Proc("rem2", worker_argv("rem2", queues="reminders"), env, tmp_path).start()
+        procs.append(again)
+        wait_for(lambda: status(engine, waiting) == "COMPLETED", timeout=30, what="the reminder")
+    assert events_of(engine, waiting) == ["CLAIM", "COMPLETE"]
+
+
+def test_a_standby_beat_takes_over_from_a_killed_leader_and_at_once_from_a_stopped_one(
+    engine: sa.Engine,
+    seeded: World,
+    settings: Settings,
+    redis_client: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    s = fast(settings)
+    env = settings_env(s)
+    key = leader_key(s.queue_prefix)
+    with cluster(tmp_path) as procs:
+        worker = Proc("w", worker_argv("w"), env, tmp_path).start()
+        first = Proc("beat1", celery_argv("beat"), env, tmp_path).start()
+        procs += [worker, first]
+        worker.wait_event("worker.started", timeout=60)
+        assert first.wait_event("dispatcher.leader", timeout=60)["role"] == "leader"
+        second = Proc("beat2", celery_argv("beat"), env, tmp_path).start()
+        procs.append(second)
+        assert second.wait_event("dispatcher.leader", timeout=60)["role"] == "standby"
+        ttl_ms = redis_client.pttl(key)
+        assert 0 < ttl_ms <= 3000  # 5 scan intervals of 0.5 s, at least 2 s
+
+        first.send(signal.SIGKILL)  # no chance to release the lock
+        first.wait(timeout=10)
+        killed = time.monotonic()
+        second.wait_event("dispatcher.leader", timeout=30, count=2)
+        took_over = time.monotonic() - killed
+        task_id = export(engine, seeded)
+        wait_for(lambda: status(engine, task_id) == "COMPLETED", timeout=30, what="COMPLETED")
+
+        third = Proc("beat3", celery_argv("beat"), env, tmp_path).start()
+        procs.append(third)
+        assert third.wait_event("dispatcher.leader", timeout=60)["role"] == "standby"
+        second.send(signal.SIGTERM)
+        stopped = time.monotonic()
+        assert second.wait(timeout=30) == 0
+        third.wait_event("dispatcher.leader", timeout=30, count=2)
+        handed_over = time.monotonic() - stopped
+        later = export(engine, seeded)
+        wait_for(lambda: status(engine, later) == "COMPLETED", timeout=30, what="COMPLETED")
+    assert took_over <= 3 + 2  # the lock's TTL, then the standby's next try
+    assert handed_over < 2.5  # released on SIGTERM: the standby's next try takes it
+    assert events_of(engine, task_id) == events_of(engine, later) == ["CLAIM", "COMPLETE"]
+
+
+@pytest.mark.parametrize("point", ["dispatcher.before_publish", "dispatcher.before_markers"])
+def test_a_beat_killed_in_the_middle_of_a_publish_strands_nothing(
+    engine: sa.Engine,
+    seeded: World,
+    settings: Settings,
+    redis_client: redis.Redis,
+    tmp_path: Path,
+    point: str,
+) -> None:
+    """The first beat stamps the run and stops at ``point`` (before the send, or after the
+    send and before the marker); it is SIGKILLed there. A new beat completes the run,
+    which is claimed exactly once."""
+    s = fast(settings)
+    gate = RemoteGate(redis_client, s.queue_prefix, point)
+    gated = settings_env(s, TEAMDESK_TEST_HOOKS=GATES, TEAMDESK_TEST_GATES=point)
+    with cluster(tmp_path) as procs:
+        worker = Proc("w", worker_argv("w"), settings_env(s), tmp_path).start()
+        procs.append(worker)
+        worker.wait_event("worker.started", timeout=60)
+        task_id = export(engine, seeded)
+        first = Proc("beat1", celery_argv("beat"), gated, tmp_path).start()
+        procs.append(first)
+        parked = gate.wait_reached(timeout=60)
+        assert parked["task_ids"] == [str(task_id)]
+        assert task_row(engine, task_id)["dispatched_at"] is not None  # stamped
+        first.send(signal.SIGKILL)
+        first.wait(timeout=10)
+        second = Proc("beat2", celery_argv("beat"), settings_env(s), tmp_path).start()
+        procs.append(second)
+        wait_for(lambda: status(engine, task_id) == "COMPLETED", timeout=60, what="COMPLETED")
+    assert events_of(engine, task_id) == ["CLAIM", "COMPLETE"]
+
+
+def test_a_redis_restart_costs_seconds_and_no_process_exits(
+    engine: sa.Engine, seeded: World, settings: Settings, tmp_path: Path
+) -> None:
+    """Broker, results, heartbeats, markers and the leader lock live in one Redis without
+    persistence. It restarts while a backlog drains: the window's messages are lost; the
+    dispatcher publishes them again and every task completes, each exactly once."""
+    with dedicated_redis() as server:
+        s = fast(settings, redis_url=server.url, broker_url=server.url)
+        env = settings_env(s)
+        with engine.begin() as conn:
+            ticket = add_ticket(conn, seeded.team_id, seeded.customer_id, "Done", status="CLOSED")
+            rows = list(
+                conn.execute(
+                    sa.text("""
+                    INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters)
+                    SELECT 'REMINDER', :team, :owner, 'TEAM', jsonb_build_object('ticket_id', :t)
+                      FROM generate_series(1, 250)
+                    RETURNING id"""),
+                    {"team": seeded.team_id, "owner": seeded.staff_id, "t": str(ticket)},
+                ).scalars()
+            )
+        gate = RemoteGate(server.client(), s.queue_prefix, "task.claimed")
+        gated = settings_env(s, TEAMDESK_TEST_HOOKS=GATES, TEAMDESK_TEST_GATES="task.claimed")
+        with cluster(tmp_path) as procs:
+            worker = Proc("w", worker_argv("w", concurrency=2), gated, tmp_path).start()
+            beat = Proc("beat", celery_argv("beat"), env, tmp_path).start()
+            procs += [worker, beat]
+            gate.wait_reached(timeout=60)  # the first run holds a worker process
+            gate.wait_reached(timeout=60)  # and the second the other: the window is full
+            assert sum(task_row(engine, t)["dispatched_at"] is not None for t in rows) == 4
+            server.restart(down_s=2.0)
+            answered = time.monotonic()
+            # The gates' lists went with the restart: open every later gate at once.
+            gate.client = server.client()
+            gate.release(times=len(rows) + 10)
+
+            def all_done() -> bool:
+                with engine.connect() as conn:
+                    left = conn.execute(
+                        sa.text(
+                            "SELECT count(*) FROM background_tasks WHERE id = ANY(:ids) "
+                            "AND status <> 'COMPLETED'"
+                        ),
+                        {"ids": rows},
+                    ).scalar_one()
+                return bool(left == 0)
+
+            wait_for(all_done, timeout=60, interval=0.1, what="every task to complete")
+            done_in = time.monotonic() - answered
+            assert worker.popen is not None and worker.popen.poll() is None
+            assert beat.popen is not None and beat.popen.poll() is None
+        redispatched = sum(e.get("redispatched", 0) for e in beat.events("dispatcher.scan"))
+    with engine.connect() as conn:
+        counts = conn.execute(
+            sa.text("""
+            SELECT count(*) FILTER (WHERE event = 'COMPLETE'), count(DISTINCT task_id)
+              FROM task_audit WHERE task_id = ANY(:ids)"""),
+            {"ids": rows},
+        ).one()
+    assert tuple(counts) == (250, 250)  # each completed exactly once
+    assert redispatched >= 2  # the lost window was published again
+    assert done_in < 30, done_in
+
+
+def faketime_argv(offset: str, argv: list[str]) -> list[str]:
+    return ["faketime", "-f", offset, *argv]
+
+
+@pytest.fixture
+def faketime() -> Callable[[str, list[str]], list[str]]:
+    if subprocess.run(["which", "faketime"], capture_output=True).returncode != 0:
+        pytest.fail("faketime is not installed: make test installs it (scripts/ensure_debian.sh)")
+    return faketime_argv
+
+
+@pytest.mark.parametrize(("beat_skew", "worker_skew"), [("+150s", "-150s"), ("-150s", "+150s")])
+def test_skewed_clocks_never_take_a_live_lease_and_reminders_start_on_database_time(
+    engine: sa.Engine,
+    seeded: World,
+    settings: Settings,
+    redis_client: redis.Redis,
+    tmp_path: Path,
+    faketime: Callable[[str, list[str]], list[str]],
+    beat_skew: str,
+    worker_skew: str,
+) -> None:
+    """STALE_AFTER_S 20 and scans every 0.5 s: a host clock 150 s off in either direction
+    would call the parked export's lease stale at once (or never start the reminder for
+    150 s). With every threshold on the database's clock neither happens."""
+    s = fast(settings, stale_after_s=20.0)
+    gate = RemoteGate(redis_client, s.queue_prefix, "export.after_read")
+    skewed = {"FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+    worker_env = settings_env(
+        s, TEAMDESK_TEST_HOOKS=GATES, TEAMDESK_TEST_GATES="export.after_read", **skewed
+    )
+    started = datetime.now(UTC)
+    with cluster(tmp_path) as procs:
+        worker = Proc(
+            "w", faketime(worker_skew, worker_argv("w", concurrency=2)), worker_env, tmp_path
+        ).start()
+        beat = Proc(
+            "beat", faketime(beat_skew, celery_argv("beat")), settings_env(s, **skewed), tmp_path
+        ).start()
+        procs += [worker, beat]
+        worker.wait_event("worker.started", timeout=60)
+        task_id = export(engine, seeded)
+        parked = gate.wait_reached(timeout=60)
+        due, run_at = reminder(engine, seeded, in_s=2.0)
+        # Scans every 0.5 s ran while the reminder waited for its time (2 s or more) and
+        # the export stayed parked.
+        wait_for(lambda: status(engine, due) == "COMPLETED", timeout=30, what="the reminder")
+        held = task_row(engine, task_id)
+        assert (held["status"], str(held["execution_id"])) == ("RUNNING", parked["execution_id"])
+        gate.release(times=5)
+        wait_for(lambda: status(engine, task_id) == "COMPLETED", timeout=30, what="the export")
+    for proc, skew in ((beat, beat_skew), (worker, worker_skew)):  # the clocks were off
+        logged = datetime.fromisoformat(
+            proc.events("dispatcher.leader" if proc is beat else "worker.started")[0]["time"]
+        )
+        assert abs((logged - started).total_seconds() - int(skew[:-1])) < 30, (proc.name, logged)
+    assert events_of(engine, task_id) == ["CLAIM", "COMPLETE"]  # never recovered
+    claim_at = dict(audit(engine, due))["CLAIM"]
+    assert claim_at >= run_at  # never early by the skew
+    assert beat.events("task.stalled") == []
