@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
 
 from teamdesk.db import sqlalchemy_url
 
@@ -26,8 +28,6 @@ def upgrade(database_url: str, revision: str = "head") -> None:
 
 
 def current_revision(database_url: str) -> str | None:
-    import sqlalchemy as sa
-    from alembic.runtime.migration import MigrationContext
 
     engine = sa.create_engine(sqlalchemy_url(database_url))
     try:

@@ -19,7 +19,6 @@ from typing import Any
 import sqlalchemy as sa
 
 from ledger import audit
-from ledger.dispatch import MSG_QUEUE_FAILED
 from soak.workload import TaskPlan
 from tasks.execution import MSG_EXHAUSTED
 from tasks.reminder import EVENT_TYPE
@@ -171,7 +170,7 @@ class Verifier:
             ok = (
                 seen.get("status") == "FAILED"
                 and seen.get("attempts") == self.max_attempts
-                and seen.get("last_error") in (exhausted, MSG_QUEUE_FAILED)
+                and seen.get("last_error") == exhausted
             )
             if not ok:
                 self.add(

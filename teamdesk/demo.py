@@ -17,6 +17,8 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from ledger.tokens import create_token
+
 TEAM_NAME = "Demo Support"
 STAFF_EMAIL = "staff@demo.teamdesk.test"
 CUSTOMER_EMAIL = "customer@demo.teamdesk.test"
@@ -141,7 +143,6 @@ def _create(conn: Connection, tickets: int) -> uuid.UUID:
 
 
 def _users(conn: Connection, token_name: str | None) -> list[DemoUser]:
-    from ledger.tokens import create_token
 
     users = []
     for email, role in ((STAFF_EMAIL, "STAFF"), (CUSTOMER_EMAIL, "CUSTOMER")):

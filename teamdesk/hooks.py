@@ -8,6 +8,8 @@ without sleeping.
 
 from __future__ import annotations
 
+import importlib
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -65,8 +67,6 @@ TEST_HOOKS_ENV = "TEAMDESK_TEST_HOOKS"
 def load_from_env() -> None:
     """Test seam for subprocess workers: import the module named by TEAMDESK_TEST_HOOKS
     (it installs its own hooks). Unset in production, where this does nothing."""
-    import importlib
-    import os
 
     name = os.environ.get(TEST_HOOKS_ENV)
     if name:

@@ -266,14 +266,3 @@ def options_from(args: Any) -> LocalOptions:
         procfile=Path(args.procfile) if args.procfile else PROCFILE,
         tickets=args.tickets,
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m teamdesk.localrun [options]`` = ``teamdesk-tasks run-local [options]``."""
-    from teamdesk.cli import main as cli_main
-
-    return cli_main(["run-local", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -39,11 +39,16 @@ import signal
 import threading
 from typing import Any
 
+import celery.apps.worker as celery_worker_program
 from celery import signals
 
-from teamdesk import db
+from ledger.errors import TaskRejected
+from tasks.execution import TaskFailed
+from teamdesk import db, hooks
 from teamdesk.config import get_settings
 from teamdesk.logs import log_event
+from worker.liveness import renew_interval_s
+from worker.steps import current_liveness
 
 log = logging.getLogger("teamdesk.worker")
 
@@ -62,7 +67,6 @@ class Drain:
         self._timers: list[threading.Timer] = []
 
     def begin(self, signal_name: str | None) -> None:
-        from worker.steps import current_liveness
 
         self.started.set()
         settings = get_settings()
@@ -79,7 +83,6 @@ class Drain:
         self._arm(settings.shutdown_timeout_s, self._escalate)
 
     def _keep_alive(self, liveness: Any) -> None:
-        from worker.liveness import renew_interval_s
 
         interval = renew_interval_s(liveness.settings)
         while not self.finished.wait(interval):
@@ -120,7 +123,6 @@ class Drain:
             os._exit(1)
 
     def end(self) -> None:
-        from worker.steps import current_liveness
 
         self.finished.set()
         for timer in self._timers:
@@ -172,7 +174,6 @@ def _on_ready(sender: Any = None, **_: Any) -> None:
         queues = sorted(sender.app.amqp.queues.consume_from)
     except AttributeError:
         queues = []
-    from worker.steps import current_liveness
 
     liveness = current_liveness()
     log_event(
@@ -219,9 +220,6 @@ def _on_task_failure(
     callback writing the ledger could erase a newer lease. Failures the execution wrapper
     classified were logged there already; this reports the rest (a lost worker process,
     a time limit) so they are not silent."""
-    from ledger.errors import TaskRejected
-    from tasks.execution import TaskFailed
-    from teamdesk import hooks
 
     hooks.fire("queue.failure_callback", task_id=task_id, exception=exception)
     if isinstance(exception, TaskRejected | TaskFailed):
@@ -244,7 +242,6 @@ def connect() -> None:
     global _connected
     if _connected:
         return
-    import celery.apps.worker as celery_worker_program
 
     celery_worker_program.safe_say = _say
     logging.getLogger("celery.worker.worker").addFilter(_CrashWatch(logging.CRITICAL))

@@ -31,11 +31,11 @@ from typing import Any
 
 import psycopg2
 import redis
+from celery.worker import state
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from dispatcher.heartbeat import Heartbeat, WorkerSlots
-from tasks import queueing
 from teamdesk.config import Settings
 from teamdesk.logs import log_event
 
@@ -166,7 +166,6 @@ class Liveness:
 
 def held_delivery_tags() -> list[str]:
     """Delivery tags of the messages this worker has received and not yet acknowledged."""
-    from celery.worker import state
 
     tags: list[str] = []
     for request in list(state.active_requests) + list(state.reserved_requests):
@@ -175,7 +174,3 @@ def held_delivery_tags() -> list[str]:
         if tag:
             tags.append(str(tag))
     return tags
-
-
-def register_holder(liveness: Liveness) -> None:
-    queueing.set_lease_holder(liveness.member)

@@ -7,6 +7,7 @@ from typing import Any
 from celery import bootsteps
 
 from dispatcher.heartbeat import WorkerSlots
+from tasks import queueing
 from teamdesk.config import get_settings
 from worker.liveness import Liveness, held_delivery_tags, renew_interval_s
 
@@ -56,7 +57,6 @@ class LivenessStep(bootsteps.StartStopStep):
         self.tref: Any = None
         self.wake: Any = None
         _current = self.liveness
-        from tasks import queueing
 
         queueing.set_lease_holder(self.liveness.member)
 
@@ -70,7 +70,6 @@ class LivenessStep(bootsteps.StartStopStep):
         self.wake = parent.timer.call_repeatedly(WAKE_S, _noop, priority=0)
 
     def stop(self, parent: Any) -> None:
-        from tasks import queueing
 
         if self.tref is not None:
             self.tref.cancel()

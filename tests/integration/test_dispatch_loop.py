@@ -158,7 +158,7 @@ def test_a_killed_listener_reconnects_and_notifications_work_again(
                 {"app": APPLICATION_NAME},
             ).scalar_one()
         assert killed == 1
-        listening = []
+        listening: list[int] = []
 
         def relistened() -> bool:
             with engine.connect() as conn:

@@ -89,7 +89,7 @@ def test_every_dispatcher_statement_walks_a_partial_index_on_100k_rows(
     some = uuid.uuid4()
     with engine.connect() as conn:
         now = dispatch.database_now(conn)
-    cases = [
+    cases: list[tuple[sa.TextClause, set[str], dict[str, Any]]] = [
         (
             dispatch.RECOVER_STALE,
             {"ix_background_tasks_running"},
