@@ -138,6 +138,28 @@ def test_a_notification_that_never_arrives_costs_one_scan(
     assert audit(engine, task_id) == ["CLAIM", "COMPLETE"]
 
 
+def listeners(engine: sa.Engine) -> int:
+    """The dispatcher's LISTEN connections to this test's database."""
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE application_name = :app AND datname = current_database()"
+                ),
+                {"app": APPLICATION_NAME},
+            ).scalar_one()
+        )
+
+
+def listen_states(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        str(getattr(r, "state", ""))
+        for r in caplog.records
+        if getattr(r, "event", None) == "dispatcher.listen"
+    ]
+
+
 def test_a_killed_listener_reconnects_and_notifications_work_again(
     engine: sa.Engine,
     world: World,
@@ -147,8 +169,8 @@ def test_a_killed_listener_reconnects_and_notifications_work_again(
     app = make_app(scan_interval_s=NEVER_S)
     with engine.begin() as conn:
         add_tickets(conn, world.team_id, world.customer_id, 2)
-    with running_cluster(app) as loop:
-        wait_for(lambda: loop.last_scan is not None, what="the first scan")
+    with running_cluster(app):
+        wait_for(lambda: listeners(engine) == 1, what="the listener to connect")
         with engine.connect() as conn:
             killed = conn.execute(
                 sa.text(
@@ -158,32 +180,11 @@ def test_a_killed_listener_reconnects_and_notifications_work_again(
                 {"app": APPLICATION_NAME},
             ).scalar_one()
         assert killed == 1
-        listening: list[int] = []
-
-        def relistened() -> bool:
-            with engine.connect() as conn:
-                listening[:] = (
-                    conn.execute(
-                        sa.text(
-                            "SELECT count(*) FROM pg_stat_activity "
-                            "WHERE application_name = :app AND datname = current_database()"
-                        ),
-                        {"app": APPLICATION_NAME},
-                    )
-                    .scalars()
-                    .all()
-                )
-            return listening == [1]
-
-        wait_for(relistened, what="the listener to connect again")
+        again = ["listening", "polling", "listening"]
+        wait_for(lambda: listen_states(caplog) == again, what="the listener to connect again")
         task_id = create_export(engine, world.team_id, world.staff_id)
         wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="COMPLETED")
-    states = [
-        r.state  # type: ignore[attr-defined]
-        for r in caplog.records
-        if getattr(r, "event", None) == "dispatcher.listen"
-    ]
-    assert states == ["listening", "polling", "listening"]
+    assert listen_states(caplog) == again
 
 
 def nothing_to_do_reminders(engine: sa.Engine, world: World, count: int) -> list[uuid.UUID]:
