@@ -1,4 +1,4 @@
-"""The HTTP API (SPEC §9): health probes and the task routes, on FastAPI.
+"""The HTTP API (docs/design.md, "HTTP API"): health probes and the task routes, on FastAPI.
 
 ``api.app:app`` is the ASGI application uvicorn serves; :func:`api.app.create_api`
 builds one for explicit settings (tests). The API never runs SQL of its own except the

@@ -1,6 +1,6 @@
 """The ASGI application: ``uvicorn api.app:app`` (OpenAPI at /openapi.json, docs at /docs).
 
-Routes (SPEC §9; every error body is ``{"detail": "<fixed message>"}``):
+Routes (docs/design.md, "HTTP API"; every error body is ``{"detail": "<fixed message>"}``):
 
 ==========================================  =====================================
 ``GET  /api/health``                        200 ok / 503 unavailable (no-store)

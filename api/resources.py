@@ -24,7 +24,7 @@ DB_CONNECT_TIMEOUT_S = 3  # libpq takes whole seconds (2 at least)
 DB_STATEMENT_TIMEOUT_MS = 10_000
 DB_POOL_TIMEOUT_S = 5.0
 
-# Health probes (SPEC §9): bounded well below an orchestrator's probe timeout.
+# Health probes (docs/design.md, "HTTP API"): bounded well below an orchestrator's probe timeout.
 HEALTH_CONNECT_TIMEOUT_S = 2
 HEALTH_STATEMENT_TIMEOUT_MS = 2_000
 REDIS_TIMEOUT_S = 1.0

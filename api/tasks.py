@@ -1,4 +1,4 @@
-"""The task routes (SPEC §9): create, list, read, retry, cancel, download.
+"""The task routes (docs/design.md, "HTTP API"): create, list, read, retry, cancel, download.
 
 Each route authenticates and calls :mod:`ledger.service` inside one short transaction;
 any error rolls it back, so a refused request writes nothing. Creating a task only

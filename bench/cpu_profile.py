@@ -124,7 +124,7 @@ def run_cpu_profile(env: BenchEnv, n: int = 3000) -> dict[str, Any]:
         else:
             create = throughput.create_exports if kind == "export" else throughput.create_reminders
             create(part.engine, refs, n)
-            throughput.dispatch_all(part, app)
+            throughput.publish_ready(part, app)
         result[kind] = profile_drain(env, part, f"cpu-{kind}", n)
         time.sleep(0.5)
     return result

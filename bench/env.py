@@ -146,9 +146,13 @@ class BenchEnv:
         part.procs.append(proc)
         return proc
 
-    def beat(self, part: Part) -> Proc:
+    def beat(self, part: Part, name: str | None = None, **extra_env: Any) -> Proc:
+        """``celery -A tasks beat``: the dispatcher (leader lock, LISTEN, window, scans)."""
         proc = Proc(
-            f"beat-{part.label}", celery_argv("beat"), settings_env(part.settings), self.workdir
+            name or f"beat-{part.label}",
+            celery_argv("beat"),
+            settings_env(part.settings, **extra_env),
+            self.workdir,
         ).start()
         part.procs.append(proc)
         return proc

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 
 from bench import FLUSH_EVERY_S
 from bench.env import BenchEnv, Part, read_stats, stop, wait_until
-from bench.throughput import dispatch_all
+from bench.throughput import publish_ready
 from ledger import service
 
 SMALL_ROWS = 10_000
@@ -29,7 +29,7 @@ BIG_ROWS = 100_000
 REPEATS = 9
 EXPORT_TIMEOUT_S = 300
 
-# SPEC §3 columns in CSV order (the same expressions the export renders, when it has them).
+# The CSV columns in order (the same expressions the export renders, when it has them).
 FALLBACK_COLUMNS = """id,
     CASE WHEN left(title, 1) IN ('=', '+', '-', '@') THEN '''' || title ELSE title END,
     status, priority, requester_id, assignee_id,
@@ -106,7 +106,7 @@ def run_exports(
         with part.engine.begin() as conn:
             task_id = service.create_export(conn, team, user, "TEAM", {})
         ids.append(task_id)
-        sent, _ = dispatch_all(part, app)
+        sent, _ = publish_ready(part, app)
         assert sent == 1
         wait_until(
             lambda t=task_id: status_of(part.engine, t) in ("COMPLETED", "FAILED"),

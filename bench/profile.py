@@ -55,10 +55,10 @@ def run_profile(env: BenchEnv, n: int = 1000) -> dict[str, Any]:
             throughput.publish_noops(app, n)
         elif kind == "export":
             throughput.create_exports(part.engine, refs, n)
-            throughput.dispatch_all(part, app)
+            throughput.publish_ready(part, app)
         else:
             throughput.create_reminders(part.engine, refs, n)
-            throughput.dispatch_all(part, app)
+            throughput.publish_ready(part, app)
         result = throughput.drain(env, part, f"profile-{kind}", n, extra_env=TRACE_ENV)
         trace = read_traces(Path(result["stats_dir"]))
         out[kind] = {"run": result, "trace": trace, "split": split(trace["per_task"])}

@@ -26,6 +26,17 @@ GOALS: list[tuple[str, str, Any]] = [
     ("p4_recovery_s", "<= 26 s", lambda r: r["p4_recovery_s"] <= 26),
     ("p5_heartbeat_gone_s", "<= 2 s", lambda r: r["p5_heartbeat_gone_s"] <= 2),
     ("p5_idle_exit_s", "<= 3 s", lambda r: r["p5_idle_exit_s"] <= 3),
+    ("p6_start_ms_p50", "<= 20 ms", lambda r: r["p6_start_ms_p50"] <= 20),
+    ("p6_start_ms_p95", "<= 100 ms", lambda r: r["p6_start_ms_p95"] <= 100),
+    ("p6_scheduled_late_ms_p95", "<= 200 ms", lambda r: r["p6_scheduled_late_ms_p95"] <= 200),
+    ("p6_dispatch_ratio_1w", ">= 0.9", lambda r: r["p6_dispatch_ratio_1w"] >= 0.9),
+    ("p6_dispatch_ratio_3w", ">= 0.9", lambda r: r["p6_dispatch_ratio_3w"] >= 0.9),
+    ("p6_fair_start_s", "<= 2 s", lambda r: r["p6_fair_start_s"] <= 2),
+    (
+        "p6_broker_depth_max",
+        "<= 2 x live worker processes",
+        lambda r: r["p6_broker_depth_max"] <= r["p6_broker_depth_bound"],
+    ),
 ]
 
 ROWS: list[tuple[str, str, str]] = [  # key, what, unit
@@ -44,6 +55,14 @@ ROWS: list[tuple[str, str, str]] = [  # key, what, unit
     ("p4_recovery_s", "P4 SIGKILL mid-export -> COMPLETED by another worker", "s"),
     ("p5_heartbeat_gone_s", "P5 SIGTERM -> heartbeat member removed (idle)", "s"),
     ("p5_idle_exit_s", "P5 SIGTERM -> process exited (idle)", "s"),
+    ("p6_start_ms_p50", "P6 export created -> claimed, idle cluster, p50", "ms"),
+    ("p6_start_ms_p95", "P6 export created -> claimed, idle cluster, p95", "ms"),
+    ("p6_scheduled_late_ms_p95", "P6 reminder run_at -> claimed, p95", "ms"),
+    ("p6_dispatch_ratio_1w", "P6 tasks/s created while running / pre-filled, 1 worker", "ratio"),
+    ("p6_dispatch_ratio_3w", "P6 tasks/s created while running / pre-filled, 3 workers", "ratio"),
+    ("p6_fair_start_s", "P6 team B created -> claimed behind team A's backlog (max)", "s"),
+    ("p6_broker_depth_max", "P6 broker lists (exports + reminders) while 10k drain, max", "msgs"),
+    ("p6_broker_depth_bound", "P6 window bound: 2 x live worker processes", "msgs"),
 ]
 
 
@@ -187,8 +206,11 @@ own Redis key prefix (`tdbench-<hex>-<part>`, deleted at the end); it never touc
 - **P1** — 100 teams x 50 tickets. 5,000 exports `{"q": "#Tnnnnn#"}` (one matching
   ticket each, TEAM scope, created with `ledger.service.create_export`) and 5,000
   reminders, each on a different ticket (assignee set, so each sends a notification, bumps the
-  version, writes an event) are published by the dispatcher's own scan
-  (`dispatcher.scan.run_once`) before the worker starts. The baseline is 5,000
+  version, writes an event) are published before the worker starts, the way the
+  dispatcher publishes a window but all at once (the dispatcher itself publishes at most
+  its window): every ready row stamped `dispatched_at = now()` in one statement, then
+  `tasks.queueing.publish_batch` + `set_markers` in chunks of 500; no dispatcher runs
+  during a drain. The baseline is 5,000
   `bench.noop` tasks (registered on the same app by `bench/worker_hooks.py`, loaded
   through `TEAMDESK_TEST_HOOKS`, same options as the real tasks, empty body), published to
   the same queue. Each batch is drained by one fresh `celery -A tasks worker -c 2 --pool
@@ -208,17 +230,41 @@ own Redis key prefix (`tdbench-<hex>-<part>`, deleted at the end); it never touc
   body is checked equal to COPY's. Peak RSS = `ru_maxrss` of the fresh
   pool child that ran one 100k export (EXPORT_MAX_ROWS=100000).
 - **P3** — two ledgers, 10k and 1M rows (set-based `generate_series`, `VACUUM ANALYZE`),
-  each with 50 due WAITING and 10 RUNNING rows silent for 10 minutes. `run_once()` (all
-  five steps, in this process) alternates between them; before each scan the 60 rows are
-  reset and the broker keys cleared; median of 15 timed scans after a warm-up.
-  `publish_ms` is the time inside `queueing.publish` (marker + message, 60 per scan);
-  `idle_scan_ms` is a scan with nothing to do (median of 5).
+  each with 50 due WAITING and 10 RUNNING rows silent for 10 minutes, and a heartbeat
+  member offering 40 worker processes on both queues (a window of 80, room for all 60).
+  `dispatcher.scan.scan(cluster, capacity, purge=True)` (recover, lost-message check,
+  fill, purge; in this process, on one warm `Cluster` + `Capacity` per ledger) alternates
+  between them; before each scan the 60 rows are reset and the queue lists and queued
+  markers cleared; median of 15 timed scans after a warm-up. Every timed scan recovers 10
+  rows and publishes 60. `publish_ms` is the time inside `queueing.publish_batch` and
+  `set_markers`; `idle_scan_ms` is a scan with nothing to do (median of 5).
 - **P4** — as `tests/process/test_kill_recovery.py`: default timings, real beat, worker 1
   parked at the `export.after_read` gate, worker 2 running; SIGKILL worker 1; time until
   the row is COMPLETED (polled every 20 ms).
 - **P5** — idle `-c 2` worker; SIGTERM; poll its member in
   `<prefix>:worker-heartbeat:active` every 2 ms, then wait for exit; median of 3.
 - **scaling** — 1,500 small exports per point, `-c 1/2/4`, same method as P1.
+- **P6** — the dispatch path: real `celery -A tasks worker -c 2` and `celery -A tasks
+  beat` (the dispatcher) subprocesses, default settings (window = 2 x live worker
+  processes, from the heartbeats); every time is the database's clock (`created_at`,
+  `run_at`, `task_audit.at`). *Start latency*: one worker + beat, 100 small exports
+  created one at a time with `ledger.service.create_export` in a transaction of their own
+  (after 4 warm-up tasks); after each one completed a 0.1 s pause, so the cluster is idle
+  when the next is created; `created_at` (the creating transaction's `now()`) -> first
+  `CLAIM`, split in the detail at `dispatched_at` (the `now()` of the dispatcher's fill
+  transaction). *Scheduled*: 20 reminders due
+  1 s after the first was created, 0.25 s apart; first `CLAIM` - `run_at`. *Dispatch
+  ratio*, with 1 worker and then 3 (each `-c 2`, running and idle, no beat): 2,000 small
+  exports published in one go as in P1 (tasks/s from the first CLAIM to the last
+  COMPLETE); then beat starts and 4 threads create 2,000 more (one transaction each, over
+  their own teams, faster than the workers drain them; tasks/s from the first
+  `created_at` to the last COMPLETE). Ratio = dispatcher-fed / pre-filled. A pair during
+  which other processes kept more than 0.5 cores busy is run once more and the quieter
+  kept. *Fairness*: 3 workers + beat; team A gets 10,000 waiting exports (one set-based
+  insert of the rows the service writes); once every worker process has taken work, team
+  B creates 5 exports one at a time; `created_at` -> CLAIM, the max is reported.
+  *Broker depth*: `LLEN <prefix>:exports` + `LLEN <prefix>:reminders` every 50 ms during
+  that whole drain; the bound is 2 x the live worker processes in the heartbeats.
 """
 
 
@@ -282,8 +328,28 @@ def details_md(results: dict[str, Any]) -> list[str]:
                 f"| {d['rows']:,} rows | {d['scan_ms']} | {d['publish_ms']} | "
                 f"{d['without_publish_ms']} | {d.get('idle_scan_ms', '-')} |"
             )
+        split = {key: p3[key].get("steps_ms") for key in ("10k", "1m")}
+        if all(split.values()):
+            order = ("recover", "capacity", "lost_check", "fill", "publish", "purge")
+            steps = [k for k in order if k in split["1m"]]
+            steps += [k for k in split["1m"] if k not in steps]  # "whole scan", anything new
+            lines += [
+                "",
+                "Per step (ms, medians of 5 more scans with every step timed; `fill` includes "
+                "`publish`, `capacity` is the heartbeat read of the window):",
+                "",
+                "| ledger | " + " | ".join(steps) + " |",
+                "|---|" + "---:|" * len(steps),
+            ]
+            for key in ("10k", "1m"):
+                lines.append(
+                    f"| {p3[key]['rows']:,} rows | "
+                    + " | ".join(str(split[key].get(step, "")) for step in steps)
+                    + " |"
+                )
         statements = p3.get("sql_statements_per_scan", {})
         lines += ["", f"SQL statements per scan: {sum(statements.values())} ({statements}).", ""]
+    lines += p6_md(results.get("p6_detail", {}))
     p2 = results.get("p2_detail", {})
     if p2:
         lines += [
@@ -297,6 +363,65 @@ def details_md(results: dict[str, Any]) -> list[str]:
             "",
         ]
     return lines
+
+
+def p6_md(p6: dict[str, Any]) -> list[str]:
+    """P6's detail: where the start latency goes, both sides of each ratio, fairness."""
+    if "start" not in p6:
+        return []
+    start, scheduled = p6["start"], p6["scheduled"]
+    lines = [
+        "## P6: the dispatch path (database clock)",
+        "",
+        "| idle cluster, ms | p50 | p95 | max |",
+        "|---|---:|---:|---:|",
+    ]
+    for key, what in (
+        ("start_ms", "export created -> claimed"),
+        ("created_to_stamped_ms", "created -> stamped by the dispatcher"),
+        ("stamped_to_claimed_ms", "stamped -> claimed (broker, worker)"),
+    ):
+        d = start[key]
+        lines.append(f"| {what} | {d['p50']} | {d['p95']} | {d['max']} |")
+    late = scheduled["late_ms"]
+    lines.append(f"| reminder run_at -> claimed | {late['p50']} | {late['p95']} | {late['max']} |")
+    lines += [
+        "",
+        "| workers | pre-filled tasks/s | dispatcher-fed tasks/s | ratio | creation / drain | "
+        "cores: beat + its PostgreSQL | cores: other load |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key in ("ratio_1w", "ratio_3w"):
+        if key not in p6:
+            continue
+        r = p6[key]
+        pre, fed = r["prefilled"], r["dispatched"]
+        lines.append(
+            f"| {r['workers']} x `-c 2` | {pre['tasks_per_s']} | {fed['tasks_per_s']} | "
+            f"{r['ratio']} | {fed['creation_share_of_drain']} | {fed['beat_cpu_cores']} + "
+            f"{fed.get('dispatcher_pg_cpu_cores', '-')} | {r['foreign_cpu_cores']} |"
+        )
+    fair, depth, backlog = p6.get("fair"), p6.get("depth"), p6.get("backlog")
+    if fair and depth and backlog:
+        lines += [
+            "",
+            f"Team B behind team A's backlog of {backlog['tasks']:,}: created -> claimed "
+            f"{fair['b_start_s_all']} s (team A's runs not yet published / in the window "
+            f"when B created: {fair['team_a_when_b_created']}). Broker lists during the drain "
+            f"({depth['samples']} samples): max {depth['lists_max']}, mean "
+            f"{depth['lists_mean']}, bound {depth['bound']} ({depth['processes']} processes); "
+            f"max unacknowledged {depth['unacked_max']}. The backlog drained at "
+            f"{backlog['tasks_per_s']} tasks/s.",
+        ]
+    logs = p6.get("logs")
+    if logs:
+        lines += [
+            "",
+            f"Logged meanwhile: warnings/errors {logs['warnings'] or 'none'}; workers "
+            f"{logs['worker_events'] or 'nothing unusual'}; beat's scans repaired "
+            f"{logs['scans']}.",
+        ]
+    return [*lines, ""]
 
 
 def write_results_md(results: dict[str, Any]) -> None:

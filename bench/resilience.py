@@ -1,4 +1,4 @@
-"""P4: a worker SIGKILLed mid-export, with the SPEC §12 default timings, and a real beat.
+"""P4: a worker SIGKILLed mid-export, with the default timings, and a real beat.
 P5: SIGTERM to an idle worker: until its heartbeat member is gone, and until it exited.
 
 P4 follows tests/process/test_kill_recovery.py: worker 1 parks the export at the remote
@@ -43,7 +43,7 @@ def _rounded(value: float | None) -> float | None:
 
 
 def run_p4(env: BenchEnv) -> dict[str, Any]:
-    part = env.part("p4")  # SPEC §12 defaults: TTL 20 s, scan 3 s, stale 120 s
+    part = env.part("p4")  # the defaults: TTL 20 s, scan 3 s, stale 120 s
     s = part.settings
     world = make_world(part.engine)
     with part.engine.begin() as conn:
@@ -60,7 +60,7 @@ def run_p4(env: BenchEnv) -> dict[str, Any]:
     )
     beat = env.beat(part)
     w1.wait_event("worker.started", timeout=120)
-    gate.wait_reached(timeout=120)  # beat's scan dispatched it; worker 1 holds the lease
+    gate.wait_reached(timeout=120)  # beat dispatched it; worker 1 holds the lease
     w2 = env.worker(part, "p4-w2", concurrency=1, hooks=None)
     w2.wait_event("worker.started", timeout=120)
     first_holder = _row(part.engine, task_id)[1]

@@ -20,11 +20,11 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from bench import export_speed, report, resilience, scan_cost, throughput
+from bench import dispatch_path, export_speed, report, resilience, scan_cost, throughput
 from bench.env import BenchEnv
 from tests.support import databases
 
-PARTS = ("p1", "scaling", "p2", "p3", "p4", "p5")
+PARTS = ("p1", "scaling", "p2", "p3", "p4", "p5", "p6")
 
 # Every key latest.json must hold after a full, successful run.
 REQUIRED_KEYS = (
@@ -41,6 +41,14 @@ REQUIRED_KEYS = (
     "p4_recovery_s",
     "p5_heartbeat_gone_s",
     "p5_idle_exit_s",
+    "p6_start_ms_p50",
+    "p6_start_ms_p95",
+    "p6_scheduled_late_ms_p95",
+    "p6_dispatch_ratio_1w",
+    "p6_dispatch_ratio_3w",
+    "p6_fair_start_s",
+    "p6_broker_depth_max",
+    "p6_broker_depth_bound",
     "scaling",
     "machine",
     "goals",
@@ -56,6 +64,9 @@ def part_runners(args: argparse.Namespace) -> dict[str, Callable[[BenchEnv], dic
         "p3": lambda env: scan_cost.run_p3(env, large=100_000 if args.quick else 1_000_000),
         "p4": resilience.run_p4,
         "p5": resilience.run_p5,
+        "p6": lambda env: dispatch_path.run_p6(
+            env, dispatch_path.Sizes.quick() if args.quick else dispatch_path.Sizes()
+        ),
     }
 
 
@@ -93,6 +104,28 @@ def notes_for(results: dict[str, Any]) -> list[str]:
         notes.append(
             "P2: the export's CSV body differs from COPY's; the ratio compares unlike work."
         )
+    p6 = results.get("p6_detail", {})
+    for key in ("ratio_1w", "ratio_3w"):
+        pair = p6.get(key)
+        if not pair:
+            continue
+        share = pair["dispatched"]["creation_share_of_drain"]
+        if share > 0.8:
+            notes.append(
+                f"P6 {key}: creating the tasks took {share} of the dispatcher-fed drain: the "
+                "rate is the creators', not the dispatcher's."
+            )
+        if pair["foreign_cpu_cores"] > 0.5:
+            notes.append(
+                f"P6 {key}: other processes kept {pair['foreign_cpu_cores']} cores busy "
+                "during the quieter of two pairs: treat the ratio with care."
+            )
+    repaired = {k: v for k, v in p6.get("logs", {}).get("scans", {}).items() if v}
+    if repaired:
+        notes.append(f"P6: beat's scans had to repair runs: {repaired} (see p6_detail.logs).")
+    early = p6.get("scheduled", {}).get("claimed_before_run_at")
+    if early:
+        notes.append(f"P6: {early} reminders were claimed before their run_at.")
     for name, error in results.get("errors", {}).items():
         notes.append(f"{name} failed: {error}")
     return notes

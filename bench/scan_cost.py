@@ -1,11 +1,17 @@
-"""P3: one dispatcher scan (``dispatcher.scan.run_once``, all five steps) over a ledger of
-10,000 and then 1,000,000 rows: almost all COMPLETED (1 % still holding a CSV, a few
-FAILED / CANCELLED), plus 50 due WAITING rows and 10 RUNNING rows silent for 10 minutes.
+"""P3: one dispatcher scan (``dispatcher.scan.scan``: recover, re-publish lost messages,
+fill the window, purge) over a ledger of 10,000 and then 1,000,000 rows: almost all
+COMPLETED (1 % still holding a CSV, a few FAILED / CANCELLED), plus 50 due WAITING rows
+and 10 RUNNING rows silent for 10 minutes.
 
-The table is built with set-based SQL and analysed; between timed scans the 60 working
-rows are put back (50 due, 10 stale) and the broker keys the scan wrote are cleared, so
-every timed scan recovers 10 rows and publishes 60 messages. The median of several scans
-is reported, with the part spent publishing (marker + message per row) shown apart.
+The table is built with set-based SQL and analysed. Each ledger gets one
+``dispatcher.context.Cluster`` and ``dispatcher.window.Capacity`` (warm handles, as in a
+running dispatcher) and one heartbeat member offering ``SLOTS`` worker processes on both
+task queues, so the window (two per process) has room for all 60 runs and the queues are
+consumed (no "no consumers" check). Between timed scans the 60 working rows are put back
+(50 due, 10 stale), the queue lists and queued markers the scan wrote are cleared and the
+heartbeat renewed, so every timed scan recovers 10 rows and publishes 60 messages. The
+median of several scans is reported, with the part spent publishing
+(``queueing.publish_batch`` + ``set_markers``) shown apart.
 """
 
 from __future__ import annotations
@@ -20,13 +26,20 @@ from sqlalchemy import event
 
 from bench.env import BenchEnv, Part
 from dispatcher import scan as scan_module
-from dispatcher.scan import run_once
+from dispatcher.context import Cluster
+from dispatcher.heartbeat import Heartbeat, WorkerSlots
+from dispatcher.scan import ScanCounts, scan
+from dispatcher.window import WINDOW_PER_SLOT, Capacity, limits_for
+from ledger import dispatch
 from tasks import queueing
+from tasks.names import TASK_QUEUES
 from teamdesk import config
 
 DUE = 50
 STALE = 10
 SCANS = 15
+SLOTS = 40  # worker processes the heartbeat offers on each queue: a window of 80 >= 60
+SPLIT_SCANS = 5  # extra scans per ledger with every step timed (not in the headline)
 LAST_STATEMENTS: dict[str, int] = {}  # the SQL statements of the last timed scan
 
 FILL = sa.text("""
@@ -116,10 +129,10 @@ class Ledger:
 
 
 class PublishClock:
-    """Times the scan's publishing (``queueing.publish`` and ``publish_many``, whichever it
-    calls; nested calls count once): markers + messages."""
+    """Times the scan's publishing: the messages (``queueing.publish_batch``) and the
+    queued markers (``queueing.set_markers``); nested calls count once."""
 
-    NAMES = ("publish", "publish_many")
+    NAMES = ("publish_batch", "set_markers")
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -151,10 +164,101 @@ class PublishClock:
             setattr(queueing, name, real)
 
 
+class StepClock:
+    """Times the scan's steps, for the detail only (the wrappers cost a little): recover
+    (with the heartbeat read), the capacity read, the lost-message check, the fill (with
+    its publish), the publish alone and the purge statement."""
+
+    # (owner, attribute, step): module functions the scan calls through its globals
+    TARGETS = (
+        (scan_module, "_recover", "recover"),
+        (scan_module, "_republish_lost", "lost_check"),
+        (scan_module, "fill", "fill"),
+        (dispatch, "purge_expired", "purge"),
+        (queueing, "publish_batch", "publish"),
+        (queueing, "set_markers", "publish"),
+    )
+
+    def __init__(self, capacity: Capacity) -> None:
+        self.capacity = capacity
+        self.seconds: dict[str, float] = {}
+
+    def _timed(self, real: Any, step: str) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - started
+                self.seconds[step] = self.seconds.get(step, 0.0) + elapsed
+
+        return timed
+
+    def __enter__(self) -> StepClock:
+        self.saved = [(owner, name, getattr(owner, name)) for owner, name, _ in self.TARGETS]
+        for owner, name, step in self.TARGETS:
+            setattr(owner, name, self._timed(getattr(owner, name), step))
+        self.capacity.slots = self._timed(self.capacity.slots, "capacity")  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, real in reversed(self.saved):
+            setattr(owner, name, real)
+        del self.capacity.slots
+
+
+def split_scans(env: BenchEnv, scanner: Scanner, ledger: Ledger) -> dict[str, float]:
+    """Median ms per step over SPLIT_SCANS scans like the timed ones."""
+    per_step: dict[str, list[float]] = {}
+    for _ in range(SPLIT_SCANS):
+        ledger.reset()
+        clear_broker(env, scanner.part)
+        with StepClock(scanner.capacity) as steps:
+            _, elapsed = scanner.scan()
+        steps.seconds["whole scan"] = elapsed
+        for step, seconds in steps.seconds.items():
+            per_step.setdefault(step, []).append(seconds)
+    return {step: round(statistics.median(v) * 1000, 2) for step, v in per_step.items()}
+
+
 def clear_broker(env: BenchEnv, part: Part) -> None:
-    keys = list(env.redis.scan_iter(match=f"{part.prefix}:*", count=5000))
-    if keys:
-        env.redis.delete(*keys)
+    """The keys a scan writes: the queue lists and the queued markers (the broker's
+    bindings and the heartbeat stay)."""
+    keys = [f"{part.prefix}:{queue}" for queue in TASK_QUEUES]
+    keys += list(env.redis.scan_iter(match=f"{part.prefix}:queued:*", count=5000))
+    env.redis.delete(*keys)
+
+
+class Scanner:
+    """One ledger's warm dispatcher handles and the heartbeat that gives it a window."""
+
+    def __init__(self, env: BenchEnv, part: Part) -> None:
+        assert part.app is not None
+        self.env, self.part = env, part
+        self.cluster = Cluster(part.app, part.settings)
+        self.capacity = Capacity(self.cluster)
+        self.heartbeat = Heartbeat(
+            env.redis,
+            part.prefix,
+            "bench-p3",
+            part.settings.heartbeat_ttl_s,
+            WorkerSlots(TASK_QUEUES, SLOTS),
+        )
+        self.heartbeat.renew()
+        self.limits = limits_for(self.capacity.slots(refresh=True), part.settings)
+        if min(self.limits.values()) < DUE + STALE:
+            raise RuntimeError(f"bench: the P3 window is too small: {self.limits}")
+
+    def scan(self) -> tuple[ScanCounts, float]:
+        config.set_settings(self.part.settings)  # queueing's marker client reads it
+        self.heartbeat.renew()  # untimed: its TTL must outlive a long build or a slow scan
+        started = time.perf_counter()
+        counts = scan(self.cluster, self.capacity, purge=True)
+        return counts, time.perf_counter() - started
+
+    def close(self) -> None:
+        self.heartbeat.remove()
+        self.cluster.close()
 
 
 class StatementCount:
@@ -176,32 +280,33 @@ class StatementCount:
         event.remove(self.engine, "before_cursor_execute", self._seen)
 
 
-def scan_once(env: BenchEnv, part: Part, ledger: Ledger) -> tuple[float, float]:
-    """One timed scan of ``part``'s ledger: (total seconds, seconds spent publishing)."""
-    assert part.app is not None
+def scan_once(env: BenchEnv, scanner: Scanner, ledger: Ledger) -> tuple[float, float]:
+    """One timed scan of a ledger: (total seconds, seconds spent publishing)."""
     ledger.reset()
-    clear_broker(env, part)
-    config.set_settings(part.settings)  # queueing reads the prefix from the settings
-    with PublishClock() as clock, StatementCount(part.engine) as statements:
-        started = time.perf_counter()
-        counts = run_once(part.app, settings=part.settings, engine=part.engine)
-        elapsed = time.perf_counter() - started
-    if (counts.recovered, counts.dispatched) != (STALE, DUE + STALE):
+    clear_broker(env, scanner.part)
+    with PublishClock() as clock, StatementCount(scanner.cluster.engine) as statements:
+        counts, elapsed = scanner.scan()
+    expected = (STALE, 0, DUE + STALE, 0, None)
+    got = (
+        counts.recovered,
+        counts.redispatched,
+        counts.dispatched,
+        counts.publish_failed,
+        counts.redis_error,
+    )
+    if got != expected:
         raise RuntimeError(f"bench: unexpected scan result: {counts.summary()}")
     LAST_STATEMENTS.clear()
     LAST_STATEMENTS.update(statements.counts)
     return elapsed, clock.seconds
 
 
-def idle_scans(part: Part, scans: int = 5) -> float:
+def idle_scans(scanner: Scanner, scans: int = 5) -> float:
     """Median ms of a scan with nothing to do (every row finished or just published)."""
-    assert part.app is not None
-    config.set_settings(part.settings)
     times = []
     for _ in range(scans):
-        started = time.perf_counter()
-        counts = run_once(part.app, settings=part.settings, engine=part.engine)
-        times.append(time.perf_counter() - started)
+        counts, elapsed = scanner.scan()
+        times.append(elapsed)
         if counts.did_something:
             raise RuntimeError(f"bench: an idle scan did work: {counts.summary()}")
     return round(statistics.median(times) * 1000, 2)
@@ -220,32 +325,45 @@ def summary(rows: int, samples: list[tuple[float, float]]) -> dict[str, Any]:
 
 def run_p3(env: BenchEnv, small: int = 10_000, large: int = 1_000_000) -> dict[str, Any]:
     """Two ledgers side by side, scanned alternately (a noisy machine then slows both)."""
-    parts, ledgers, build = [], [], {}
-    for label, rows in (("p3-10k", small), ("p3-1m", large)):
-        part = env.part(label)
-        env.activate(part)
-        ledger = Ledger(part)
-        build[label] = round(ledger.grow_to(rows), 1)
-        parts.append(part)
-        ledgers.append(ledger)
-    samples: list[list[tuple[float, float]]] = [[], []]
-    for i in range(SCANS + 1):
-        for k in (0, 1) if i % 2 == 0 else (1, 0):
-            sample = scan_once(env, parts[k], ledgers[k])
-            if i:  # the first round warms connections and caches
-                samples[k].append(sample)
-    idle = [idle_scans(part) for part in parts]
-    for part in parts:
-        clear_broker(env, part)
-    assert scan_module.SCAN_BATCH >= DUE + STALE
+    scanners: list[Scanner] = []
+    ledgers, build = [], {}
+    try:
+        for label, rows in (("p3-10k", small), ("p3-1m", large)):
+            part = env.part(label)
+            env.activate(part)
+            ledger = Ledger(part)
+            build[label] = round(ledger.grow_to(rows), 1)
+            ledgers.append(ledger)
+        for ledger in ledgers:  # after the builds: the heartbeat must not lapse meanwhile
+            scanners.append(Scanner(env, ledger.part))
+        samples: list[list[tuple[float, float]]] = [[], []]
+        for i in range(SCANS + 1):
+            for k in (0, 1) if i % 2 == 0 else (1, 0):
+                sample = scan_once(env, scanners[k], ledgers[k])
+                if i:  # the first round warms connections and caches
+                    samples[k].append(sample)
+        idle = [idle_scans(scanner) for scanner in scanners]
+        steps = [split_scans(env, sc, lg) for sc, lg in zip(scanners, ledgers, strict=True)]
+        limits = scanners[0].limits
+    finally:
+        for scanner in scanners:
+            clear_broker(env, scanner.part)
+            scanner.close()
     at_small, at_large = summary(small, samples[0]), summary(large, samples[1])
     at_small["idle_scan_ms"], at_large["idle_scan_ms"] = idle
+    at_small["steps_ms"], at_large["steps_ms"] = steps
     return {
         "p3_scan_ms_10k": at_small["scan_ms"],
         "p3_scan_ms_1m": at_large["scan_ms"],
         "p3_scan_ratio_1m_10k": round(at_large["scan_ms"] / at_small["scan_ms"], 3),
         "p3_detail": {
-            "per_scan": f"{STALE} recovered + {DUE + STALE} published (all five steps)",
+            "per_scan": f"{STALE} recovered + {DUE + STALE} published (recover, lost-message "
+            "check, fill, purge)",
+            "window": {
+                "worker_processes": SLOTS,
+                "per_slot": WINDOW_PER_SLOT,
+                "limits": limits,
+            },
             "10k": at_small,
             "1m": at_large,
             "build_s": build,

@@ -1,10 +1,14 @@
 """P1 (ledger tasks vs bare Celery tasks, same worker) and the worker-process scaling curve.
 
-Rows are created through ``ledger.service`` and published by the dispatcher's own scan
-(``dispatcher.scan.run_once``: stamp ``dispatched_at`` under the row lock, commit, set the
-queued marker, publish ``{id}-{run}``), so every message the worker gets is one the
-cluster itself would have sent. All messages are in the queue before the worker starts;
-throughput is counted inside the worker, from its first task start to its last task end.
+Rows are created through ``ledger.service``. The dispatcher publishes at most its window
+(two messages per live worker process), so a pre-filled queue is published here directly,
+the way the dispatcher publishes a window (:func:`publish_ready`): every ready row is
+stamped (``dispatched_at = now()``) in one statement and committed, then its messages
+(``{id}-{run}``) go out with ``tasks.queueing.publish_batch`` and the queued markers with
+``set_markers``, in chunks of ``PUBLISH_CHUNK``. Every message the worker gets is the one
+the dispatcher would have sent for that row; no dispatcher runs during a drain. All
+messages are in the queue before the worker starts; throughput is counted inside the
+worker, from its first task start to its last task end.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from celery import Celery
 
 from bench import FLUSH_EVERY_S, NOOP_TASK
 from bench.env import BenchEnv, Part, cpu_snapshot, read_stats, stop, wait_until
-from dispatcher.scan import run_once
 from ledger import service
-from tasks.celery_app import EXPORTS_QUEUE
+from ledger.dispatch import RunRef
+from tasks import queueing
+from tasks.names import EXPORTS_QUEUE
+from teamdesk import config
 
 TEAMS = 100
 TICKETS_PER_TEAM = 50  # 5,000 tickets: one per export and one per reminder
@@ -30,6 +36,20 @@ WORKER_START_TIMEOUT_S = 120
 DRAIN_TIMEOUT_S = 600
 NOISY_CORES = 0.5  # other load during a P1 batch above which it is run once more
 MAX_RERUNS = 3  # ... at most this many times per run (the 15-minute budget)
+PUBLISH_CHUNK = 500  # messages per publish_batch call (one pipeline each)
+
+# Every ready run (WAITING, unpublished, due by the database's clock) stamped at once, as
+# the dispatcher stamps a window's runs (the stamp is what the queued marker carries).
+STAMP_ALL_READY = sa.text("""
+    WITH ready AS (
+        SELECT id FROM background_tasks
+         WHERE status = 'WAITING' AND dispatched_at IS NULL AND run_at <= now()
+           FOR UPDATE SKIP LOCKED
+    )
+    UPDATE background_tasks t SET dispatched_at = now(), updated_at = now()
+      FROM ready WHERE t.id = ready.id
+    RETURNING t.id, t.run, t.kind, t.dispatched_at AS stamp, t.run_at
+""")
 
 
 @dataclass(frozen=True)
@@ -95,16 +115,20 @@ def create_reminders(engine: sa.Engine, refs: list[TicketRef], n: int) -> list[u
     return ids
 
 
-def dispatch_all(part: Part, app: Celery) -> tuple[int, float]:
-    """Publish every due row through the dispatcher scan; returns (count, seconds)."""
-    total, started = 0, time.perf_counter()
-    while True:
-        counts = run_once(app, settings=part.settings, batch=1000, purge=False)
-        if counts.publish_failed or counts.redis_error:
-            raise RuntimeError(f"bench: publishing failed: {counts.summary()}")
-        total += counts.dispatched
-        if counts.dispatched == 0:
-            return total, time.perf_counter() - started
+def publish_ready(part: Part, app: Celery, chunk: int = PUBLISH_CHUNK) -> tuple[int, float]:
+    """Publish every ready row of ``part`` (a pre-filled queue, no window): stamp them in
+    one statement and commit, then ``publish_batch`` + ``set_markers`` per chunk, oldest
+    ``run_at`` first. Returns (count, seconds)."""
+    started = time.perf_counter()
+    config.set_settings(part.settings)  # the markers' Redis client reads the settings
+    with part.engine.begin() as conn:
+        rows = sorted(conn.execute(STAMP_ALL_READY).all(), key=lambda r: (r.run_at, str(r.id)))
+    refs = [RunRef(r.id, r.run, r.kind, stamp=r.stamp) for r in rows]
+    for i in range(0, len(refs), chunk):
+        batch = refs[i : i + chunk]
+        queueing.publish_batch(app, batch)
+        queueing.set_markers(batch, part.settings)
+    return len(refs), time.perf_counter() - started
 
 
 def publish_noops(app: Celery, n: int) -> tuple[int, float]:
@@ -193,8 +217,8 @@ def one_batch(
         _, publish_s = publish_noops(app, n)
     else:
         ids = (create_exports if kind == "export" else create_reminders)(part.engine, refs, n)
-        sent, publish_s = dispatch_all(part, app)
-        assert sent == n, f"dispatched {sent} of {n}"
+        sent, publish_s = publish_ready(part, app)
+        assert sent == n, f"published {sent} of {n}"
     result = drain(env, part, label, n)
     if ids:
         done = completed(part.engine, ids)
@@ -266,7 +290,7 @@ def run_scaling(
     points = []
     for c in processes:
         create_exports(part.engine, refs, n)
-        sent, _ = dispatch_all(part, app)
+        sent, _ = publish_ready(part, app)
         assert sent == n
         result = drain(env, part, f"scaling-c{c}", n, concurrency=c)
         points.append({"processes": c, "tasks_per_s": result["tasks_per_s"], "detail": result})

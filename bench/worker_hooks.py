@@ -1,8 +1,8 @@
 """Loaded inside bench workers by the test-hook seam ``TEAMDESK_TEST_HOOKS=bench.worker_hooks``.
 
-``tasks/__init__`` builds the app with ``create_app()`` and then imports this module, so
-what it adds lives on exactly the app (settings, routes, bootsteps, signals) the real
-tasks use:
+``tasks/celery.py`` (what ``celery -A tasks`` loads) builds the app with ``create_app()``
+and then imports this module, so what it adds lives on exactly the app (settings, routes,
+bootsteps, signals) the real tasks use:
 
 - ``bench.noop``: a bare task with the real tasks' options and an empty body, the
   baseline every throughput ratio divides by;
@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 import threading
 import time
 from pathlib import Path
@@ -28,7 +29,6 @@ from typing import Any
 
 from celery import Task, signals
 
-import tasks
 from bench import FLUSH_EVERY_S, NOOP_TASK
 from ledger.errors import TaskRejected
 from tasks import definitions
@@ -37,10 +37,11 @@ from tasks.execution import TaskFailed
 TRACING = os.environ.get("BENCH_TRACE") == "1"
 MAX_DURATIONS = 2000
 
-# tasks/__init__ imports this module while it still holds its build lock, so read the app
-# it has just built directly (``tasks.app`` would wait for that lock).
-app = tasks._app
-assert app is not None, "bench.worker_hooks must be loaded by tasks/__init__ (TEAMDESK_TEST_HOOKS)"
+# tasks/celery.py imports this module right after it built ``app`` (while tasks.celery is
+# still being imported, so only the names bound before that point exist).
+_entry = sys.modules.get("tasks.celery")
+app = getattr(_entry, "app", None)
+assert app is not None, "bench.worker_hooks must be loaded by tasks/celery.py (TEAMDESK_TEST_HOOKS)"
 
 
 @app.task(

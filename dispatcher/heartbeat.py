@@ -1,4 +1,4 @@
-"""Worker heartbeats in Redis (SPEC §8).
+"""Worker heartbeats in Redis (docs/design.md, "Heartbeats").
 
 Every process that can take work keeps one member ``<scope>/<uuid4>`` in two sorted
 sets, ``<prefix>:worker-heartbeat:active`` (all processes) and

@@ -1,4 +1,4 @@
-"""Who may write a task row while it runs: the lease (SPEC §4-5).
+"""Who may write a task row while it runs: the lease (docs/design.md, "Lease" and "Lifecycle").
 
 A claim issues a fresh ``execution_id``. Every later write by that execution is one
 statement conditional on ``id, run, execution_id`` and ``status = 'RUNNING'`` and checks

@@ -1,4 +1,4 @@
-"""The SPEC §3 tables as SQLAlchemy Core metadata.
+"""The ledger and business tables as SQLAlchemy Core metadata (docs/design.md, "Ledger").
 
 The schema is created by the Alembic revisions in ``ledger/migrations``; this module
 describes the same schema so that a test can prove the two never drift apart.

@@ -1,4 +1,4 @@
-"""What users ask of the ledger: create, read, retry (SPEC §6) and cancel (SPEC §5).
+"""What users ask of the ledger: create, read, retry and cancel (docs/design.md, "Lifecycle").
 
 Authorisation lives here so the API and the CLI answer alike: a user sees a task
 when they are a member of its team and either own it or are staff and the task has
@@ -68,7 +68,7 @@ SELECT_CSV = text("""
       FROM background_tasks WHERE id = :task_id
 """)
 
-# Guard: only a finished-without-result run opens a new one (SPEC §6).
+# Guard: only a finished-without-result run opens a new one (docs/design.md, "Lifecycle").
 RETRY = text("""
     WITH reopened AS (
         UPDATE background_tasks

@@ -1,4 +1,4 @@
-"""Task kinds, scopes and statuses, and the lifecycle of SPEC §5 as data.
+"""Task kinds, scopes and statuses, and the lifecycle as data (docs/design.md, "Lifecycle").
 
 ``docs/state_machine.md`` draws the same transitions; a test checks the two agree.
 """

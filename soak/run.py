@@ -4,7 +4,8 @@
    prefix, and a dedicated ``redis-server`` on a free 127.0.0.1 port.
 2. The seeded world (soak/world.py) and one plan per task (soak/workload.py).
 3. Three ``celery -A tasks worker -Q exports,reminders`` processes (prefork) and one
-   ``celery -A tasks beat`` (the dispatcher), all configured through SPEC §12 variables
+   ``celery -A tasks beat`` (the dispatcher), all configured through the configuration
+   variables (docs/design.md, "Configuration")
    only.
 4. During the chaos window: tasks are created at their planned times, the soak's users
    cancel and retry, and faults land at seeded random times (soak/faults.py).
@@ -113,7 +114,7 @@ def _kinds(parser: argparse.ArgumentParser, text: str) -> tuple[str, ...]:
 
 
 def soak_settings(database_url: str, redis_url: str, prefix: str) -> Settings:
-    """Shortened timings, through SPEC §12 variables only (see soak/README.md for why)."""
+    """Shortened timings, through configuration variables only (see soak/README.md for why)."""
     return Settings(
         database_url=database_url,
         redis_url=redis_url,

@@ -32,7 +32,7 @@ def _is_redis(url: str) -> bool:
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
-    """Celery settings derived from SPEC §12; nothing here is tuned per environment."""
+    """Celery settings derived from the configuration; nothing here is tuned per environment."""
     prefix = f"{settings.queue_prefix}:"
     broker_options: dict[str, Any] = {}
     if _is_redis(settings.broker_url):

@@ -6,7 +6,7 @@ batch is one COPY statement (a statement is its own consistent snapshot); a larg
 is read batch by batch inside one REPEATABLE READ, READ ONLY transaction bounded to 60 s,
 so every batch sees the same snapshot.
 
-The CSV contract (SPEC §3): UTF-8; header ``id,title,status,priority,requester_id,
+The CSV contract (docs/design.md, "Exports"): UTF-8; header ``id,title,status,priority,requester_id,
 assignee_id,due_at,created_at,updated_at``; rows ordered by ``created_at, id``; times in
 UTC as ``YYYY-MM-DDTHH:MM:SSZ``; NULL as an empty cell; RFC 4180 quoting (a field with a
 comma, quote, CR or LF is quoted, quotes doubled; an empty text is written ``""``); records

@@ -1,5 +1,6 @@
 """Reminder: one notification, the ticket's version +1 and one system event, committed in
-one transaction with the task's completion under the lease (SPEC §1, §5).
+one transaction with the task's completion under the lease (docs/design.md, "Exports"
+and "Lifecycle").
 
 The per-team advisory lock serialises reminders of one team; the claim happens outside
 it, so holding the lock proves nothing about the lease: the completion's own guard

@@ -1,4 +1,5 @@
-"""Configuration: the SPEC §12 environment variables, read and validated once.
+"""Configuration: the environment variables of docs/design.md, "Configuration", read and
+validated once.
 
 Every process calls :func:`get_settings` (or :func:`load_settings` with an explicit
 mapping in tests). A bad value raises :class:`ConfigError` whose message names the

@@ -10,11 +10,11 @@ process name.
 Stopping: the first SIGINT (Ctrl-C) or SIGTERM sends exactly one SIGTERM to each
 process, never to its process group, because Celery treats a second TERM/INT
 differently, and a prefork pool child must not get a signal meant for its parent.
-Celery workers then drain (SPEC §11, up to SHUTDOWN_TIMEOUT_S); beat, Flower and the API
-stop at once. A second signal, or the drain budget plus :data:`KILL_GRACE_S`, kills what
-is left (whole process groups). The runner exits 0 only when it was asked to stop and
-every process exited 0; a process that exits on its own stops the others and the runner
-exits 1.
+Celery workers then drain (docs/design.md, "Shutdown", up to SHUTDOWN_TIMEOUT_S); beat,
+Flower and the API stop at once. A second signal, or the drain budget plus
+:data:`KILL_GRACE_S`, kills what is left (whole process groups). The runner exits 0 only
+when it was asked to stop and every process exited 0; a process that exits on its own
+stops the others and the runner exits 1.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One JSON log setup for every process (SPEC §10).
+"""One JSON log setup for every process (docs/design.md, "Logs").
 
 Each line is one JSON object with ``time`` (ISO 8601 UTC), ``level``, ``event``,
 ``service``, ``pid`` and, for task logs, ``task_id``, ``run``, ``attempt``. Code logs
@@ -152,7 +152,7 @@ def setup_logging(service: str, level: str = "info", stream: Any = None) -> None
 
 
 def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **fields: Any) -> None:
-    """Log one SPEC §10 event; ``fields`` become top-level JSON keys."""
+    """Log one event of :data:`EVENTS`; ``fields`` become top-level JSON keys."""
     if event not in EVENTS:
         raise ValueError(f"unknown log event {event!r}")
     if logger.isEnabledFor(level):

@@ -109,7 +109,7 @@ def settings(database_url: str, queue_prefix: str) -> Iterator[Settings]:
 @pytest.fixture
 def make_app(settings: Settings) -> Iterator[Callable[..., Celery]]:
     """Build the Celery app for this test; keyword overrides change settings first
-    (for example ``retry_base_delay_s=0.2``), the way SPEC §12 variables would."""
+    (for example ``retry_base_delay_s=0.2``), the way configuration variables would."""
     from tasks.celery_app import create_app
 
     apps: list[Celery] = []

@@ -1,4 +1,5 @@
-"""Worker process lifecycle: start, deploy-safe stop within a budget, exit codes (SPEC §10-11).
+"""Worker process lifecycle: start, deploy-safe stop within a budget, exit codes
+(docs/design.md, "Shutdown").
 
 What Celery 5.7 gives, and what this adds:
 
@@ -216,10 +217,10 @@ def _on_child_init(**_: Any) -> None:
 def _on_task_failure(
     sender: Any = None, task_id: str | None = None, exception: BaseException | None = None, **_: Any
 ) -> None:
-    """The queue's failure callback only logs (SPEC §5): it has no execution id, so a late
-    callback writing the ledger could erase a newer lease. Failures the execution wrapper
-    classified were logged there already; this reports the rest (a lost worker process,
-    a time limit) so they are not silent."""
+    """The queue's failure callback only logs (docs/design.md, "Lifecycle"): it has no
+    execution id, so a late callback writing the ledger could erase a newer lease.
+    Failures the execution wrapper classified were logged there already; this reports the
+    rest (a lost worker process, a time limit) so they are not silent."""
 
     hooks.fire("queue.failure_callback", task_id=task_id, exception=exception)
     if isinstance(exception, TaskRejected | TaskFailed):

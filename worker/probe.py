@@ -1,4 +1,4 @@
-"""``teamdesk-tasks health``: the container health check (SPEC §8).
+"""``teamdesk-tasks health``: the container health check (docs/design.md, "Heartbeats").
 
 Prints one JSON line ``{"worker": bool, "redis": bool, "database": bool, "scope": str}``
 and returns 0 only when the scope has a live heartbeat member, Redis answered and

@@ -155,7 +155,8 @@ def _register_submit(sub: Any) -> None:
         metavar="JSON",
         type=json_arg,
         default={},
-        help='export filters (SPEC §3), e.g. \'{"status": ["OPEN"], "q": "printer"}\'',
+        help='export filters (docs/design.md, "Exports"), '
+        'e.g. \'{"status": ["OPEN"], "q": "printer"}\'',
     )
     export.add_argument("--json", action="store_true", help="print the new task as JSON")
     export.set_defaults(handler=guarded(cmd_submit_export))

@@ -1,4 +1,4 @@
-"""The HTTP API (SPEC §9) in-process against real PostgreSQL and Redis.
+"""The HTTP API (docs/design.md, "HTTP API") in-process against real PostgreSQL and Redis.
 
 Every route's success and error answers, the authorisation matrix (owner, other staff,
 customer, outsider, no token, unknown token), "nothing written" on every refusal, and the
@@ -505,7 +505,7 @@ def test_list_of_a_malformed_team_is_404(client: TestClient, tokens: dict[str, s
 
 # --- the authorisation matrix for one task --------------------------------------------------
 
-# Who sees a task: its owner, and staff when its scope is TEAM (SPEC §5-6).
+# Who sees a task: its owner, and staff when its scope is TEAM (docs/design.md, "Lifecycle").
 VISIBLE = {
     ("TEAM", "staff"): True,  # the owner
     ("TEAM", "staff2"): True,

@@ -1,4 +1,4 @@
-"""Worker heartbeats against the real Redis (SPEC §8)."""
+"""Worker heartbeats against the real Redis (docs/design.md, "Heartbeats")."""
 
 from __future__ import annotations
 

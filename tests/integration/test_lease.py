@@ -1,4 +1,5 @@
-"""Every lease rule of SPEC §5 at ledger level, against real PostgreSQL."""
+"""Every lease rule (docs/design.md, "Lease" and "Lifecycle") at ledger level, against real
+PostgreSQL."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from tests.support.redis_server import dedicated_redis, free_port
 CLI = str(Path(sys.executable).parent / "teamdesk-tasks")
 SCOPE = "probe-host"
 TTL_S = 20.0
-BOUND_S = 2.0  # SPEC §8: the whole check
+BOUND_S = 2.0  # docs/design.md, "Heartbeats": the whole check
 HARD_CAP_S = 4.0
 RUN_TIMEOUT_S = 15.0  # only detects a probe that never ends
 

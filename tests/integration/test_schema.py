@@ -1,4 +1,4 @@
-"""The migrations create exactly the SPEC §3 schema the models describe."""
+"""The migrations create exactly the schema the models describe (docs/design.md, "Ledger")."""
 
 from __future__ import annotations
 

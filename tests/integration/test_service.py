@@ -1,4 +1,4 @@
-"""Create, manual retry (SPEC §6) and cancel (SPEC §5) against real PostgreSQL."""
+"""Create, manual retry and cancel (docs/design.md, "Lifecycle") against real PostgreSQL."""
 
 from __future__ import annotations
 

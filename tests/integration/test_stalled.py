@@ -4,7 +4,7 @@ backend fail the recovered run), and a run that keeps stalling ends FAILED.
 
 (The other two real-worker scenarios of that bullet, a transient failure retried once
 after its backoff and a permanent rejection failing at once, are in
-test_worker_outcomes.py.) Shortened timings come only from the SPEC §12 variables.
+test_worker_outcomes.py.) Shortened timings come only from configuration variables.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""SPEC §13 bullets 1-3: an old execution A, paused by a gate, cannot commit after a new
-execution B (or the dispatcher, or a failure) took the run over.
+"""Takeovers at the code's gate points: an old execution A, paused by a gate, cannot
+commit after a new execution B (or the dispatcher, or a failure) took the run over.
 
 Both executions are real deliveries of the same message id to a real in-process worker
 (threads pool, two slots); B is a duplicate publish. Gates order everything; each test

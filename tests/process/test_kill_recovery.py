@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 def test_sigkilled_worker_is_taken_over_fast(
     engine: sa.Engine, world: World, settings: Settings, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    s = settings  # SPEC §12 defaults: HEARTBEAT_TTL_S=20, SCAN_INTERVAL_S=3, STALE_AFTER_S=120
+    s = settings  # the defaults: HEARTBEAT_TTL_S=20, SCAN_INTERVAL_S=3, STALE_AFTER_S=120
     assert (s.heartbeat_ttl_s, s.scan_interval_s, s.stale_after_s) == (20.0, 3.0, 120.0)
     with engine.begin() as conn:
         add_tickets(conn, world.team_id, world.customer_id, 1200)

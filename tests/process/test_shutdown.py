@@ -1,5 +1,5 @@
 """Deploy-safe stop of real ``celery -A tasks worker`` processes with real OS signals
-(SPEC §11, §13 "Processes"). Remote gates park a task inside the worker; the log, Redis
+(docs/design.md, "Shutdown"). Remote gates park a task inside the worker; the log, Redis
 and the ledger decide when the test moves on, never a sleep."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ GATED = {
 
 
 def short(settings: Settings, **overrides: Any) -> Settings:
-    """Shortened timings, only through the SPEC §12 variables."""
+    """Shortened timings, only through configuration variables."""
     values: dict[str, Any] = {
         "stale_after_s": 2.0,
         "heartbeat_ttl_s": 2.0,

@@ -1,5 +1,5 @@
-"""A real worker's output: one JSON object per line with the SPEC §10 fields, secrets
-redacted, LOG_LEVEL honoured, a bad LOG_LEVEL refused before anything starts."""
+"""A real worker's output: one JSON object per line with the fields of docs/design.md,
+"Logs"; secrets redacted, LOG_LEVEL honoured, a bad LOG_LEVEL refused before anything starts."""
 
 from __future__ import annotations
 

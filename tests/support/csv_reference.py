@@ -1,5 +1,6 @@
-"""The SPEC §3 CSV contract, computed independently of the export code (pure Python from
-rows read with a plain SELECT): tests and the soak compare the export's CSV with this."""
+"""The CSV contract (docs/design.md, "Exports"), computed independently of the export
+code (pure Python from rows read with a plain SELECT): tests and the soak compare the
+export's CSV with this."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def expected_csv(
 
 
 def matches(row: Any, owner_id: uuid.UUID, scope: str, filters: dict[str, Any]) -> bool:
-    """SPEC §3 export filters for one ticket (anything with the tickets' attribute names)."""
+    """The export filters (docs/design.md, "Exports") for one ticket (anything with the
+    tickets' attribute names)."""
     if scope == "MINE" and owner_id not in (row.requester_id, row.assignee_id):
         return False
     if "status" in filters and row.status not in filters["status"]:

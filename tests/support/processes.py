@@ -1,6 +1,6 @@
 """Real cluster processes (``celery -A tasks worker|beat|flower``) for process tests.
 
-Each process gets the test's settings through the SPEC §12 environment variables, writes
+Each process gets the test's settings through the configuration variables, writes
 its output to a file the test reads, and is always killed (with its process group) when
 the test ends.
 """

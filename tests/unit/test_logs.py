@@ -1,4 +1,5 @@
-"""JSON log lines: SPEC §10 fields, levels and redaction, asserted on captured output."""
+"""JSON log lines (docs/design.md, "Logs"): fields, levels and redaction, asserted on
+captured output."""
 
 from __future__ import annotations
 

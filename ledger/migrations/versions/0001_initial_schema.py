@@ -1,4 +1,4 @@
-"""Initial schema: the SPEC §3 tables, their constraints and the dispatcher's indexes.
+"""Initial schema: the ledger and business tables, their constraints and the dispatcher's indexes.
 
 Revision ID: 0001
 Revises:

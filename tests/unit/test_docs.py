@@ -1,0 +1,55 @@
+"""The design the code cites is in the repository: every ``docs/design.md, "Section"``
+reference names a heading that exists, and the docs' own links resolve."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SKIP = {".venv", ".git", "build", "node_modules"}
+CITATION = re.compile(r'docs/design\.md,\s+((?:"[^"]+"(?:,\s*|\s+and\s+)?)+)')
+SECTION = re.compile(r'"([^"]+)"')
+
+
+def sources() -> list[Path]:
+    return [
+        p
+        for p in ROOT.rglob("*")
+        if p.suffix in {".py", ".md", ".yaml", ".toml"}
+        and p.is_file()
+        and not SKIP & set(p.relative_to(ROOT).parts)
+        and p.name != "test_docs.py"  # its own docstring shows the pattern
+    ]
+
+
+def headings(doc: Path) -> set[str]:
+    return {line[3:].strip() for line in doc.read_text().splitlines() if line.startswith("## ")}
+
+
+def test_every_citation_of_the_design_names_a_section_that_exists() -> None:
+    sections = headings(ROOT / "docs" / "design.md")
+    cited: dict[str, set[str]] = {}
+    for path in sources():
+        text = " ".join(path.read_text(errors="replace").split())  # citations may wrap
+        for match in CITATION.finditer(text):
+            for name in SECTION.findall(match.group(1)):
+                cited.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    assert cited, "no citation found: the pattern is wrong"
+    missing = {name: sorted(paths) for name, paths in cited.items() if name not in sections}
+    assert missing == {}
+
+
+def test_nothing_cites_a_contract_outside_the_repository() -> None:
+    outside = [
+        str(p.relative_to(ROOT))
+        for p in sources()
+        if re.search(r"SPEC §|shared/SPEC|\.\./shared", p.read_text(errors="replace"))
+    ]
+    assert outside == []
+
+
+def test_the_docs_link_to_files_that_exist() -> None:
+    for doc in (ROOT / "docs").glob("*.md"):
+        for target in re.findall(r"\]\(([^)#:]+)\)", doc.read_text()):
+            assert (doc.parent / target).exists(), (doc.name, target)
