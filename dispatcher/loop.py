@@ -42,6 +42,9 @@ PURGE_INTERVAL_S = 60.0  # CSVs are kept 24 h; a minute late is nothing
 LISTEN_CHECK_S = 10.0  # SELECT 1 on the LISTEN connection this often
 ERROR_BACKOFF_S = 1.0  # after a failed round, the next one no sooner than this
 DUE_SLACK_S = 0.002  # wake this much after a run_at, so the database sees it as due
+# Fills at most this often: on an idle cluster a notification is filled at once; under
+# load the completions of this long are served by one fill (one query, one publish).
+MIN_FILL_GAP_S = 0.01
 NO_CONSUMERS_LOG_S = 30.0  # dispatcher.no_consumers at most this often per queue
 
 
@@ -68,6 +71,8 @@ class DispatchLoop:
         self._clock = clock
         self._next_scan = self._next_purge = self._next_check = 0.0
         self._next_due: float | None = None
+        self._last_fill = float("-inf")
+        self._fill_pending = False
         self._not_before = 0.0
         self._woken = True
         self._warned: dict[str, float] = {}
@@ -106,15 +111,22 @@ class DispatchLoop:
         try:
             if now >= self._next_scan:
                 self._scan(now)
-            elif self._woken or (self._next_due is not None and now >= self._next_due):
-                self._fill(now)
+            elif self._woken or self._fill_pending or self._due(now):
+                if now - self._last_fill < MIN_FILL_GAP_S:
+                    self._fill_pending = True  # served by the next fill, moments away
+                else:
+                    self._fill(now)
         except ScanUnavailable as exc:
             self._failed(now, exc.service, exc.error)
         except DATABASE_ERRORS as exc:
             self._failed(now, "PostgreSQL", error_class(exc))
 
+    def _due(self, now: float) -> bool:
+        return self._next_due is not None and now >= self._next_due
+
     def _scan(self, now: float) -> None:
         purge = now >= self._next_purge
+        self._last_fill, self._fill_pending = now, False
         counts = scan(self.cluster, self.capacity, purge=purge)
         self._next_scan = now + self.cluster.settings.scan_interval_s
         if purge:
@@ -128,6 +140,7 @@ class DispatchLoop:
         self._next_due = None if counts.next_due_s is None else now + counts.next_due_s
 
     def _fill(self, now: float) -> None:
+        self._last_fill, self._fill_pending = now, False
         counts: FillCounts = fill(self.cluster, self.capacity)
         self._next_due = None if counts.next_due_s is None else now + counts.next_due_s
         self._report(counts.redis_error)
@@ -163,6 +176,8 @@ class DispatchLoop:
         until = [remaining, self._next_scan - now, self._next_check - now]
         if self._next_due is not None:
             until.append(self._next_due - now + DUE_SLACK_S)
+        if self._fill_pending:
+            until.append(self._last_fill + MIN_FILL_GAP_S - now)
         if self._not_before > now:
             until = [max(t, self._not_before - now) for t in until]
         return max(0.0, min(min(until), remaining))

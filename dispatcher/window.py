@@ -1,15 +1,13 @@
 """Filling the window: publish ready runs while their queue has room (docs/design.md,
 "Dispatch").
 
-The broker holds only a short *window* of each queue's runs. A queue's limit is
-``DISPATCH_WINDOW`` when set, else two per live worker process consuming it (from the
-workers' heartbeats): one running, one waiting behind it, so a process that finishes
-finds its next message already there while the dispatcher tops the window up. A run
-counts against the limit from its publish until it ends (running included), so the
-broker's list never holds more than the limit minus what is running, whatever the
-backlog in the ledger.
+The broker holds only a short *window* of each queue's runs: the runs published and not
+yet claimed. A queue's window is ``DISPATCH_WINDOW`` when set, else two per live worker
+process consuming it (from the workers' heartbeats), so every process that finishes a
+task finds its next messages already there while the dispatcher tops the window up, and
+the broker's list never holds more than the window, whatever the backlog in the ledger.
 
-One fill: read what is in flight per kind, stamp up to the free room of ready runs,
+One fill: read each queue's window, stamp up to its free room of ready runs,
 round-robin over teams (ledger/dispatch.py ``STAMP_READY``), commit, publish them in one
 batch, then set their queued markers. Ledger first: a run is stamped before its message
 exists, never the other way round; a publish the broker refused is un-stamped (the run
@@ -35,7 +33,7 @@ from tasks.names import QUEUE_OF_KIND, TASK_QUEUES
 from teamdesk import hooks
 from teamdesk.config import Settings
 
-WINDOW_PER_SLOT = 2  # messages in flight per live worker process of the queue
+WINDOW_PER_SLOT = 2  # messages waiting in the broker per live worker process of the queue
 CAPACITY_MAX_AGE_S = 1.0  # the heartbeats are read at most this often
 
 
@@ -84,7 +82,8 @@ class Capacity:
 
 
 def limits_for(slots: dict[str, int], settings: Settings) -> dict[str, int]:
-    """Each queue's window: DISPATCH_WINDOW, or two per live worker process consuming it."""
+    """Each queue's window (messages published and not yet claimed): DISPATCH_WINDOW, or
+    two per live worker process consuming it."""
     if settings.dispatch_window > 0:
         return dict.fromkeys(TASK_QUEUES, settings.dispatch_window)
     return {queue: WINDOW_PER_SLOT * slots.get(queue, 0) for queue in TASK_QUEUES}
@@ -99,10 +98,11 @@ def fill(cluster: Cluster, capacity: Capacity) -> FillCounts:
         state = dispatch.window_state(conn)
         stamped: list[RunRef] = []
         for kind in KINDS:
-            room = limits[QUEUE_OF_KIND[kind]] - state.inflight[kind]
-            stamped += dispatch.stamp_ready(
-                conn, kind=kind, n=room, team_cap=cluster.settings.team_max_running
-            )
+            room = limits[QUEUE_OF_KIND[kind]] - state.queued[kind]
+            if kind in state.ready and room > 0:
+                stamped += dispatch.stamp_ready(
+                    conn, kind=kind, n=room, team_cap=cluster.settings.team_max_running
+                )
     counts.next_due_s = state.next_due_s
     outcome = publish(cluster, stamped)
     counts.dispatched = outcome.sent

@@ -76,16 +76,21 @@ RECOVER_STALE = text("""
     SELECT id, run, kind, status FROM recovered
 """).bindparams(bindparam("live_members", type_=ARRAY(TEXT)))
 
-# In flight per kind (running, or published and not yet claimed: ix_background_tasks_inflight),
-# and how long until the next scheduled run becomes ready (ix_background_tasks_due).
+# The window per kind: runs published and not yet claimed (ix_background_tasks_dispatched);
+# the kinds with a run ready now (ix_background_tasks_due); and how long until the next
+# scheduled run becomes ready.
 WINDOW_STATE = text("""
     SELECT (SELECT coalesce(jsonb_object_agg(kind, n), '{}'::jsonb)
               FROM (SELECT kind, count(*) AS n FROM background_tasks
-                     WHERE status = 'RUNNING' OR (status = 'WAITING' AND dispatched_at IS NOT NULL)
-                     GROUP BY kind) k) AS inflight,
+                     WHERE status = 'WAITING' AND dispatched_at IS NOT NULL
+                     GROUP BY kind) k) AS queued,
+           ARRAY(SELECT k.kind FROM unnest(CAST(:kinds AS text[])) AS k(kind)
+                  WHERE EXISTS (SELECT 1 FROM background_tasks b
+                                 WHERE b.status = 'WAITING' AND b.dispatched_at IS NULL
+                                   AND b.run_at <= now() AND b.kind = k.kind)) AS ready,
            (SELECT extract(epoch FROM min(run_at) - now()) FROM background_tasks
              WHERE status = 'WAITING' AND dispatched_at IS NULL AND run_at > now()) AS next_due_s
-""")
+""").bindparams(bindparam("kinds", type_=ARRAY(TEXT)))
 
 # Guard: WAITING, unpublished, due by the database's clock. Chooses up to :n ready runs of
 # one kind, round-robin over teams: a loose index scan finds the teams with ready rows
@@ -202,9 +207,11 @@ LIMIT_STATEMENT_TIME = text("SELECT set_config('statement_timeout', :ms, true)")
 
 @dataclass(frozen=True)
 class WindowState:
-    """Runs in flight per kind, and seconds until the next scheduled run is ready."""
+    """Runs published and not yet claimed per kind, the kinds with a run ready now, and
+    seconds until the next scheduled run is ready."""
 
-    inflight: dict[str, int]
+    queued: dict[str, int]
+    ready: frozenset[str]
     next_due_s: float | None
 
 
@@ -262,10 +269,10 @@ def recover_stale(
 
 
 def window_state(conn: Connection) -> WindowState:
-    row = conn.execute(WINDOW_STATE).one()
-    inflight = {kind: int(row.inflight.get(kind, 0)) for kind in KINDS}
+    row = conn.execute(WINDOW_STATE, {"kinds": list(KINDS)}).one()
+    queued = {kind: int(row.queued.get(kind, 0)) for kind in KINDS}
     next_due = None if row.next_due_s is None else max(0.0, float(row.next_due_s))
-    return WindowState(inflight, next_due)
+    return WindowState(queued, frozenset(row.ready), next_due)
 
 
 def stamp_ready(conn: Connection, *, kind: str, n: int, team_cap: int) -> list[RunRef]:

@@ -263,9 +263,10 @@ def other_team(engine: sa.Engine, name: str) -> tuple[uuid.UUID, uuid.UUID]:
 def test_another_teams_task_takes_the_next_free_slot_ahead_of_a_backlog(
     engine: sa.Engine, world: World, make_app: Callable[..., Celery]
 ) -> None:
-    """One worker process: window 2 (one running, one queued). Team A has 10 waiting; A1
-    runs (parked), A2 is queued. B creates one export: no room. When A1 ends, B1 takes
-    the freed slot ahead of A's backlog: it starts right after A2."""
+    """One worker process: a window of two messages waiting behind the one running. Team
+    A has 10 waiting; A1 runs (parked) and the window holds A's next. B creates one
+    export: it takes the window's next free place, ahead of A's backlog, and starts after
+    at most what was already waiting (bounded by the window, not by A's backlog)."""
     app = make_app(scan_interval_s=NEVER_S)
     team_b, staff_b = other_team(engine, "B")
     with engine.begin() as conn:
@@ -279,18 +280,16 @@ def test_another_teams_task_takes_the_next_free_slot_ahead_of_a_backlog(
     ):
         try:
             first.wait_reached()
-            wait_for(
-                lambda: sum(task_row(engine, t)["dispatched_at"] is not None for t in a_rows) == 2,
-                what="the window to hold A1 and A2",
-            )
             b_task = create_export(engine, team_b, staff_b)
-            assert task_row(engine, b_task)["dispatched_at"] is None  # no room
+            backlog = [t for t in a_rows if task_row(engine, t)["dispatched_at"] is None]
+            assert len(backlog) >= 10 - 1 - 2  # at most A1 and two waiting went out
         finally:
             first.release()
         wait_for(lambda: completed(engine, [*a_rows, b_task]), timeout=60, what="all to end")
     order = claim_order(engine)
-    assert order.index(b_task) == 2, order
     assert set(order) == {*a_rows, b_task}
+    assert order.index(b_task) <= 1 + 2, order  # A1, then at most the two waiting
+    assert all(order.index(b_task) < order.index(t) for t in backlog), order
 
 
 def test_a_task_cancelled_outside_the_window_never_reaches_a_worker(
@@ -310,7 +309,7 @@ def test_a_task_cancelled_outside_the_window_never_reaches_a_worker(
         try:
             first.wait_reached()
             outside = [t for t in rows if task_row(engine, t)["dispatched_at"] is None]
-            assert len(outside) == 6
+            assert len(outside) >= 8 - 1 - 2  # one running, at most two waiting
             with engine.begin() as conn:
                 service.cancel(conn, outside[-1], world.staff_id)
         finally:

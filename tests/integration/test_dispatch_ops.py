@@ -103,7 +103,11 @@ def test_every_dispatcher_statement_walks_a_partial_index_on_100k_rows(
                 "too_many": "x",
             },
         ),
-        (dispatch.WINDOW_STATE, {"ix_background_tasks_inflight"}, {}),
+        (
+            dispatch.WINDOW_STATE,
+            {"ix_background_tasks_dispatched", "ix_background_tasks_due"},
+            {"kinds": ["EXPORT", "REMINDER"]},
+        ),
         (
             dispatch.STAMP_READY,
             {"ix_background_tasks_ready"},
@@ -266,7 +270,7 @@ def test_a_standby_dispatcher_does_nothing_until_the_lock_is_free(
         standby.close()
     assert task_row(engine, task_id)["dispatched_at"] is not None
     roles = [r.role for r in records(caplog, "dispatcher.leader")]  # type: ignore[attr-defined]
-    assert roles == ["standby", "leader"]
+    assert roles[-2:] == ["standby", "leader"]  # (the first may be the other holder's)
     assert not redis_client.exists(leader_key(queue_prefix))  # released on close
 
 
