@@ -4,7 +4,7 @@ COMPLETED (1 % still holding a CSV, a few FAILED / CANCELLED), plus 50 due WAITI
 and 10 RUNNING rows silent for 10 minutes.
 
 The table is built with set-based SQL and analysed. Each ledger gets one
-``dispatcher.context.Cluster`` and ``dispatcher.window.Capacity`` (warm handles, as in a
+``dispatcher.context.Cluster`` and ``dispatcher.window.Window`` (warm handles, as in a
 running dispatcher) and one heartbeat member offering ``SLOTS`` worker processes on both
 task queues, so the window (two per process) has room for all 60 runs and the queues are
 consumed (no "no consumers" check). Between timed scans the 60 working rows are put back
@@ -29,7 +29,7 @@ from dispatcher import scan as scan_module
 from dispatcher.context import Cluster
 from dispatcher.heartbeat import Heartbeat, WorkerSlots
 from dispatcher.scan import ScanCounts, scan
-from dispatcher.window import WINDOW_PER_SLOT, Capacity, limits_for
+from dispatcher.window import WINDOW_PER_SLOT, Window, limits_for
 from ledger import dispatch
 from tasks import queueing
 from tasks.names import TASK_QUEUES
@@ -166,7 +166,7 @@ class PublishClock:
 
 class StepClock:
     """Times the scan's steps, for the detail only (the wrappers cost a little): recover
-    (with the heartbeat read), the capacity read, the lost-message check, the fill (with
+    (with the heartbeat read), the window read, the lost-message check, the fill (with
     its publish), the publish alone and the purge statement."""
 
     # (owner, attribute, step): module functions the scan calls through its globals
@@ -179,8 +179,8 @@ class StepClock:
         (queueing, "set_markers", "publish"),
     )
 
-    def __init__(self, capacity: Capacity) -> None:
-        self.capacity = capacity
+    def __init__(self, window: Window) -> None:
+        self.window = window
         self.seconds: dict[str, float] = {}
 
     def _timed(self, real: Any, step: str) -> Any:
@@ -198,13 +198,13 @@ class StepClock:
         self.saved = [(owner, name, getattr(owner, name)) for owner, name, _ in self.TARGETS]
         for owner, name, step in self.TARGETS:
             setattr(owner, name, self._timed(getattr(owner, name), step))
-        self.capacity.slots = self._timed(self.capacity.slots, "capacity")  # type: ignore[method-assign]
+        self.window.slots = self._timed(self.window.slots, "window")  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
         for owner, name, real in reversed(self.saved):
             setattr(owner, name, real)
-        del self.capacity.slots
+        del self.window.slots
 
 
 def split_scans(env: BenchEnv, scanner: Scanner, ledger: Ledger) -> dict[str, float]:
@@ -213,7 +213,7 @@ def split_scans(env: BenchEnv, scanner: Scanner, ledger: Ledger) -> dict[str, fl
     for _ in range(SPLIT_SCANS):
         ledger.reset()
         clear_broker(env, scanner.part)
-        with StepClock(scanner.capacity) as steps:
+        with StepClock(scanner.window) as steps:
             _, elapsed = scanner.scan()
         steps.seconds["whole scan"] = elapsed
         for step, seconds in steps.seconds.items():
@@ -236,7 +236,7 @@ class Scanner:
         assert part.app is not None
         self.env, self.part = env, part
         self.cluster = Cluster(part.app, part.settings)
-        self.capacity = Capacity(self.cluster)
+        self.window = Window(self.cluster)
         self.heartbeat = Heartbeat(
             env.redis,
             part.prefix,
@@ -245,7 +245,7 @@ class Scanner:
             WorkerSlots(TASK_QUEUES, SLOTS),
         )
         self.heartbeat.renew()
-        self.limits = limits_for(self.capacity.slots(refresh=True), part.settings)
+        self.limits = limits_for(self.window.slots(refresh=True), part.settings)
         if min(self.limits.values()) < DUE + STALE:
             raise RuntimeError(f"bench: the P3 window is too small: {self.limits}")
 
@@ -253,7 +253,7 @@ class Scanner:
         config.set_settings(self.part.settings)  # queueing's marker client reads it
         self.heartbeat.renew()  # untimed: its TTL must outlive a long build or a slow scan
         started = time.perf_counter()
-        counts = scan(self.cluster, self.capacity, purge=True)
+        counts = scan(self.cluster, self.window, purge=True)
         return counts, time.perf_counter() - started
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ from dispatcher.leader import Leadership, leader_key, leader_ttl_s
 from dispatcher.listener import Wakeup, wakeup_for
 from dispatcher.monitor import FailureLog
 from dispatcher.scan import ScanCounts, scan
-from dispatcher.window import Capacity, FillCounts, fill
+from dispatcher.window import FillCounts, Window, fill
 from teamdesk.logs import log_event
 
 log = logging.getLogger("teamdesk.dispatcher")
@@ -43,8 +43,13 @@ LISTEN_CHECK_S = 10.0  # SELECT 1 on the LISTEN connection this often
 ERROR_BACKOFF_S = 1.0  # after a failed round, the next one no sooner than this
 DUE_SLACK_S = 0.002  # wake this much after a run_at, so the database sees it as due
 # Fills at most this often: on an idle cluster a notification is filled at once; under
-# load the completions of this long are served by one fill (one query, one publish).
-MIN_FILL_GAP_S = 0.01
+# load the completions of this long are served by one fill (one query, one publish). The
+# window holds at least WINDOW_SPAN_S of work (dispatcher/window.py), longer than this.
+MIN_FILL_GAP_S = 0.02
+# A fill this slow means the planner has gone astray (statistics far behind a burst):
+# bring the scan, which refreshes them, forward to within SLOW_FILL_RESCAN_S.
+SLOW_FILL_S = 0.05
+SLOW_FILL_RESCAN_S = 0.5
 NO_CONSUMERS_LOG_S = 30.0  # dispatcher.no_consumers at most this often per queue
 
 
@@ -64,7 +69,7 @@ class DispatchLoop:
         self.leadership = Leadership(
             cluster.results, leader_key(settings.queue_prefix), leader_ttl_s(settings), clock
         )
-        self.capacity = Capacity(cluster, clock)
+        self.window = Window(cluster, clock)
         self.monitor = monitor or FailureLog(log, clock=clock)
         self._make_wakeup = wakeup
         self._wakeup: Wakeup | None = None
@@ -127,7 +132,7 @@ class DispatchLoop:
     def _scan(self, now: float) -> None:
         purge = now >= self._next_purge
         self._last_fill, self._fill_pending = now, False
-        counts = scan(self.cluster, self.capacity, purge=purge)
+        counts = scan(self.cluster, self.window, purge=purge)
         self._next_scan = now + self.cluster.settings.scan_interval_s
         if purge:
             self._next_purge = now + PURGE_INTERVAL_S
@@ -141,7 +146,9 @@ class DispatchLoop:
 
     def _fill(self, now: float) -> None:
         self._last_fill, self._fill_pending = now, False
-        counts: FillCounts = fill(self.cluster, self.capacity)
+        counts: FillCounts = fill(self.cluster, self.window)
+        if self._clock() - now > SLOW_FILL_S:
+            self._next_scan = min(self._next_scan, now + SLOW_FILL_RESCAN_S)
         self._next_due = None if counts.next_due_s is None else now + counts.next_due_s
         self._report(counts.redis_error)
         if counts.dispatched:

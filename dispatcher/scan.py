@@ -18,6 +18,9 @@ needs none of them:
 3. **Fill** the window (dispatcher/window.py).
 4. **Purge** CSVs past ``expires_at`` (the loop asks for it every ``PURGE_INTERVAL_S``).
 
+First, the scan keeps the ledger's planner statistics fresh
+(:func:`ledger.dispatch.refresh_statistics`): the dispatcher's statements depend on them.
+
 A Redis error ends the queue steps of this scan and is reported in
 :attr:`ScanCounts.redis_error`; recovery and purge need only PostgreSQL and still run. A
 PostgreSQL error ends the scan with :class:`ScanUnavailable`.
@@ -36,7 +39,7 @@ from celery import Celery
 from dispatcher.context import DATABASE_ERRORS, Cluster, error_class, transaction
 from dispatcher.errors import ScanUnavailable
 from dispatcher.heartbeat import lease_holders_alive, redis_uptime_s
-from dispatcher.window import Capacity, Published, fill, publish
+from dispatcher.window import Published, Window, fill, publish
 from ledger import dispatch
 from ledger.dispatch import RunRef
 from ledger.states import KINDS
@@ -72,6 +75,7 @@ class ScanCounts:
     redis_error: str | None = None
     no_consumers: list[str] = field(default_factory=list)
     next_due_s: float | None = None  # until the next scheduled run is ready (database clock)
+    analyzed: bool = False  # the ledger's planner statistics were refreshed
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,14 +125,16 @@ def read_heartbeats(
 
 
 def scan(
-    cluster: Cluster, capacity: Capacity, *, purge: bool = False, uptime: Uptime = redis_uptime_s
+    cluster: Cluster, window: Window, *, purge: bool = False, uptime: Uptime = redis_uptime_s
 ) -> ScanCounts:
     """One scan. Raises :class:`ScanUnavailable` when PostgreSQL cannot be reached.
     ``uptime`` reads Redis's uptime (tests inject one)."""
     counts = ScanCounts()
     try:
+        with transaction(cluster.engine) as conn:
+            counts.analyzed = dispatch.refresh_statistics(conn)
         _recover(cluster, counts, uptime)
-        _queue_steps(cluster, capacity, counts)
+        _queue_steps(cluster, window, counts)
         if purge:
             with transaction(cluster.engine) as conn:
                 counts.purged = dispatch.purge_expired(conn, batch=PURGE_BATCH)
@@ -143,7 +149,7 @@ def run_once(
     """One scan with purge, on handles of its own (the ``scan`` command, tests)."""
     cluster = Cluster(app, settings or get_settings())
     try:
-        return scan(cluster, Capacity(cluster), purge=True, uptime=uptime)
+        return scan(cluster, Window(cluster), purge=True, uptime=uptime)
     finally:
         cluster.close()
 
@@ -182,14 +188,14 @@ def _recover(cluster: Cluster, counts: ScanCounts, uptime: Uptime) -> None:
         )
 
 
-def _queue_steps(cluster: Cluster, capacity: Capacity, counts: ScanCounts) -> None:
+def _queue_steps(cluster: Cluster, window: Window, counts: ScanCounts) -> None:
     """Steps 2 and 3; a Redis error ends them for this scan (recorded, not raised)."""
     try:
-        slots = capacity.slots(refresh=True)
+        slots = window.slots(refresh=True)
         lost = _republish_lost(cluster, slots, counts)
         if lost.refused:  # the broker is refusing: filling would only add timeouts
             return
-        filled = fill(cluster, capacity)
+        filled = fill(cluster, window)
     except redis.RedisError as exc:
         counts.redis_error = type(exc).__name__
         return
@@ -197,7 +203,7 @@ def _queue_steps(cluster: Cluster, capacity: Capacity, counts: ScanCounts) -> No
     counts.next_due_s = filled.next_due_s
     counts.publish_failed += filled.publish_failed
     counts.redis_error = counts.redis_error or filled.redis_error
-    if capacity.error is None:
+    if window.error is None:
         counts.no_consumers = _unconsumed(cluster, slots)
 
 

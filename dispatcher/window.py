@@ -4,11 +4,17 @@
 The broker holds only a short *window* of each queue's runs: the runs published and not
 yet claimed. A queue's window is ``DISPATCH_WINDOW`` when set, else two per live worker
 process consuming it (from the workers' heartbeats), so every process that finishes a
-task finds its next messages already there while the dispatcher tops the window up, and
-the broker's list never holds more than the window, whatever the backlog in the ledger.
+task finds its next message already there while the dispatcher tops the window up. When
+the tasks are short, two per process last only a few milliseconds and the dispatcher
+would have to fill after every completion; so the window also holds what the queue's
+workers take in ``WINDOW_SPAN_S`` at their recent rate (at most ``MAX_WINDOW_PER_SLOT``
+per process), which lets one fill serve many completions. Either way the broker's list
+never holds more than the window, whatever the backlog in the ledger; a team that
+arrives behind another's backlog waits for at most the window.
 
 One fill: read each queue's window, stamp up to its free room of ready runs,
-round-robin over teams (ledger/dispatch.py ``STAMP_READY``), commit, publish them in one
+round-robin over teams from where the last turn ended (ledger/dispatch.py
+``STAMP_READY``), commit, publish them in one
 batch, then set their queued markers. Ledger first: a run is stamped before its message
 exists, never the other way round; a publish the broker refused is un-stamped (the run
 is ready again), one whose outcome is uncertain keeps its stamp and the scan's lost-message
@@ -17,7 +23,9 @@ check publishes it again if its marker never appears.
 
 from __future__ import annotations
 
+import math
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,7 +41,10 @@ from tasks.names import QUEUE_OF_KIND, TASK_QUEUES
 from teamdesk import hooks
 from teamdesk.config import Settings
 
-WINDOW_PER_SLOT = 2  # messages waiting in the broker per live worker process of the queue
+WINDOW_PER_SLOT = 2  # messages waiting in the broker per live worker process, at least...
+WINDOW_SPAN_S = 0.05  # ... or what the queue's workers take in this long at their rate
+MAX_WINDOW_PER_SLOT = 4  # and never more than this many per live worker process
+RATE_WEIGHT = 0.3  # weight of the newest observation in the moving consumption rate
 CAPACITY_MAX_AGE_S = 1.0  # the heartbeats are read at most this often
 
 
@@ -56,9 +67,12 @@ class FillCounts:
     limits: dict[str, int] = field(default_factory=dict)
 
 
-class Capacity:
-    """Live worker processes per queue, read from the heartbeats at most once per
-    ``CAPACITY_MAX_AGE_S``; a failed read keeps the last good one."""
+class Window:
+    """What the dispatcher remembers between fills: the live worker processes per queue
+    (read from the heartbeats at most once per ``CAPACITY_MAX_AGE_S``; a failed read keeps
+    the last good one), how fast each queue's messages are taken (a moving rate, from how
+    much of the window was claimed between two fills), and per kind the team the last
+    round-robin turn ended with."""
 
     def __init__(self, cluster: Cluster, clock: Callable[[], float] = time.monotonic) -> None:
         self.cluster = cluster
@@ -66,6 +80,24 @@ class Capacity:
         self._slots: dict[str, int] = {}
         self._read_at: float | None = None
         self.error: str | None = None
+        self.cursors: dict[str, uuid.UUID] = dict.fromkeys(KINDS, dispatch.NO_TEAM)
+        self.rates: dict[str, float] = dict.fromkeys(KINDS, 0.0)  # messages taken per second
+        self._left: dict[str, tuple[int, float]] = {}  # kind -> (in the window, when)
+
+    def observe(self, kind: str, queued: int) -> None:
+        """``queued`` messages of ``kind`` are in the window now: what left it since the last
+        fill was taken by workers."""
+        now = self._clock()
+        if kind in self._left:
+            before, at = self._left[kind]
+            if now > at:
+                taken = max(0, before - queued) / (now - at)
+                self.rates[kind] += RATE_WEIGHT * (taken - self.rates[kind])
+        self._left[kind] = (queued, now)
+
+    def stamped(self, kind: str, queued: int) -> None:
+        """After the fill: ``queued`` messages of ``kind`` are in the window."""
+        self._left[kind] = (queued, self._clock())
 
     def slots(self, refresh: bool = False) -> dict[str, int]:
         now = self._clock()
@@ -81,28 +113,48 @@ class Capacity:
         return dict(self._slots)
 
 
-def limits_for(slots: dict[str, int], settings: Settings) -> dict[str, int]:
+def limits_for(
+    slots: dict[str, int], settings: Settings, rates: dict[str, float] | None = None
+) -> dict[str, int]:
     """Each queue's window (messages published and not yet claimed): DISPATCH_WINDOW, or
-    two per live worker process consuming it."""
+    two per live worker process consuming it - more when its workers take more than that
+    in ``WINDOW_SPAN_S`` (short tasks), up to ``MAX_WINDOW_PER_SLOT`` per process - and
+    nothing for a queue no live worker consumes."""
     if settings.dispatch_window > 0:
         return dict.fromkeys(TASK_QUEUES, settings.dispatch_window)
-    return {queue: WINDOW_PER_SLOT * slots.get(queue, 0) for queue in TASK_QUEUES}
+    rates = rates or {}
+    limits = {}
+    for kind, queue in QUEUE_OF_KIND.items():
+        processes = slots.get(queue, 0)
+        span = math.ceil(rates.get(kind, 0.0) * WINDOW_SPAN_S)
+        limits[queue] = min(MAX_WINDOW_PER_SLOT * processes, max(WINDOW_PER_SLOT * processes, span))
+    return limits
 
 
-def fill(cluster: Cluster, capacity: Capacity) -> FillCounts:
+def fill(cluster: Cluster, window: Window) -> FillCounts:
     """Publish ready runs into the free room of each queue's window. Raises the database's
     errors (the caller reports them); a broker or Redis error is recorded in the counts."""
-    limits = limits_for(capacity.slots(), cluster.settings)
-    counts = FillCounts(limits=limits, redis_error=capacity.error)
+    slots = window.slots()
+    counts = FillCounts(redis_error=window.error)
     with transaction(cluster.engine) as conn:
         state = dispatch.window_state(conn)
+        for kind in KINDS:
+            window.observe(kind, state.queued[kind])
+        counts.limits = limits = limits_for(slots, cluster.settings, window.rates)
         stamped: list[RunRef] = []
         for kind in KINDS:
             room = limits[QUEUE_OF_KIND[kind]] - state.queued[kind]
-            if kind in state.ready and room > 0:
-                stamped += dispatch.stamp_ready(
-                    conn, kind=kind, n=room, team_cap=cluster.settings.team_max_running
+            if kind in state.waiting and room > 0:
+                turn = dispatch.stamp_ready(
+                    conn,
+                    kind=kind,
+                    n=room,
+                    team_cap=cluster.settings.team_max_running,
+                    cursor=window.cursors[kind],
                 )
+                stamped += turn.refs
+                window.cursors[kind] = turn.cursor
+                window.stamped(kind, state.queued[kind] + len(turn.refs))
     counts.next_due_s = state.next_due_s
     outcome = publish(cluster, stamped)
     counts.dispatched = outcome.sent

@@ -14,12 +14,14 @@ what it has to do, not what the table holds.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import bindparam, text
+from sqlalchemy import TextClause, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, TEXT, TIMESTAMP
 from sqlalchemy.engine import Connection
 
@@ -77,69 +79,105 @@ RECOVER_STALE = text("""
 """).bindparams(bindparam("live_members", type_=ARRAY(TEXT)))
 
 # The window per kind: runs published and not yet claimed (ix_background_tasks_dispatched);
-# the kinds with a run ready now (ix_background_tasks_due); and how long until the next
-# scheduled run becomes ready.
-WINDOW_STATE = text("""
+# the kinds with unpublished WAITING runs, ready or scheduled (one probe of
+# ix_background_tasks_ready per kind); and how long until the next scheduled run becomes
+# ready (ix_background_tasks_due).
+WINDOW_STATE = text(
+    """
     SELECT (SELECT coalesce(jsonb_object_agg(kind, n), '{}'::jsonb)
               FROM (SELECT kind, count(*) AS n FROM background_tasks
                      WHERE status = 'WAITING' AND dispatched_at IS NOT NULL
                      GROUP BY kind) k) AS queued,
-           ARRAY(SELECT k.kind FROM unnest(CAST(:kinds AS text[])) AS k(kind)
-                  WHERE EXISTS (SELECT 1 FROM background_tasks b
-                                 WHERE b.status = 'WAITING' AND b.dispatched_at IS NULL
-                                   AND b.run_at <= now() AND b.kind = k.kind)) AS ready,
+           ARRAY(SELECT v.kind FROM (VALUES {probes}) AS v(kind, present)
+                  WHERE v.present) AS waiting,
            (SELECT extract(epoch FROM min(run_at) - now()) FROM background_tasks
              WHERE status = 'WAITING' AND dispatched_at IS NULL AND run_at > now()) AS next_due_s
-""").bindparams(bindparam("kinds", type_=ARRAY(TEXT)))
+""".replace(
+        "{probes}",
+        # One probe per kind with the kind as a constant: only then does the planner
+        # answer "none" from the index (a kind passed in as a value made it scan the table).
+        ", ".join(
+            f"('{kind}', EXISTS (SELECT 1 FROM background_tasks WHERE kind = '{kind}' "
+            "AND status = 'WAITING' AND dispatched_at IS NULL))"
+            for kind in KINDS
+        ),
+    )
+)
 
 # Guard: WAITING, unpublished, due by the database's clock. Chooses up to :n ready runs of
-# one kind, round-robin over teams: a loose index scan finds the teams with ready rows
-# (ix_background_tasks_ready), each team offers its oldest rows up to its share
-# (:cap minus what it has in flight; :cap 0 = no cap), and the rows are ranked by their
-# team's load after taking them, so the least loaded team goes first. The chosen rows are
-# locked, re-checked and stamped in the same statement; returned in publish order.
+# one kind, round-robin over teams: starting after the team served last (:cursor), a
+# loose index scan takes the next :n teams with a ready row, wrapping around
+# (ix_background_tasks_ready; a team's first entry is its oldest, so a team with only
+# scheduled rows costs one probe); each of them under the :cap (runs running or in the
+# window; 0 = no cap) offers its oldest ready rows, and the rows go one per team per turn.
+# A fill reads only the teams it serves, whatever the number of busy teams. The chosen
+# rows are locked by primary key, re-checked and stamped in the same statement; returned
+# in publish order, with their team (the caller's next :cursor).
 STAMP_READY = text("""
-    WITH RECURSIVE busy AS (
-        (SELECT b.team_id FROM background_tasks b
+    WITH RECURSIVE onward AS (
+        (SELECT b.team_id, b.run_at FROM background_tasks b
           WHERE b.kind = :kind AND b.status = 'WAITING' AND b.dispatched_at IS NULL
-          ORDER BY b.team_id LIMIT 1)
+            AND b.team_id > :cursor
+          ORDER BY b.kind, b.team_id, b.run_at LIMIT 1)
         UNION ALL
-        SELECT (SELECT b.team_id FROM background_tasks b
-                 WHERE b.kind = :kind AND b.status = 'WAITING' AND b.dispatched_at IS NULL
-                   AND b.team_id > busy.team_id
-                 ORDER BY b.team_id LIMIT 1)
-          FROM busy WHERE busy.team_id IS NOT NULL
-    ), load AS (
-        SELECT busy.team_id,
-               (SELECT count(*) FROM background_tasks r
-                 WHERE r.team_id = busy.team_id
-                   AND (r.status = 'RUNNING'
-                        OR (r.status = 'WAITING' AND r.dispatched_at IS NOT NULL))) AS n
-          FROM busy WHERE busy.team_id IS NOT NULL
+        SELECT nxt.team_id, nxt.run_at FROM onward CROSS JOIN LATERAL (
+            SELECT b.team_id, b.run_at FROM background_tasks b
+             WHERE b.kind = :kind AND b.status = 'WAITING' AND b.dispatched_at IS NULL
+               AND b.team_id > onward.team_id
+             ORDER BY b.kind, b.team_id, b.run_at LIMIT 1) nxt
+    ), wrapped AS (
+        (SELECT b.team_id, b.run_at FROM background_tasks b
+          WHERE b.kind = :kind AND b.status = 'WAITING' AND b.dispatched_at IS NULL
+            AND b.team_id <= :cursor
+          ORDER BY b.kind, b.team_id, b.run_at LIMIT 1)
+        UNION ALL
+        SELECT nxt.team_id, nxt.run_at FROM wrapped CROSS JOIN LATERAL (
+            SELECT b.team_id, b.run_at FROM background_tasks b
+             WHERE b.kind = :kind AND b.status = 'WAITING' AND b.dispatched_at IS NULL
+               AND b.team_id > wrapped.team_id AND b.team_id <= :cursor
+             ORDER BY b.kind, b.team_id, b.run_at LIMIT 1) nxt
+    ), turn AS (
+        -- each team's first row is its oldest: a team whose oldest is not due yet has
+        -- nothing ready and is passed over
+        SELECT team_id, row_number() OVER (ORDER BY lap, team_id) AS pos
+          FROM ((SELECT team_id, 0 AS lap FROM onward WHERE run_at <= now() LIMIT :n)
+                UNION ALL
+                (SELECT team_id, 1 AS lap FROM wrapped WHERE run_at <= now() LIMIT :n)) t
+         ORDER BY lap, team_id LIMIT :n
+    ), share AS (
+        SELECT turn.team_id, turn.pos,
+               CASE WHEN :cap > 0 THEN least(:n, :cap - (
+                   SELECT count(*) FROM background_tasks r
+                    WHERE r.team_id = turn.team_id
+                      AND (r.status = 'RUNNING'
+                           OR (r.status = 'WAITING' AND r.dispatched_at IS NOT NULL))))
+                    ELSE :n END AS room
+          FROM turn
     ), candidates AS (
-        SELECT c.id, c.run_at, load.n + c.rn AS slot
-          FROM load CROSS JOIN LATERAL (
-              SELECT b.id, b.run_at, row_number() OVER (ORDER BY b.run_at, b.id) AS rn
+        SELECT c.id, c.rn, share.pos, share.team_id
+          FROM share CROSS JOIN LATERAL (
+              SELECT b.id, row_number() OVER (ORDER BY b.run_at, b.id) AS rn
                 FROM background_tasks b
-               WHERE b.kind = :kind AND b.team_id = load.team_id AND b.status = 'WAITING'
+               WHERE b.kind = :kind AND b.team_id = share.team_id AND b.status = 'WAITING'
                  AND b.dispatched_at IS NULL AND b.run_at <= now()
                ORDER BY b.run_at, b.id
-               LIMIT CASE WHEN :cap > 0 THEN least(:n, greatest(:cap - load.n, 0)) ELSE :n END
+               LIMIT greatest(share.room, 0)
           ) c
     ), picked AS (
-        SELECT id, slot, run_at FROM candidates ORDER BY slot, run_at, id LIMIT :n
+        SELECT id, rn, pos, team_id FROM candidates ORDER BY rn, pos LIMIT :n
     ), locked AS (
-        SELECT t.id FROM background_tasks t JOIN picked p ON p.id = t.id
-         WHERE t.status = 'WAITING' AND t.dispatched_at IS NULL
+        SELECT t.id FROM background_tasks t
+         WHERE t.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key, whatever the stats
+           AND t.status = 'WAITING' AND t.dispatched_at IS NULL
            FOR UPDATE OF t SKIP LOCKED
     ), stamped AS (
         UPDATE background_tasks t SET dispatched_at = now(), updated_at = now()
           FROM locked WHERE t.id = locked.id
         RETURNING t.id, t.run, t.kind, t.dispatched_at
     )
-    SELECT s.id, s.run, s.kind, s.dispatched_at AS stamp
+    SELECT s.id, s.run, s.kind, s.dispatched_at AS stamp, p.team_id
       FROM stamped s JOIN picked p ON p.id = s.id
-     ORDER BY p.slot, p.run_at, p.id
+     ORDER BY p.rn, p.pos
 """)
 
 # The kinds among :kinds with a run ready now (the scan warns when nobody consumes them).
@@ -198,6 +236,21 @@ PURGE_EXPIRED = text("""
       FROM expired WHERE t.id = expired.id
 """)
 
+# How many unpublished WAITING rows there are (counted up to a cap) and how many the
+# planner believes ix_background_tasks_due holds (as of the last ANALYZE or VACUUM).
+STATISTICS_DRIFT = text("""
+    SELECT (SELECT count(*) FROM (SELECT 1 FROM background_tasks
+                                   WHERE status = 'WAITING' AND dispatched_at IS NULL
+                                   LIMIT :cap) w) AS waiting,
+           (SELECT reltuples FROM pg_class
+             WHERE oid = CAST('ix_background_tasks_due' AS regclass)) AS believed
+""")
+
+ANALYZE = text("ANALYZE background_tasks")
+
+DRIFT_CAP = 100_000  # rows counted at most
+DRIFT_MIN_ROWS = 1000  # a difference smaller than this never triggers an ANALYZE
+
 DATABASE_NOW = text("SELECT clock_timestamp()")
 
 # Bounds every statement of the caller's transaction (a pass must not hang on a lock or a
@@ -207,11 +260,11 @@ LIMIT_STATEMENT_TIME = text("SELECT set_config('statement_timeout', :ms, true)")
 
 @dataclass(frozen=True)
 class WindowState:
-    """Runs published and not yet claimed per kind, the kinds with a run ready now, and
-    seconds until the next scheduled run is ready."""
+    """Runs published and not yet claimed per kind, the kinds with unpublished WAITING runs
+    (ready now or scheduled), and seconds until the next scheduled run is ready."""
 
     queued: dict[str, int]
-    ready: frozenset[str]
+    waiting: frozenset[str]
     next_due_s: float | None
 
 
@@ -269,17 +322,58 @@ def recover_stale(
 
 
 def window_state(conn: Connection) -> WindowState:
-    row = conn.execute(WINDOW_STATE, {"kinds": list(KINDS)}).one()
-    queued = {kind: int(row.queued.get(kind, 0)) for kind in KINDS}
-    next_due = None if row.next_due_s is None else max(0.0, float(row.next_due_s))
-    return WindowState(queued, frozenset(row.ready), next_due)
+    [(queued_by_kind, waiting, next_due_s)] = _prepared(conn, "td_window_state", WINDOW_STATE, {})
+    queued = {kind: int(queued_by_kind.get(kind, 0)) for kind in KINDS}
+    next_due = None if next_due_s is None else max(0.0, float(next_due_s))
+    return WindowState(queued, frozenset(waiting), next_due)
 
 
-def stamp_ready(conn: Connection, *, kind: str, n: int, team_cap: int) -> list[RunRef]:
-    """Stamp up to ``n`` ready runs of ``kind``, round-robin over teams; in publish order."""
+NO_TEAM = uuid.UUID(int=0)  # the cursor before any team: a turn starts at the first
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What one round-robin turn stamped, and the team to start the next turn after."""
+
+    refs: list[RunRef]
+    cursor: uuid.UUID
+
+
+def stamp_ready(
+    conn: Connection, *, kind: str, n: int, team_cap: int, cursor: uuid.UUID = NO_TEAM
+) -> Turn:
+    """Stamp up to ``n`` ready runs of ``kind``, round-robin over teams from ``cursor``;
+    in publish order."""
     if n <= 0:
-        return []
-    return _refs(conn.execute(STAMP_READY, {"kind": kind, "n": n, "cap": team_cap}))
+        return Turn([], cursor)
+    params = {"kind": kind, "n": n, "cap": team_cap, "cursor": str(cursor)}
+    rows = _prepared(conn, "td_stamp_ready", STAMP_READY, params)
+    refs = [RunRef(uuid.UUID(str(i)), int(r), str(k), "WAITING", st) for i, r, k, st, _ in rows]
+    return Turn(refs, uuid.UUID(str(rows[-1][4])) if rows else cursor)
+
+
+_PARAM = re.compile(r"(?<![:\w]):([a-z_]+)")
+
+
+def _prepared(
+    conn: Connection, name: str, statement: TextClause, params: dict[str, Any]
+) -> list[tuple[Any, ...]]:
+    """Run one of the fill's statements as a prepared statement of this session, inside the
+    caller's transaction. The fill runs on every notification, and planning these CTEs
+    costs as much as running them; prepared, a session plans them once (again after every
+    ANALYZE of the table, which :func:`refresh_statistics` keeps current)."""
+    names = list(dict.fromkeys(_PARAM.findall(statement.text)))
+    prepared: set[str] = conn.connection.info.setdefault("teamdesk_prepared", set())
+    dbapi = conn.connection.dbapi_connection
+    assert dbapi is not None
+    with dbapi.cursor() as cursor:
+        if name not in prepared:
+            sql = _PARAM.sub(lambda m: f"${names.index(m.group(1)) + 1}", statement.text)
+            cursor.execute(f"PREPARE {name} AS {sql}")
+            prepared.add(name)
+        arguments = f"({', '.join(['%s'] * len(names))})" if names else ""
+        cursor.execute(f"EXECUTE {name}{arguments}", [params[n] for n in names])
+        return list(cursor.fetchall())
 
 
 def ready_kinds(conn: Connection, kinds: Collection[str]) -> set[str]:
@@ -305,6 +399,26 @@ def restamp(conn: Connection, refs: Sequence[RunRef]) -> list[RunRef]:
         return []
     params = {"ids": [str(ref.task_id) for ref in refs], "stamps": [ref.stamp for ref in refs]}
     return _refs(conn.execute(RESTAMP, params))
+
+
+def refresh_statistics(conn: Connection) -> bool:
+    """ANALYZE the ledger when the planner's idea of its waiting rows is far off; True
+    when it did.
+
+    The dispatcher's statements pick their indexes from the planner's row estimates, and
+    what they read is the live part of the ledger, which changes much faster than the
+    table: a burst of 50,000 tasks into a 1,000,000-row ledger is 5 % of the table
+    (autovacuum waits for 10 %, and checks once a minute), yet the planner still believes
+    no task is waiting, walks a partial index for everything, and a fill takes 800 ms
+    instead of 3 ms. So the scan compares the waiting rows with the planner's belief and
+    refreshes the statistics when they differ by more than half (and 1,000 rows). ANALYZE
+    reads a fixed sample and takes no lock that blocks writes."""
+    row = conn.execute(STATISTICS_DRIFT, {"cap": DRIFT_CAP}).one()
+    waiting, believed = int(row.waiting), max(float(row.believed or 0), 0.0)
+    if abs(waiting - believed) < max(DRIFT_MIN_ROWS, believed / 2, waiting / 2):
+        return False
+    conn.execute(ANALYZE)
+    return True
 
 
 def purge_expired(conn: Connection, *, batch: int) -> int:

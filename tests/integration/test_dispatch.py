@@ -1,6 +1,6 @@
 """The dispatcher's scan and fill (docs/design.md, "Dispatch") against real PostgreSQL
 and the real Redis broker, with no worker consuming: every message a scan publishes
-stays in its queue's Redis list, where the test reads it back by id. Worker capacity
+stays in its queue's Redis list, where the test reads it back by id. Worker window
 comes from heartbeat members the test registers itself. Concurrency is ordered by a
 barrier inside the ledger call, never by sleeping.
 """
@@ -21,7 +21,7 @@ from dispatcher import scan as scan_module
 from dispatcher.context import Cluster
 from dispatcher.heartbeat import Heartbeat, WorkerSlots
 from dispatcher.scan import ScanCounts, run_once
-from dispatcher.window import Capacity, fill
+from dispatcher.window import Window, fill
 from ledger import dispatch, lease
 from teamdesk.config import Settings
 from tests.support.factories import (
@@ -265,26 +265,71 @@ def stamped_order(engine: sa.Engine, refs: list[dispatch.RunRef]) -> list[uuid.U
     return [ref.task_id for ref in refs]
 
 
-def test_teams_share_the_window_round_robin_least_loaded_first(
+def expected_turn(
+    waiting: dict[uuid.UUID, list[uuid.UUID]], cursor: uuid.UUID, n: int
+) -> list[uuid.UUID]:
+    """The round-robin rule, written plainly: starting after ``cursor`` in team id order
+    and wrapping, the next ``n`` teams with waiting rows each give their oldest; with
+    fewer teams than ``n``, each gives its next oldest in the same order, and so on."""
+    teams = sorted((t for t, rows in waiting.items() if rows), key=lambda t: (t <= cursor, t))
+    turn, left = teams[:n], {t: list(waiting[t]) for t in teams[:n]}
+    picked: list[uuid.UUID] = []
+    while len(picked) < n and any(left.values()):
+        for team in turn:
+            if left[team] and len(picked) < n:
+                picked.append(left[team].pop(0))
+    return picked
+
+
+def test_teams_take_turns_round_robin_from_where_the_last_turn_ended(
     engine: sa.Engine, world: World
 ) -> None:
-    """Team A queued 20 first, then C 2, then B 1: three free slots go one to each team;
-    with A already holding runs in flight, B and C go before A's next."""
+    """Team A queued 20 first, then C 2, then B 1: every turn serves the next teams after
+    the one served last, one run each, so one team's backlog never stands in front of
+    another team's first task."""
     team_a, team_b, team_c = world, other_team(engine, "B"), other_team(engine, "C")
-    a_rows = waiting_rows(engine, team_a, 20)
-    c_rows = waiting_rows(engine, team_c, 2)
-    b_rows = waiting_rows(engine, team_b, 1)
+    waiting = {
+        team_a.team_id: waiting_rows(engine, team_a, 20),
+        team_c.team_id: waiting_rows(engine, team_c, 2),
+        team_b.team_id: waiting_rows(engine, team_b, 1),
+    }
+    cursor = dispatch.NO_TEAM
+    for n in (2, 2, 2, 3):
+        want = expected_turn(waiting, cursor, n)
+        with engine.begin() as conn:
+            turn = dispatch.stamp_ready(conn, kind="EXPORT", n=n, team_cap=0, cursor=cursor)
+        assert stamped_order(engine, turn.refs) == want
+        for rows in waiting.values():
+            rows[:] = [r for r in rows if r not in want]
+        cursor = turn.cursor
+    assert waiting[team_b.team_id] == [] and waiting[team_c.team_id] == []
+    assert len(waiting[team_a.team_id]) == 20 - 6  # B's one and C's two went in A's turns
+
+
+def test_a_team_with_only_scheduled_runs_does_not_hold_up_a_turn(
+    engine: sa.Engine, world: World
+) -> None:
+    """The team first in line has nothing ready (its reminder is due in an hour); the
+    turn passes it over and serves the next team's ready run."""
+    teams = sorted([world, other_team(engine, "B")], key=lambda team: team.team_id)
+    first, second = teams
+    scheduled = waiting_rows(engine, first, 1)[0]
+    set_columns_sql(engine, scheduled, "run_at = now() + interval '1 hour'")
+    ready = waiting_rows(engine, second, 1)[0]
 
     with engine.begin() as conn:
-        first = dispatch.stamp_ready(conn, kind="EXPORT", n=3, team_cap=0)
-    # Each team's first run has slot 1: ties go by run_at, so A (oldest) leads.
-    assert stamped_order(engine, first) == [a_rows[0], c_rows[0], b_rows[0]]
+        turn = dispatch.stamp_ready(conn, kind="EXPORT", n=1, team_cap=0)
 
+    assert stamped_order(engine, turn.refs) == [ready]
+    assert turn.cursor == second.team_id
+    assert task_row(engine, scheduled)["dispatched_at"] is None
+
+
+def set_columns_sql(engine: sa.Engine, task_id: uuid.UUID, assignment: str) -> None:
     with engine.begin() as conn:
-        second = dispatch.stamp_ready(conn, kind="EXPORT", n=3, team_cap=0)
-    # In flight now: A 1, C 1, B 0 (B has nothing left). C's second (slot 2) and A's
-    # second (slot 2) tie on slot; run_at decides; then A's third (slot 3).
-    assert stamped_order(engine, second) == [a_rows[1], c_rows[1], a_rows[2]]
+        conn.execute(
+            sa.text(f"UPDATE background_tasks SET {assignment} WHERE id = :id"), {"id": task_id}
+        )
 
 
 def test_team_cap_limits_one_team_in_flight(engine: sa.Engine, world: World) -> None:
@@ -293,11 +338,11 @@ def test_team_cap_limits_one_team_in_flight(engine: sa.Engine, world: World) -> 
     b_rows = waiting_rows(engine, team_b, 10)
 
     with engine.begin() as conn:
-        stamped = dispatch.stamp_ready(conn, kind="EXPORT", n=10, team_cap=2)
+        stamped = dispatch.stamp_ready(conn, kind="EXPORT", n=10, team_cap=2).refs
 
     assert sorted(stamped_order(engine, stamped)) == sorted(a_rows[:2] + b_rows[:2])
     with engine.begin() as conn:
-        assert dispatch.stamp_ready(conn, kind="EXPORT", n=10, team_cap=2) == []
+        assert dispatch.stamp_ready(conn, kind="EXPORT", n=10, team_cap=2).refs == []
 
 
 def test_overlapping_fills_never_stamp_or_publish_a_run_twice(
@@ -318,12 +363,12 @@ def test_overlapping_fills_never_stamp_or_publish_a_run_twice(
     stamped: list[list[dispatch.RunRef]] = []
     real = dispatch.stamp_ready
 
-    def stamp_then_wait(conn: sa.Connection, **kw: Any) -> list[dispatch.RunRef]:
-        refs = real(conn, **kw)
+    def stamp_then_wait(conn: sa.Connection, **kw: Any) -> dispatch.Turn:
+        turn = real(conn, **kw)
         if kw["kind"] == "EXPORT":
-            stamped.append(refs)
+            stamped.append(turn.refs)
             both_inside.wait()  # both fills hold their locks at the same time
-        return refs
+        return turn
 
     monkeypatch.setattr(dispatch, "stamp_ready", stamp_then_wait)
     errors: list[BaseException] = []
@@ -331,7 +376,7 @@ def test_overlapping_fills_never_stamp_or_publish_a_run_twice(
     def one_fill() -> None:
         cluster = Cluster(celery_app, settings)
         try:
-            fill(cluster, Capacity(cluster))
+            fill(cluster, Window(cluster))
         except BaseException as exc:
             errors.append(exc)
         finally:
