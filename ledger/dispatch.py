@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import psycopg2
 from sqlalchemy import TextClause, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, TEXT, TIMESTAMP
 from sqlalchemy.engine import Connection
@@ -366,7 +367,8 @@ def _prepared(
     prepared: set[str] = conn.connection.info.setdefault("teamdesk_prepared", set())
     dbapi = conn.connection.dbapi_connection
     assert dbapi is not None
-    with dbapi.cursor() as cursor:
+    cursor = dbapi.cursor()
+    try:
         if name not in prepared:
             sql = _PARAM.sub(lambda m: f"${names.index(m.group(1)) + 1}", statement.text)
             cursor.execute(f"PREPARE {name} AS {sql}")
@@ -374,6 +376,11 @@ def _prepared(
         arguments = f"({', '.join(['%s'] * len(names))})" if names else ""
         cursor.execute(f"EXECUTE {name}{arguments}", [params[n] for n in names])
         return list(cursor.fetchall())
+    except (psycopg2.OperationalError, psycopg2.InterfaceError):
+        conn.invalidate()  # the server connection is gone: the pool must not reuse it
+        raise
+    finally:
+        cursor.close()
 
 
 def ready_kinds(conn: Connection, kinds: Collection[str]) -> set[str]:

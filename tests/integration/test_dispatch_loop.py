@@ -366,3 +366,29 @@ def test_a_standby_takes_over_from_a_leader_that_died_and_nothing_runs_twice(
     for task_id in before + after:
         assert audit(engine, task_id) == ["CLAIM", "COMPLETE"]
     assert not redis_client.exists(leader_key(settings.queue_prefix))  # B released it
+
+
+def test_the_dispatcher_survives_its_database_connections_being_cut(
+    engine: sa.Engine, world: World, make_app: Callable[..., Celery]
+) -> None:
+    """Every backend of the dispatcher (the pool's and the listener's) is terminated, as a
+    failover or an operator would; the loop reports it, reconnects, and dispatches on."""
+    app = make_app(scan_interval_s=0.5)
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 2)
+    with running_cluster(app) as loop:
+        first = create_export(engine, world.team_id, world.staff_id)
+        wait_for(lambda: completed(engine, [first]), what="the first export")
+        with engine.connect() as conn:
+            cut = conn.execute(
+                sa.text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name LIKE 'teamdesk-dispatcher%' "
+                    "AND datname = current_database()"
+                )
+            ).scalar_one()
+        assert cut >= 2  # the pool's connection and the listener
+        second = create_export(engine, world.team_id, world.staff_id)
+        wait_for(lambda: completed(engine, [second]), what="the export after the cut")
+        assert loop.leadership.leading
+    assert audit(engine, second) == ["CLAIM", "COMPLETE"]
