@@ -108,7 +108,8 @@ class DispatchLoop:
 
     def _round(self) -> None:
         now = self._clock()
-        if now < self._not_before:
+        if now < self._not_before:  # backing off after a failure; remember the wake
+            self._fill_pending = self._fill_pending or self._woken
             return
         if now >= self._next_check and self._wakeup is not None:
             self._next_check = now + LISTEN_CHECK_S

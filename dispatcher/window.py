@@ -14,11 +14,11 @@ arrives behind another's backlog waits for at most the window.
 
 One fill: read each queue's window, stamp up to its free room of ready runs,
 round-robin over teams from where the last turn ended (ledger/dispatch.py
-``STAMP_READY``), commit, publish them in one
-batch, then set their queued markers. Ledger first: a run is stamped before its message
-exists, never the other way round; a publish the broker refused is un-stamped (the run
-is ready again), one whose outcome is uncertain keeps its stamp and the scan's lost-message
-check publishes it again if its marker never appears.
+``STAMP_READY``), commit, publish them in one batch, then set their queued markers.
+Ledger first: a run is stamped before its message exists, never the other way round; a
+publish the broker refused is un-stamped (the run is ready again), one whose outcome is
+uncertain keeps its stamp and the scan's lost-message check publishes it again if its
+marker never appears.
 """
 
 from __future__ import annotations

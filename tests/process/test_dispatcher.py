@@ -248,8 +248,8 @@ def test_a_redis_restart_costs_seconds_and_no_process_exits(
             worker.send(signal.SIGSTOP)
             try:
                 wait_for(
-                    lambda: waiting_in_broker(engine, rows) == 4,
-                    what="the window (two per worker process) to fill up",
+                    lambda: waiting_in_broker(engine, rows) >= 4,
+                    what="the window (two or more per worker process) to fill up",
                 )
                 assert queue.llen(f"{s.queue_prefix}:reminders") >= 1
                 server.restart(down_s=2.0)
