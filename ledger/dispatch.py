@@ -354,6 +354,7 @@ def stamp_ready(
 
 
 _PARAM = re.compile(r"(?<![:\w]):([a-z_]+)")
+_PARAM_NAMES: dict[str, list[str]] = {}  # prepared name -> its parameters, in $n order
 
 
 def _prepared(
@@ -363,7 +364,9 @@ def _prepared(
     caller's transaction. The fill runs on every notification, and planning these CTEs
     costs as much as running them; prepared, a session plans them once (again after every
     ANALYZE of the table, which :func:`refresh_statistics` keeps current)."""
-    names = list(dict.fromkeys(_PARAM.findall(statement.text)))
+    if name not in _PARAM_NAMES:
+        _PARAM_NAMES[name] = list(dict.fromkeys(_PARAM.findall(statement.text)))
+    names = _PARAM_NAMES[name]
     prepared: set[str] = conn.connection.info.setdefault("teamdesk_prepared", set())
     dbapi = conn.connection.dbapi_connection
     assert dbapi is not None
