@@ -4,5 +4,5 @@
 builds one for explicit settings (tests). The API never runs SQL of its own except the
 health check's ``SELECT 1``: every task route is one short transaction through
 :mod:`ledger.service`, and it never waits on a worker (a new task is a WAITING row that
-the dispatcher scan publishes).
+the dispatcher publishes at once).
 """

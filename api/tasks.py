@@ -2,9 +2,9 @@
 
 Each route authenticates and calls :mod:`ledger.service` inside one short transaction;
 any error rolls it back, so a refused request writes nothing. Creating a task only
-writes its WAITING row: the dispatcher scan publishes it, the API never waits on a
-worker. Visibility is the ledger's: whatever the caller cannot see answers 404, the
-same as something missing.
+writes its WAITING row: the dispatcher publishes it at once (its insert notifies the
+dispatcher), the API never waits on a worker. Visibility is the ledger's: whatever the
+caller cannot see answers 404, the same as something missing.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""What an operator sees while scans fail: ``dispatcher.failed`` at most once per
-``FAILED_LOG_INTERVAL_S`` (a scan runs every few seconds; a log line per scan would bury
-everything else during an outage), then ``dispatcher.recovered`` once when a scan
-succeeds again. The clock is injected so the throttle is tested without waiting.
+"""What an operator sees while the dispatcher's rounds fail: ``dispatcher.failed`` at
+most once per ``FAILED_LOG_INTERVAL_S`` (a round runs every second or more often; a log
+line per round would bury everything else during an outage), then
+``dispatcher.recovered`` once when a round succeeds again. The clock is injected so the
+throttle is tested without waiting.
 
-One :class:`FailureLog` per process: several worker processes each log on their own
-schedule, so "about once per 30 s" is per process, never per scan.
+Only the leading dispatcher runs rounds, so its :class:`FailureLog` is the cluster's:
+"about once per 30 s" holds for the whole cluster, not per process.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ FAILED_LOG_INTERVAL_S = 30.0
 
 # Fixed text per service: the log never carries the driver's message or a URL.
 _REASONS = {
-    "PostgreSQL": "the dispatcher scan could not reach PostgreSQL",
-    "Redis": "the dispatcher scan could not reach Redis or the broker",
+    "PostgreSQL": "the dispatcher could not reach PostgreSQL",
+    "Redis": "the dispatcher could not reach Redis or the broker",
 }
 
 
@@ -59,7 +60,7 @@ class FailureLog:
             if not due:
                 self._unlogged += 1
                 return False
-            reason = _REASONS.get(service, "the dispatcher scan failed")
+            reason = _REASONS.get(service, "the dispatcher failed")
             log_event(
                 self._logger,
                 "dispatcher.failed",

@@ -2,7 +2,7 @@
 
 They act through ``ledger.service`` and ``ledger.tokens`` as the user named by
 ``--user EMAIL``, so the CLI authorises exactly like the API. They write the ledger only:
-the dispatcher's scan (beat, every SCAN_INTERVAL_S) publishes new and retried runs.
+the dispatcher (beat) publishes new and retried runs as soon as they are ready.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from teamdesk.commands.common import (
 )
 
 PUBLISH_NOTE = (
-    "The command only writes the WAITING row; the dispatcher scan (run by beat every "
-    "SCAN_INTERVAL_S, or once by `teamdesk-tasks scan`) publishes it to the queue."
+    "The command only writes the WAITING row; the dispatcher (beat) publishes it to the "
+    "queue as soon as it is ready (or `teamdesk-tasks scan` does, once)."
 )
 
 
