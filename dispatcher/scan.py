@@ -4,6 +4,8 @@ recover, re-publish lost messages, fill the window, purge.
 Notifications start work at once (dispatcher/loop.py); the scan is the safety net that
 needs none of them:
 
+0. **Keep the planner's statistics current** (:func:`ledger.dispatch.refresh_statistics`):
+   the dispatcher's statements choose their indexes from them.
 1. **Recover**: RUNNING rows silent for ``STALE_AFTER_S`` by the database's clock, or held
    by a process whose heartbeat member is gone, go back to WAITING (FAILED past
    ``MAX_RECOVERIES``). The heartbeat rule applies only when the members were read and
@@ -17,9 +19,6 @@ needs none of them:
    published at once, so this looks at all of them, not the oldest few.
 3. **Fill** the window (dispatcher/window.py).
 4. **Purge** CSVs past ``expires_at`` (the loop asks for it every ``PURGE_INTERVAL_S``).
-
-First, the scan keeps the ledger's planner statistics fresh
-(:func:`ledger.dispatch.refresh_statistics`): the dispatcher's statements depend on them.
 
 A Redis error ends the queue steps of this scan and is reported in
 :attr:`ScanCounts.redis_error`; recovery and purge need only PostgreSQL and still run. A
