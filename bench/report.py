@@ -60,6 +60,16 @@ ROWS: list[tuple[str, str, str]] = [  # key, what, unit
     ("p6_scheduled_late_ms_p95", "P6 reminder run_at -> claimed, p95", "ms"),
     ("p6_dispatch_ratio_1w", "P6 tasks/s created while running / pre-filled, 1 worker", "ratio"),
     ("p6_dispatch_ratio_3w", "P6 tasks/s created while running / pre-filled, 3 workers", "ratio"),
+    (
+        "p6_dispatch_ratio_precreated_1w",
+        "P6 tasks/s created first, then dispatched / pre-filled, 1 worker",
+        "ratio",
+    ),
+    (
+        "p6_dispatch_ratio_precreated_3w",
+        "P6 tasks/s created first, then dispatched / pre-filled, 3 workers",
+        "ratio",
+    ),
     ("p6_fair_start_s", "P6 team B created -> claimed behind team A's backlog (max)", "s"),
     ("p6_broker_depth_max", "P6 broker lists (exports + reminders) while 10k drain, max", "msgs"),
     ("p6_broker_depth_bound", "P6 window cap: 4 x live worker processes", "msgs"),
@@ -256,9 +266,12 @@ own Redis key prefix (`tdbench-<hex>-<part>`, deleted at the end); it never touc
   1 s after the first was created, 0.25 s apart; first `CLAIM` - `run_at`. *Dispatch
   ratio*, with 1 worker and then 3 (each `-c 2`, running and idle, no beat): 2,000 small
   exports published in one go as in P1 (tasks/s from the first CLAIM to the last
-  COMPLETE); then beat starts and 4 threads create 2,000 more (one transaction each, over
-  their own teams, faster than the workers drain them; tasks/s from the first
-  `created_at` to the last COMPLETE). Ratio = dispatcher-fed / pre-filled. A pair during
+  COMPLETE); then 2,000 created while no beat runs, then beat started (the dispatcher
+  alone feeds the workers: the *pre-created* ratio, first CLAIM to last COMPLETE); then 4
+  threads create 2,000 more while beat runs (one transaction each, over their own teams,
+  faster than the workers drain them; tasks/s from the first `created_at` to the last
+  COMPLETE). Ratio = dispatcher-fed / pre-filled; on 2 cores the creating threads and
+  their inserts compete with the workers for the CPU in the dispatcher-fed run. A pair during
   which other processes kept more than 0.5 cores busy is run once more and the quieter
   kept. *Fairness*: 3 workers + beat; team A gets 10,000 waiting exports (one set-based
   insert of the rows the service writes); once every worker process has taken work, team
