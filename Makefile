@@ -28,10 +28,11 @@ test: install services ## install, check services, run the whole test suite
 	bash scripts/ensure_debian.sh faketime faketime
 	$(PY) -m pytest
 
-lint: install ## ruff and mypy
+lint: install ## ruff, mypy and the import contracts (lint-imports)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy .
+	$(VENV)/bin/lint-imports
 
 format: install ## apply ruff's formatting and safe fixes
 	$(VENV)/bin/ruff check --fix .
