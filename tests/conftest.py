@@ -33,7 +33,10 @@ def _answers(url: str, default_port: int) -> bool:
         return False
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
+@pytest.fixture(scope="session")
+def services() -> None:
+    """PostgreSQL and Redis answer; else the session stops with one line saying what to
+    start. Only the tests that use them ask (tests/unit runs with neither)."""
     missing = []
     if not _answers(databases.ADMIN_URL, 5432):
         missing.append("PostgreSQL at 127.0.0.1:5432")
@@ -44,7 +47,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
-def template_db() -> Iterator[str]:
+def template_db(services: None) -> Iterator[str]:
     name = databases.create_template(RUN_ID)
     yield name
     databases.drop_database(name)
@@ -71,7 +74,7 @@ def world(engine: sa.Engine) -> World:
 
 
 @pytest.fixture
-def queue_prefix() -> Iterator[str]:
+def queue_prefix(services: None) -> Iterator[str]:
     prefix = f"tdt-{uuid.uuid4().hex[:10]}"
     yield prefix
     client = redis.Redis.from_url(REDIS_URL)
@@ -82,7 +85,7 @@ def queue_prefix() -> Iterator[str]:
 
 
 @pytest.fixture
-def redis_client() -> Iterator[redis.Redis]:
+def redis_client(services: None) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     yield client
     client.close()
