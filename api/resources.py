@@ -10,14 +10,13 @@ import threading
 
 import redis
 import sqlalchemy as sa
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import NullPool
 
 from api.bounded import BoundedChecks
 from teamdesk.config import Settings, get_settings
 from teamdesk.db import make_engine, sqlalchemy_url
+from teamdesk.redis_client import redis_client
 
 # Task routes: give up on a busy or absent database instead of holding the request.
 DB_CONNECT_TIMEOUT_S = 3  # libpq takes whole seconds (2 at least)
@@ -80,12 +79,7 @@ class Resources:
         """Short socket timeouts and no retries: a frozen Redis must not hold a request."""
         with self._lock:
             if self._redis is None:
-                self._redis = redis.Redis.from_url(
-                    self.settings.redis_url,
-                    socket_connect_timeout=REDIS_TIMEOUT_S,
-                    socket_timeout=REDIS_TIMEOUT_S,
-                    retry=Retry(NoBackoff(), 0),
-                )
+                self._redis = redis_client(self.settings.redis_url, REDIS_TIMEOUT_S)
             return self._redis
 
     def close(self) -> None:

@@ -17,12 +17,11 @@ import psycopg2
 import redis
 import sqlalchemy.exc
 from celery import Celery
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 from sqlalchemy.engine import Connection, Engine
 
 from teamdesk.config import Settings
 from teamdesk.db import make_engine
+from teamdesk.redis_client import redis_client
 
 STATEMENT_TIMEOUT_S = 10.0  # any one dispatcher statement
 REDIS_TIMEOUT_S = 2.0  # connect / read of the REDIS_URL client
@@ -59,12 +58,7 @@ def dispatcher_engine(settings: Settings) -> Engine:
 def results_redis(settings: Settings) -> redis.Redis:
     """A ``REDIS_URL`` client with short timeouts and one quick retry (a pooled connection
     cut by a Redis restart), no backoff: the next pass is moments away."""
-    return redis.Redis.from_url(
-        settings.redis_url,
-        socket_timeout=REDIS_TIMEOUT_S,
-        socket_connect_timeout=REDIS_TIMEOUT_S,
-        retry=Retry(NoBackoff(), 1),
-    )
+    return redis_client(settings.redis_url, REDIS_TIMEOUT_S, retries=1)
 
 
 @dataclass

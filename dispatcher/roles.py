@@ -11,13 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from dispatcher.heartbeat import slots_by_queue
 from dispatcher.leader import leader_key
 from tasks.names import TASK_QUEUES
 from teamdesk.config import Settings
+from teamdesk.redis_client import redis_client
 
 TIMEOUT_S = 1.0
 
@@ -49,12 +48,7 @@ def read_roles(client: redis.Redis, prefix: str) -> Roles:
 def cluster_command(settings: Settings, out: TextIO | None = None) -> int:
     """``teamdesk-tasks health --cluster``: one JSON line; 0 when every role is present."""
     out = out or sys.stdout
-    client = redis.Redis.from_url(
-        settings.redis_url,
-        socket_timeout=TIMEOUT_S,
-        socket_connect_timeout=TIMEOUT_S,
-        retry=Retry(NoBackoff(), 0),
-    )
+    client = redis_client(settings.redis_url, TIMEOUT_S)
     try:
         fields: dict[str, Any] = {
             "redis": True,

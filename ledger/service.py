@@ -1,8 +1,7 @@
 """What users ask of the ledger: create, read, retry and cancel (docs/design.md, "Lifecycle").
 
-Authorisation lives here so the API and the CLI answer alike: a user sees a task
-when they are a member of its team and either own it or are staff and the task has
-TEAM scope. Everything they cannot see answers :class:`NotFound`.
+Authorisation is applied here, so the API and the CLI answer alike, with the rules of
+ledger/permissions.py. Everything a user may not see answers :class:`NotFound`.
 """
 
 from __future__ import annotations
@@ -18,21 +17,22 @@ from sqlalchemy.engine import Connection, RowMapping
 
 from ledger.errors import InvalidInput, InvalidState, NotAllowed, NotFound
 from ledger.filters import validate_filters
+from ledger.permissions import (
+    MSG_REMINDER_NEEDS_STAFF,
+    MSG_TEAM_EXPORT_NEEDS_STAFF,
+    STAFF,
+    export_refusal,
+    may_export,
+    may_schedule_reminder,
+    may_see,
+)
 from ledger.states import SCOPES
 from ledger.wake import WAKE_SQL
 
-STAFF = "STAFF"
-
 MSG_SCOPE = "scope must be TEAM or MINE"
-MSG_TEAM_NEEDS_STAFF = "only staff may act on the whole team's tickets"
-MSG_REMINDER_NEEDS_STAFF = "only staff may schedule reminders"
 MSG_TICKET = "ticket_id must name a ticket of this team"
 MSG_RUN_AT = "run_at must be a date and time with a time zone"
 MSG_RETRY_STATE = "only FAILED or CANCELLED tasks can be retried"
-MSG_RETRY_DEMOTED = (
-    "the task's creator is no longer staff; a team export cannot run again; create a new task"
-)
-MSG_RETRY_OWNER_LEFT = "the task's creator is no longer a member of the team; create a new task"
 MSG_CANCEL_STATE = "only WAITING or RUNNING tasks can be cancelled"
 
 ROLE = text("SELECT role FROM memberships WHERE team_id = :team_id AND user_id = :user_id")
@@ -55,6 +55,7 @@ SELECT_TASK_FOR_UPDATE = text(
     f"SELECT {TASK_COLUMNS} FROM background_tasks WHERE id = :task_id FOR UPDATE"
 )
 
+# permissions.may_see, in SQL.
 LIST_TASKS = text(f"""
     SELECT {TASK_COLUMNS} FROM background_tasks
      WHERE team_id = :team_id AND (owner_id = :user_id OR (scope = 'TEAM' AND :is_staff))
@@ -129,18 +130,14 @@ def role_of(conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID) -> str | N
     return None if row is None else str(row.role)
 
 
-def _can_see(task: RowMapping, user_id: uuid.UUID, role: str | None) -> bool:
-    if role is None:
-        return False
-    return bool(task["owner_id"] == user_id or (task["scope"] == "TEAM" and role == STAFF))
-
-
 def _visible_task(
     conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID, for_update: bool = False
 ) -> RowMapping:
     stmt = SELECT_TASK_FOR_UPDATE if for_update else SELECT_TASK
     task = conn.execute(stmt, {"task_id": task_id}).mappings().one_or_none()
-    if task is None or not _can_see(task, user_id, role_of(conn, task["team_id"], user_id)):
+    if task is None or not may_see(
+        task["scope"], task["owner_id"], user_id, role_of(conn, task["team_id"], user_id)
+    ):
         raise NotFound()
     return task
 
@@ -182,9 +179,8 @@ def create_export(
     if scope not in SCOPES:
         raise InvalidInput(MSG_SCOPE)
     validate_filters(filters)
-    role = _member_role(conn, team_id, user_id)
-    if scope == "TEAM" and role != STAFF:
-        raise NotAllowed(MSG_TEAM_NEEDS_STAFF)
+    if not may_export(scope, _member_role(conn, team_id, user_id)):
+        raise NotAllowed(MSG_TEAM_EXPORT_NEEDS_STAFF)
     return _insert(conn, "EXPORT", team_id, user_id, scope, dict(filters), None)
 
 
@@ -202,7 +198,7 @@ def create_reminder(
         raise InvalidInput(MSG_TICKET) from None
     if run_at is not None and run_at.tzinfo is None:
         raise InvalidInput(MSG_RUN_AT)
-    if _member_role(conn, team_id, user_id) != STAFF:
+    if not may_schedule_reminder(_member_role(conn, team_id, user_id)):
         raise NotAllowed(MSG_REMINDER_NEEDS_STAFF)
     if conn.execute(TICKET_IN_TEAM, {"ticket_id": ticket, "team_id": team_id}).first() is None:
         raise InvalidInput(MSG_TICKET)
@@ -247,11 +243,9 @@ def retry(conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID) -> int:
     if task["status"] not in ("FAILED", "CANCELLED"):
         raise InvalidState(MSG_RETRY_STATE)
     if task["kind"] == "EXPORT":
-        owner_role = role_of(conn, task["team_id"], task["owner_id"])
-        if owner_role is None:
-            raise NotAllowed(MSG_RETRY_OWNER_LEFT)
-        if task["scope"] == "TEAM" and owner_role != STAFF:
-            raise NotAllowed(MSG_RETRY_DEMOTED)
+        refusal = export_refusal(task["scope"], role_of(conn, task["team_id"], task["owner_id"]))
+        if refusal is not None:
+            raise NotAllowed(refusal)
     row = conn.execute(RETRY, {"task_id": task_id}).one_or_none()
     if row is None:
         raise InvalidState(MSG_RETRY_STATE)

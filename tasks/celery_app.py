@@ -12,7 +12,7 @@ from kombu import Queue
 from dispatcher.beat_host import beat_config
 from tasks.definitions import register
 from tasks.names import EXPORTS_QUEUE, QUEUE_OF, REMINDERS_QUEUE
-from teamdesk.config import Settings, get_settings
+from teamdesk.config import Settings, get_settings, is_redis_url
 from teamdesk.logs import setup_logging
 from worker import lifecycle
 from worker.steps import LivenessStep
@@ -27,15 +27,11 @@ RESULT_EXPIRES = timedelta(days=1)
 VISIBILITY_TIMEOUT_S = 3600
 
 
-def _is_redis(url: str) -> bool:
-    return url.startswith(("redis://", "rediss://", "unix://"))
-
-
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Celery settings derived from the configuration; nothing here is tuned per environment."""
     prefix = f"{settings.queue_prefix}:"
     broker_options: dict[str, Any] = {}
-    if _is_redis(settings.broker_url):
+    if is_redis_url(settings.broker_url):
         # Every broker key (queues, unacked messages, their index) lives under the prefix,
         # so two clusters, or two test runs, can share one Redis.
         broker_options["global_keyprefix"] = prefix

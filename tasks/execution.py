@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 
 from celery import Task
 from celery.exceptions import Retry
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 
 from ledger import lease
 from ledger.errors import LeaseLost, TaskRejected
@@ -37,6 +37,7 @@ from teamdesk import hooks
 from teamdesk.config import Settings, get_settings
 from teamdesk.db import get_engine
 from teamdesk.logs import log_event
+from worker.steps import lease_holder
 
 log = logging.getLogger("teamdesk.task")
 
@@ -52,11 +53,13 @@ class TaskFailed(Exception):
 @dataclass(frozen=True)
 class Context:
     """What a task body gets: its claim, settings, the execution's connection (autocommit:
-    each ledger write is one statement and one round trip) and a progress reporter."""
+    each ledger write is one statement and one round trip), the engine it came from (for a
+    transaction of its own) and a progress reporter."""
 
     claim: lease.Claim
     settings: Settings
     conn: Connection
+    engine: Engine
     report_progress: Callable[[int, int, int], None]
 
     @property
@@ -85,10 +88,11 @@ def execute(task: Task, task_id_text: str, run: int, body: Body) -> dict[str, An
     """Run one delivery of ``task_id``/``run``; returns a small JSON result for the queue."""
     settings = get_settings()
     task_id = uuid.UUID(task_id_text)
-    with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+    engine = get_engine()
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         try:
             hooks.fire("task.before_claim", task_id=task_id, run=run)
-            claimed = lease.claim(conn, task_id, run, queueing.lease_holder())
+            claimed = lease.claim(conn, task_id, run, lease_holder())
         except Exception as exc:
             _claim_failed(task_id, run, exc)
         # After the claim: until it committed the row still said WAITING, and a scan that
@@ -101,7 +105,7 @@ def execute(task: Task, task_id_text: str, run: int, body: Body) -> dict[str, An
         fields = _fields(task_id, run, held.attempt, execution=str(held.execution_id)[:8])
         log_event(log, "task.started", kind=claimed.kind, **fields)
         hooks.fire("task.claimed", claim=claimed)
-        context = Context(claimed, settings, conn, _progress_reporter(task, conn, held))
+        context = Context(claimed, settings, conn, engine, _progress_reporter(task, conn, held))
         try:
             summary = body(context)
         except LeaseLost:

@@ -30,16 +30,14 @@ from sqlalchemy.engine import Connection
 from ledger import lease
 from ledger.errors import PermissionLost, TooManyRows
 from ledger.filters import ExportFilters, validate_filters
-from ledger.service import STAFF, role_of
+from ledger.permissions import export_refusal
+from ledger.service import role_of
 from tasks.execution import Context
 from teamdesk import hooks
-from teamdesk.db import get_engine
 
 HEADER = "id,title,status,priority,requester_id,assignee_id,due_at,created_at,updated_at\n"
 READ_BUDGET_S = 60
 
-MSG_OWNER_LEFT = "The task's creator is no longer a member of the team."
-MSG_NOT_STAFF = "A team export needs a staff member; the task's creator is no longer staff."
 MSG_TOO_MANY = "The export matches more than {limit} tickets; narrow the filters."
 
 _TS = '\'YYYY-MM-DD"T"HH24:MI:SS"Z"\''
@@ -55,12 +53,11 @@ class ExportReadTimeout(Exception):
     """The export's read transaction ran past its 60 s budget."""
 
 
-def require_permission(scope: str, owner_role: str | None) -> None:
-    """TaskRejected unless an owner with ``owner_role`` may still run this export."""
-    if owner_role is None:
-        raise PermissionLost(MSG_OWNER_LEFT)
-    if scope == "TEAM" and owner_role != STAFF:
-        raise PermissionLost(MSG_NOT_STAFF)
+def require_permission(scope: str, creator_role: str | None) -> None:
+    """PermissionLost unless a creator with ``creator_role`` may still run this export."""
+    refusal = export_refusal(scope, creator_role)
+    if refusal is not None:
+        raise PermissionLost(refusal)
 
 
 def where_clause(claim: lease.Claim, filters: ExportFilters) -> tuple[str, dict[str, Any]]:
@@ -185,7 +182,7 @@ def _read_in_batches(ctx: Context, where: str, params: dict[str, Any]) -> tuple[
     limit, batch_size = ctx.settings.export_max_rows, ctx.settings.export_batch_size
     deadline = time.monotonic() + READ_BUDGET_S
     parts = [HEADER]
-    with get_engine().connect() as conn:
+    with ctx.engine.connect() as conn:
         conn = conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
         with conn.begin():
             conn.execute(

@@ -31,17 +31,17 @@ from kombu.transport.redis import BatchPublishError
 
 from ledger.dispatch import RunRef
 from tasks.names import QUEUE_OF, QUEUE_OF_KIND, TASK_OF_KIND
-from teamdesk.config import Settings, get_settings
+from teamdesk.config import Settings, get_settings, is_redis_url
+from teamdesk.redis_client import redis_client
 
 log = logging.getLogger("teamdesk.queue")
 
 MARKER_TTL_FACTOR = 5  # a marker lives this many STALE_AFTER_S
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+MARKER_TIMEOUT_S = 5
 
 _client: redis.Redis | None = None
 _client_url: str | None = None
 _client_lock = threading.Lock()
-_lease_holder: str | None = None
 
 
 def message_id(task_id: uuid.UUID | str, run: int) -> str:
@@ -57,10 +57,6 @@ def marker_ttl_s(settings: Settings) -> int:
     return max(60, round(MARKER_TTL_FACTOR * settings.stale_after_s))
 
 
-def is_redis_url(url: str) -> bool:
-    return url.startswith(REDIS_SCHEMES)
-
-
 def marker_redis() -> redis.Redis:
     """The broker's Redis when the broker is Redis (same failure domain), else REDIS_URL."""
     global _client, _client_url
@@ -68,19 +64,9 @@ def marker_redis() -> redis.Redis:
     url = settings.broker_url if is_redis_url(settings.broker_url) else settings.redis_url
     with _client_lock:
         if _client is None or _client_url != url:
-            _client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+            _client = redis_client(url, MARKER_TIMEOUT_S, retries=1)
             _client_url = url
         return _client
-
-
-def set_lease_holder(member: str | None) -> None:
-    """The heartbeat member of this worker process, recorded by every claim it makes."""
-    global _lease_holder
-    _lease_holder = member
-
-
-def lease_holder() -> str | None:
-    return _lease_holder
 
 
 def message_started(task_id: uuid.UUID, run: int) -> None:

@@ -18,15 +18,14 @@ from sqlalchemy.engine import Connection, Row
 
 from ledger import lease
 from ledger.errors import PermissionLost, TaskRejected
+from ledger.permissions import reminder_refusal
 from ledger.service import role_of
 from tasks.execution import Context
 from teamdesk import hooks
-from teamdesk.db import get_engine
 
 EVENT_TYPE = "ticket.reminder_sent"
 NOTIFICATION_KIND = "TICKET_REMINDER"
 
-MSG_OWNER_LEFT = "The reminder's creator is no longer a member of the team."
 MSG_BAD_TICKET = "The reminder does not name a ticket."
 
 TEAM_LOCK = text(
@@ -80,9 +79,10 @@ def _why_not(conn: Connection, ctx: Context, ticket: Row[object] | None) -> str 
 def run_reminder(ctx: Context) -> str:
     claim = ctx.claim
     ticket_id = _ticket_id(ctx)
-    if claim.owner_role is None:  # as of the claim
-        raise PermissionLost(MSG_OWNER_LEFT)
-    with get_engine().begin() as conn:
+    refusal = reminder_refusal(claim.owner_role)  # as of the claim
+    if refusal is not None:
+        raise PermissionLost(refusal)
+    with ctx.engine.begin() as conn:
         conn.execute(TEAM_LOCK, {"team_id": str(claim.team_id)})
         lease.check_lease(conn, claim.lease)
         hooks.fire("reminder.after_lease_read", claim=claim)

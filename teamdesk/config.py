@@ -23,8 +23,14 @@ DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/teamdesk"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 _DATABASE_SCHEMES = ("postgresql", "postgresql+psycopg2", "postgres")
-_REDIS_SCHEMES = ("redis", "rediss", "unix")
-_BROKER_SCHEMES = (*_REDIS_SCHEMES, "amqp", "amqps", "pyamqp")
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+_BROKER_SCHEMES = (*REDIS_SCHEMES, "amqp", "amqps", "pyamqp")
+
+
+def is_redis_url(url: str) -> bool:
+    """Whether ``url`` names a Redis server (the one test used everywhere: the broker's
+    transport options, the queued markers' home, the workers' visibility renewal)."""
+    return urlsplit(url).scheme in REDIS_SCHEMES
 
 
 class ConfigError(Exception):
@@ -131,7 +137,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError(
             f"LOG_LEVEL must be one of {'|'.join(LOG_LEVELS)}, got {env.get('LOG_LEVEL')!r}"
         )
-    redis_url = _url(env, "REDIS_URL", DEFAULT_REDIS_URL, _REDIS_SCHEMES)
+    redis_url = _url(env, "REDIS_URL", DEFAULT_REDIS_URL, REDIS_SCHEMES)
     return Settings(
         database_url=_url(env, "DATABASE_URL", DEFAULT_DATABASE_URL, _DATABASE_SCHEMES),
         redis_url=redis_url,

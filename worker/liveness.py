@@ -30,30 +30,22 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import psycopg2
-import redis
 from celery.worker import state
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from dispatcher.heartbeat import Heartbeat, WorkerSlots
-from teamdesk.config import Settings
+from teamdesk.config import Settings, is_redis_url
 from teamdesk.logs import log_event
+from teamdesk.redis_client import redis_client
 
 log = logging.getLogger("teamdesk.worker")
 
 UNACKED_INDEX = "unacked_index"  # kombu's default transport option unacked_index_key
 PING_TIMEOUT_S = 2
+RENEW_TIMEOUT_S = 1.0  # fail fast: the renewal runs on the worker's timer
 
 
 def renew_interval_s(settings: Settings) -> float:
     return max(0.1, min(settings.heartbeat_ttl_s, settings.stale_after_s) / 4)
-
-
-def short_redis(url: str, timeout_s: float = 1.0) -> redis.Redis:
-    """A client that fails fast: the renewal runs on the worker's timer."""
-    return redis.Redis.from_url(
-        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
-    )
 
 
 def ping_database(database_url: str) -> None:
@@ -81,7 +73,7 @@ class Liveness:
         consumes: WorkerSlots | None = None,
     ) -> None:
         self.settings = settings
-        self.client = short_redis(settings.redis_url)
+        self.client = redis_client(settings.redis_url, RENEW_TIMEOUT_S)
         self.heartbeat = Heartbeat(
             self.client,
             settings.queue_prefix,
@@ -90,8 +82,11 @@ class Liveness:
             consumes,
         )
         self.delivery_tags = delivery_tags
-        broker_is_redis = settings.broker_url.startswith(("redis://", "rediss://", "unix://"))
-        self.broker = short_redis(settings.broker_url) if broker_is_redis else None
+        self.broker = (
+            redis_client(settings.broker_url, RENEW_TIMEOUT_S)
+            if is_redis_url(settings.broker_url)
+            else None
+        )
         self.renew_visibility = renew_visibility and self.broker is not None
         self._failing = False
         self._removed = False

@@ -28,12 +28,10 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 import psycopg2
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from dispatcher.heartbeat import has_heartbeat
 from teamdesk.config import Settings
+from teamdesk.redis_client import redis_client
 
 CHECK_DEADLINE_S = 1.25  # stop waiting for the checks (the whole probe, started: under 2 s)
 OPERATION_TIMEOUT_S = 1.0  # Redis connect/read, PostgreSQL statement
@@ -45,12 +43,7 @@ Outcomes = dict[str, bool]
 
 def redis_check(settings: Settings, scope: str, timeout_s: float) -> bool:
     """Whether ``scope`` has a live member; raises when Redis does not answer in time."""
-    client = redis.Redis.from_url(
-        settings.redis_url,
-        socket_connect_timeout=timeout_s,
-        socket_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
-    )
+    client = redis_client(settings.redis_url, timeout_s)
     try:
         return has_heartbeat(client, settings.queue_prefix, scope)
     finally:

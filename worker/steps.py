@@ -7,11 +7,11 @@ from typing import Any
 from celery import bootsteps
 
 from dispatcher.heartbeat import WorkerSlots
-from tasks import queueing
 from teamdesk.config import get_settings
 from worker.liveness import Liveness, held_delivery_tags, renew_interval_s
 
 _current: Liveness | None = None
+_holder: str | None = None
 
 WAKE_S = 0.1
 
@@ -23,6 +23,12 @@ def _noop() -> None:
 def current_liveness() -> Liveness | None:
     """This process's liveness, once the worker built it (None outside a worker)."""
     return _current
+
+
+def lease_holder() -> str | None:
+    """The heartbeat member this worker process records in every claim it makes (None
+    outside a worker, or once the step stopped: the staleness rule alone applies then)."""
+    return _holder
 
 
 def _consumes(worker: Any) -> WorkerSlots:
@@ -46,7 +52,7 @@ class LivenessStep(bootsteps.StartStopStep):
     requires = {"celery.worker.components:Timer"}
 
     def __init__(self, parent: Any, teamdesk_renew_visibility: bool = True, **kwargs: Any) -> None:
-        global _current
+        global _current, _holder
         super().__init__(parent, **kwargs)
         self.liveness = Liveness(
             get_settings(),
@@ -57,8 +63,7 @@ class LivenessStep(bootsteps.StartStopStep):
         self.tref: Any = None
         self.wake: Any = None
         _current = self.liveness
-
-        queueing.set_lease_holder(self.liveness.member)
+        _holder = self.liveness.member  # chosen before the pool forks: children inherit it
 
     def start(self, parent: Any) -> None:
         self.liveness.tick()
@@ -70,7 +75,7 @@ class LivenessStep(bootsteps.StartStopStep):
         self.wake = parent.timer.call_repeatedly(WAKE_S, _noop, priority=0)
 
     def stop(self, parent: Any) -> None:
-
+        global _holder
         if self.tref is not None:
             self.tref.cancel()
             self.tref = None
@@ -78,7 +83,7 @@ class LivenessStep(bootsteps.StartStopStep):
             self.wake.cancel()
             self.wake = None
         self.liveness.stop()
-        queueing.set_lease_holder(None)
+        _holder = None
 
     def shutdown(self, parent: Any) -> None:
         self.stop(parent)

@@ -33,7 +33,7 @@ from api.middleware import MAX_BODY_BYTES
 from api.tasks import MSG_EXPIRED, MSG_NOT_AN_EXPORT, MSG_NOT_COMPLETED
 from dispatcher.heartbeat import Heartbeat, WorkerSlots
 from dispatcher.leader import Leadership, leader_key
-from ledger import service
+from ledger import permissions, service
 from ledger.filters import MSG_DATE_ORDER, MSG_NOT_OBJECT, MSG_Q, MSG_STATUS, MSG_UNKNOWN_KEY
 from ledger.filters import MSG_Q_CHARS as MSG_TEXT
 from teamdesk.config import Settings
@@ -352,7 +352,7 @@ def test_customer_team_export_is_403_and_writes_nothing(
     )
     assert (response.status_code, response.json()) == (
         403,
-        {"detail": service.MSG_TEAM_NEEDS_STAFF},
+        {"detail": permissions.MSG_TEAM_EXPORT_NEEDS_STAFF},
     )
     assert count_tasks(engine) == 0
 
@@ -443,7 +443,7 @@ def test_invalid_reminders_write_nothing(
             422,
             "the request body may only contain ticket_id, run_at",
         ),
-        ("customer", {"ticket_id": ticket}, 403, service.MSG_REMINDER_NEEDS_STAFF),
+        ("customer", {"ticket_id": ticket}, 403, permissions.MSG_REMINDER_NEEDS_STAFF),
         ("outsider", {"ticket_id": ticket}, 404, MSG_TEAM_NOT_FOUND),
     ]
     for user, body, status, message in cases:
@@ -627,7 +627,10 @@ def test_retry_of_a_team_export_whose_creator_was_demoted_is_403(
         set_role(conn, world.team_id, world.staff2_id, "CUSTOMER")
     before = task_row(engine, task_id)
     response = client.post(f"/api/tasks/{task_id}/retry", headers=bearer(tokens["staff"]))
-    assert (response.status_code, response.json()) == (403, {"detail": service.MSG_RETRY_DEMOTED})
+    assert (response.status_code, response.json()) == (
+        403,
+        {"detail": permissions.MSG_CREATOR_NOT_STAFF},
+    )
     assert task_row(engine, task_id) == before
 
 

@@ -1,7 +1,7 @@
 """``teamdesk-tasks`` task commands against real PostgreSQL: demo-seed, token, submit,
 status, retry, cancel, watch, migrate --create-database, and --help everywhere.
 
-Most calls run ``teamdesk.cli.main`` in-process (the ``settings`` fixture points it at the
+Most calls run ``cli.main.main`` in-process (the ``settings`` fixture points it at the
 test's database); the exit-code and no-traceback checks run the real console script."""
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from cli import demo, localrun
+from cli.commands import local as local_commands
+from cli.commands.watch import follow, progress_line
+from cli.main import build_parser, main
 from ledger import lease, service
 from ledger.tokens import user_for_token
-from teamdesk import demo, localrun, logs
-from teamdesk.cli import build_parser, main
-from teamdesk.commands import local as local_commands
-from teamdesk.commands.watch import follow, progress_line
+from teamdesk import logs
 from teamdesk.config import Settings
 from tests.support import databases
 from tests.support.factories import World, add_ticket, add_tickets, task_row
@@ -291,7 +292,7 @@ def test_submit_refusals_say_why_and_write_nothing(
     team_scope = cli("submit", "export", "--user", customer, "--team", team)
     assert team_scope.code == 1
     assert team_scope.err == (
-        "teamdesk-tasks submit export: only staff may act on the whole team's tickets\n"
+        "teamdesk-tasks submit export: only staff may export the whole team's tickets\n"
     )
     unknown = cli("submit", "export", "--user", "ghost@example.test", "--team", team)
     assert (unknown.code, unknown.err) == (1, "teamdesk-tasks submit export: User not found.\n")

@@ -179,7 +179,7 @@ def test_hard_cap_ends_a_probe_whose_timeouts_would_let_it_hang(
 
 IMPORTS_SCRIPT = """
 import json, sys
-from teamdesk.cli import main
+from cli.main import main
 code = main(["health", "--scope", sys.argv[1]])
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("celery", "kombu", "tasks"))
 print(json.dumps({"code": code, "loaded": loaded}), file=sys.stderr)

@@ -73,7 +73,7 @@ def empty_db() -> Iterator[str]:
 def migrate(url: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DATABASE_URL": url, "LOG_LEVEL": "warn"}
     return subprocess.run(
-        [sys.executable, "-m", "teamdesk.cli", "migrate"],
+        [sys.executable, "-m", "cli.main", "migrate"],
         env=env,
         capture_output=True,
         text=True,

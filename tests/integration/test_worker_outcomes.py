@@ -15,7 +15,7 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from dispatcher import scan as scan_module
-from ledger import service
+from ledger import permissions, service
 from ledger.filters import MSG_STATUS
 from tasks import queueing
 from teamdesk import config, hooks
@@ -133,9 +133,7 @@ def test_permission_lost_before_run_is_a_rejection(
     with running_cluster(celery_app):
         row = run_to_end(engine, task_id)
     assert (row["status"], row["attempts"]) == ("FAILED", 1)
-    assert row["last_error"] == (
-        "A team export needs a staff member; the task's creator is no longer staff."
-    )
+    assert row["last_error"] == permissions.MSG_CREATOR_NOT_STAFF
 
 
 def test_exhausted_attempts_then_manual_retry_opens_run_1(

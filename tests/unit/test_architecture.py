@@ -5,9 +5,13 @@ not remove the cycle). `make lint` checks the layer contracts of pyproject.toml
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import grimp
 
-PACKAGES = ("teamdesk", "ledger", "tasks", "dispatcher", "worker", "api")
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("teamdesk", "ledger", "tasks", "dispatcher", "worker", "api", "cli")
 
 
 def cycles(graph: grimp.ImportGraph) -> list[list[str]]:
@@ -59,3 +63,28 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     graph.add_import(importer="b", imported="c")
     graph.add_import(importer="c", imported="a")
     assert cycles(graph) == [["a", "b", "c"]]
+
+
+def _imports_inside_functions(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Import | ast.ImportFrom):
+                    found.append(f"{path.relative_to(ROOT)}:{inner.lineno}")
+    return found
+
+
+def test_imports_inside_functions_only_in_the_command_line() -> None:
+    """A function-local import hides an edge of the graph from the reader; only the front
+    door may defer its heavy imports, for the reason cli/commands/__init__.py gives."""
+    found = [
+        where
+        for package in PACKAGES
+        if package != "cli"
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for where in _imports_inside_functions(path)
+    ]
+    assert found == []
+    assert _imports_inside_functions(ROOT / "cli" / "main.py")  # the check reads bodies

@@ -81,7 +81,7 @@ def test_bad_values_name_the_variable(env: dict[str, str], needle: str) -> None:
 def test_entry_point_refuses_bad_config_without_traceback() -> None:
     env = {**os.environ, "DATABASE_URL": "postgresql://u:hunter2@h:bad/db"}
     proc = subprocess.run(
-        [sys.executable, "-m", "teamdesk.cli", "migrate"],
+        [sys.executable, "-m", "cli.main", "migrate"],
         env=env,
         capture_output=True,
         text=True,
@@ -95,13 +95,13 @@ def test_entry_point_refuses_bad_config_without_traceback() -> None:
 
 
 def test_every_command_has_help() -> None:
-    from teamdesk.cli import build_parser
+    from cli.main import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     for name in sub.choices:  # type: ignore[union-attr]
         proc = subprocess.run(
-            [sys.executable, "-m", "teamdesk.cli", name, "--help"],
+            [sys.executable, "-m", "cli.main", name, "--help"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -113,7 +113,7 @@ def test_health_probe_never_exits_2_on_bad_config() -> None:
     """Container health checks reserve exit code 2; the probe says 0 or 1 only."""
     env = {**os.environ, "HEARTBEAT_TTL_S": "abc"}
     proc = subprocess.run(
-        [sys.executable, "-m", "teamdesk.cli", "health"],
+        [sys.executable, "-m", "cli.main", "health"],
         env=env,
         capture_output=True,
         text=True,

@@ -53,3 +53,35 @@ def test_the_docs_link_to_files_that_exist() -> None:
     for doc in (ROOT / "docs").glob("*.md"):
         for target in re.findall(r"\]\(([^)#:]+)\)", doc.read_text()):
             assert (doc.parent / target).exists(), (doc.name, target)
+
+
+def _layout_block() -> str:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Layout", 1)[1]
+    return section.split("```", 2)[1]
+
+
+def test_the_readme_layout_matches_the_tree() -> None:
+    """Every top-level directory of the project is in the Layout block, and every
+    ``name.py`` it mentions exists in the package it is listed under."""
+    block = _layout_block()
+    listed = set(re.findall(r"^([a-z_]+)/", block, re.MULTILINE))
+    tracked = {
+        p.name
+        for p in ROOT.iterdir()
+        if p.is_dir()
+        and not p.name.startswith(".")
+        and p.name not in SKIP | {"__pycache__"}
+        and not p.name.endswith(".egg-info")
+    }
+    assert listed == tracked
+    package = ""
+    missing = []
+    for line in block.splitlines():
+        head = re.match(r"^([a-z_]+)/", line)
+        if head:
+            package = head.group(1)
+        for name in re.findall(r"\b([a-z_]+\.py)\b", line):
+            if not list((ROOT / package).rglob(name)):
+                missing.append(f"{package}/{name}")
+    assert missing == []

@@ -25,15 +25,23 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import redis
+import sqlalchemy as sa
+from honcho.environ import parse_procfile
+from sqlalchemy import exc as sa_exc
+
+from cli import demo
+from cli.demo import DemoTeam
+from cli.localmanager import ClusterManager
+from ledger.migrate import upgrade
 from teamdesk.config import Settings
+from teamdesk.db import make_engine, sqlalchemy_url
+from teamdesk.redis_client import redis_client
 
-if TYPE_CHECKING:
-    from teamdesk.demo import DemoTeam
-
-ROOT = Path(__file__).resolve().parents[1]
-PROCFILE = ROOT / "Procfile"
+PROCFILE = Path(__file__).with_name("Procfile")  # the processes ``make run`` starts
+REDIS_CHECK_TIMEOUT_S = 3.0
 KILL_GRACE_S = 15.0  # past the workers' own drain budget (75 s) and hard-exit guard (10 s)
 FLOWER_USER = "admin"
 API_PORT_ENV = "TEAMDESK_API_PORT"
@@ -57,8 +65,6 @@ class LocalOptions:
 
 def read_procfile(path: Path) -> dict[str, str]:
     """``name: command`` lines (honcho's parser); comments and blank lines are skipped."""
-    from honcho.environ import parse_procfile
-
     try:
         content = path.read_text()
     except OSError:
@@ -91,11 +97,6 @@ def child_env(options: LocalOptions, base: dict[str, str] | None = None) -> dict
 def ensure_database(database_url: str) -> bool:
     """Create the database DATABASE_URL names, through the ``postgres`` maintenance
     database of the same server, when it does not exist. True when it was created."""
-    import sqlalchemy as sa
-    from sqlalchemy import exc as sa_exc
-
-    from teamdesk.db import sqlalchemy_url
-
     url = sa.engine.make_url(sqlalchemy_url(database_url))
     name = url.database
     if not name:
@@ -131,9 +132,7 @@ def ensure_database(database_url: str) -> bool:
 
 
 def check_redis(settings: Settings) -> None:
-    import redis
-
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=3, socket_connect_timeout=3)
+    client = redis_client(settings.redis_url, REDIS_CHECK_TIMEOUT_S)
     try:
         client.ping()
     except redis.RedisError as exc:
@@ -163,10 +162,6 @@ def check_port(port: int, flag: str, variable: str) -> None:
 def prepare(settings: Settings, options: LocalOptions) -> DemoTeam:
     """Ports, Redis, database, schema, demo data; returns the demo team with a fresh
     token for its staff user."""
-    from ledger.migrate import upgrade
-    from teamdesk import demo
-    from teamdesk.db import make_engine
-
     check_port(options.api_port, "--api-port", API_PORT_ENV)
     check_port(options.flower_port, "--flower-port", FLOWER_PORT_ENV)
     check_redis(settings)
@@ -221,23 +216,15 @@ def banner(team: DemoTeam, options: LocalOptions, processes: dict[str, str]) -> 
 
 
 def _start_manager(options: LocalOptions, processes: dict[str, str], stop_grace_s: float) -> int:
-    from teamdesk.localmanager import ClusterManager
-
     manager = ClusterManager(stop_grace_s=stop_grace_s)
     env = child_env(options)
     for name, command in processes.items():
-        manager.add_process(name, exec_command(command), env=env, cwd=str(options.procfile.parent))
+        manager.add_process(name, exec_command(command), env=env)
     manager.loop()
     return manager.returncode if manager.returncode is not None else 1
 
 
 def run_local(settings: Settings, options: LocalOptions) -> int:
-    try:
-        import honcho  # noqa: F401
-    except ImportError:
-        raise RunError(
-            "honcho is not installed; run: make install (or pip install honcho)"
-        ) from None
     processes = read_procfile(options.procfile)
     team = prepare(settings, options)
     print(banner(team, options, processes), flush=True)

@@ -13,7 +13,9 @@ import signal
 from types import FrameType
 from typing import Any
 
-from teamdesk.commands.common import port_arg
+from cli.commands.common import port_arg
+from teamdesk.config import settings_or_exit
+from teamdesk.logs import setup_logging
 
 APP = "api.app:app"
 
@@ -28,9 +30,6 @@ def _note_signal(signum: int, frame: FrameType | None) -> None:
 
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
-
-    from teamdesk.config import settings_or_exit
-    from teamdesk.logs import setup_logging
 
     setup_logging("api", settings_or_exit().log_level)
     for sig in (signal.SIGTERM, signal.SIGINT):

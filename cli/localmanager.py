@@ -1,4 +1,4 @@
-"""honcho's process manager with a deploy-safe stop (used by :mod:`teamdesk.localrun`).
+"""honcho's process manager with a deploy-safe stop (used by :mod:`cli.localrun`).
 
 Stock honcho 2.0 sends SIGTERM to each child's whole process group (so a Celery
 worker's prefork children get it too) and SIGKILLs everything 5 s after the first

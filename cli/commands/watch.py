@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from teamdesk.commands.common import (
+from cli.commands.common import (
     guarded,
     positive_float_arg,
     say_error,
@@ -110,7 +110,7 @@ def _reader(args: argparse.Namespace) -> Callable[[], View | None]:
     retried (the task goes on without us), never a traceback."""
     from sqlalchemy import exc as sa_exc
 
-    from teamdesk.commands.task_commands import read_view
+    from cli.commands.task_commands import read_view
     from teamdesk.db import get_engine
 
     engine = get_engine()

@@ -1,9 +1,10 @@
 """``teamdesk-tasks``: the operator's command line.
 
-``migrate``, ``health`` and ``scan`` are here; the others live in ``teamdesk/commands/``
+``migrate``, ``health`` and ``scan`` are here; the others live in ``cli/commands/``
 (``serve`` = api, ``local`` = demo-seed and run-local, ``task_commands`` = submit, status,
-retry, cancel, token, ``watch``). Parsing imports only the standard library, so ``--help``
-and the ``health`` probe stay fast and never load Celery.
+retry, cancel, token, ``watch``). Parsing imports only the standard library and the light
+foundation, so ``--help`` and the ``health`` probe stay fast and never load Celery; each
+handler imports what it needs when it runs (see ``cli/commands/__init__.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from teamdesk.commands import local, serve, task_commands, watch
+from cli.commands import local, serve, task_commands, watch
 from teamdesk.config import settings_or_exit
 from teamdesk.logs import setup_logging
 
@@ -25,7 +26,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
     settings = settings_or_exit()
     if args.create_database:
-        from teamdesk.localrun import RunError, ensure_database
+        from cli.localrun import RunError, ensure_database
 
         try:
             if ensure_database(settings.database_url):

@@ -12,7 +12,7 @@ import json
 import uuid
 from typing import Any
 
-from teamdesk.commands.common import (
+from cli.commands.common import (
     EXIT_OK,
     EXIT_STATUS_HELP,
     aware_datetime_arg,

@@ -25,7 +25,7 @@ CUSTOMER_EMAIL = "customer@demo.teamdesk.test"
 DEFAULT_TICKETS = 3000
 SPREAD_DAYS = 42
 
-LOCK = text("SELECT pg_advisory_xact_lock(hashtext('teamdesk.demo-seed'))")
+LOCK = text("SELECT pg_advisory_xact_lock(hashtext('cli.demo-seed'))")
 
 FIND_TEAM = text("""
     SELECT t.id FROM teams t

@@ -6,9 +6,10 @@ import argparse
 import json
 from typing import Any
 
-from teamdesk.commands.common import EXIT_OK, EXIT_STATUS_HELP, guarded, port_arg
+from cli.commands.common import EXIT_OK, EXIT_STATUS_HELP, CommandError, guarded, port_arg
+from teamdesk.config import settings_or_exit
 
-DEFAULT_TICKETS = 3000  # teamdesk.demo.DEFAULT_TICKETS (not imported: keeps --help light)
+DEFAULT_TICKETS = 3000  # cli.demo.DEFAULT_TICKETS (not imported: keeps --help light)
 
 
 def _count(text: str) -> int:
@@ -22,7 +23,7 @@ def _count(text: str) -> int:
 
 
 def cmd_demo_seed(args: argparse.Namespace) -> int:
-    from teamdesk import demo
+    from cli import demo
     from teamdesk.db import get_engine
 
     with get_engine().begin() as conn:
@@ -32,9 +33,7 @@ def cmd_demo_seed(args: argparse.Namespace) -> int:
 
 
 def cmd_run_local(args: argparse.Namespace) -> int:
-    from teamdesk.commands.common import CommandError
-    from teamdesk.config import settings_or_exit
-    from teamdesk.localrun import RunError, options_from, run_local
+    from cli.localrun import RunError, options_from, run_local
 
     try:
         return run_local(settings_or_exit(), options_from(args))

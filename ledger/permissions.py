@@ -1,0 +1,52 @@
+"""Who may run what: the one home of the permission rules (docs/design.md, "Permissions").
+
+A role is the user's ``memberships.role`` in the task's team, or None when they are not
+a member. The rules are checked where a task is asked for (create, retry) and again by
+the worker, as of the claim and just before an export's result is written, so a role
+change between creation and the write is honoured. Every refusal has one fixed text,
+the same in the API's 403, the CLI and the task's ``last_error``.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+STAFF = "STAFF"
+
+MSG_TEAM_EXPORT_NEEDS_STAFF = "only staff may export the whole team's tickets"
+MSG_REMINDER_NEEDS_STAFF = "only staff may schedule reminders"
+MSG_CREATOR_LEFT = "the task's creator is no longer a member of the team"
+MSG_CREATOR_NOT_STAFF = (
+    "the task's creator is no longer staff; only staff may export the whole team's tickets"
+)
+
+
+def may_see(scope: str, owner_id: uuid.UUID, user_id: uuid.UUID, role: str | None) -> bool:
+    """A member sees the tasks they created, and staff also see every TEAM-scope task.
+    (``LIST_TASKS`` in ledger/service.py says the same in SQL.)"""
+    return role is not None and (owner_id == user_id or (scope == "TEAM" and role == STAFF))
+
+
+def may_export(scope: str, role: str | None) -> bool:
+    """A member may export their own tickets (MINE); the whole team's (TEAM) needs staff."""
+    return role is not None and (scope != "TEAM" or role == STAFF)
+
+
+def may_schedule_reminder(role: str | None) -> bool:
+    return role == STAFF
+
+
+def export_refusal(scope: str, creator_role: str | None) -> str | None:
+    """Why an export created earlier may no longer run (None: it may), given its creator's
+    role now: they left the team, or a TEAM export's creator is no longer staff."""
+    if creator_role is None:
+        return MSG_CREATOR_LEFT
+    if not may_export(scope, creator_role):
+        return MSG_CREATOR_NOT_STAFF
+    return None
+
+
+def reminder_refusal(creator_role: str | None) -> str | None:
+    """Why a reminder created earlier may no longer be sent (None: it may): its creator
+    left the team. (A creator who is no longer staff still gets the reminder sent.)"""
+    return MSG_CREATOR_LEFT if creator_role is None else None
