@@ -1,5 +1,6 @@
-"""Helpers for the HTTP API tests: an in-process client, tokens for the world's users,
-and ledger rows in the states the routes care about (made through the ledger itself)."""
+"""Helpers for the HTTP API tests: an in-process client, tokens for the world's users, the
+create routes' URLs, and ledger rows in the states the routes care about (made through the
+ledger itself)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,14 @@ def make_tokens(engine: sa.Engine, world: World) -> dict[str, str]:
     }
     with engine.begin() as conn:
         return {name: create_token(conn, user_id, "api test") for name, user_id in ids.items()}
+
+
+def exports_url(team_id: object) -> str:
+    return f"/api/teams/{team_id}/exports"
+
+
+def reminders_url(team_id: object) -> str:
+    return f"/api/teams/{team_id}/reminders"
 
 
 def bearer(token: str | None) -> dict[str, str]:

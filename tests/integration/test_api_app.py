@@ -1,0 +1,122 @@
+"""The API app as a whole, in-process: a task route with the database unreachable answers
+503 without details, OpenAPI and /docs are served, the module-level app imports without
+a database, the logs carry no token, body or CSV, and an unexpected error answers 500
+without its text.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
+
+from api.app import create_api
+from teamdesk.config import Settings
+from tests.support.api_helpers import (
+    BAD_TOKEN,
+    api_client,
+    bearer,
+    closed_port,
+    exports_url,
+    task_in_state,
+)
+from tests.support.factories import World
+
+# --- the database going away under a task route ---------------------------------------------
+
+
+def test_task_routes_answer_503_without_details_when_the_database_is_unreachable(
+    settings: Settings,
+) -> None:
+    port = closed_port()
+    broken = settings.with_overrides(database_url=f"postgresql://postgres@127.0.0.1:{port}/x")
+    with api_client(broken) as client:
+        response = client.get(f"/api/tasks/{uuid.uuid4()}", headers=bearer(BAD_TOKEN))
+    assert response.status_code == 503
+    assert set(response.json()) == {"detail"}
+    assert str(port) not in response.text and "127.0.0.1" not in response.text
+
+
+# --- OpenAPI ---------------------------------------------------------------------------------
+
+
+def test_openapi_and_docs_are_served(client: TestClient) -> None:
+    schema = client.get("/openapi.json").json()
+    assert set(schema["paths"]) == {
+        "/api/health",
+        "/api/workers/health",
+        "/api/teams/{team_id}/exports",
+        "/api/teams/{team_id}/reminders",
+        "/api/teams/{team_id}/tasks",
+        "/api/tasks/{task_id}",
+        "/api/tasks/{task_id}/retry",
+        "/api/tasks/{task_id}/cancel",
+        "/api/tasks/{task_id}/csv",
+    }
+    assert "bearer" in schema["components"]["securitySchemes"]
+    docs = client.get("/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+
+
+def test_importing_the_module_level_app_needs_no_database() -> None:
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"postgresql://postgres@127.0.0.1:{closed_port()}/x",
+        "REDIS_URL": f"redis://127.0.0.1:{closed_port()}/0",
+    }
+    code = "import api.app; print(sorted(api.app.app.openapi()['paths'])[0])"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "/api/health"
+
+
+def test_logs_carry_no_token_body_or_csv(
+    client: TestClient,
+    engine: sa.Engine,
+    world: World,
+    tokens: dict[str, str],
+    settings: Settings,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    task_id = task_in_state(engine, world, "COMPLETED", csv="id\r\nsecret-csv-row\r\n")
+    client.get(f"/api/tasks/{task_id}/csv", headers=bearer(tokens["staff"]))
+    body = {"scope": "TEAM", "filters": {"q": "secret-body-text"}}
+    client.post(exports_url(world.team_id), json=body, headers=bearer(tokens["staff"]))
+    broken = settings.with_overrides(
+        database_url=f"postgresql://postgres@127.0.0.1:{closed_port()}/x"
+    )
+    with api_client(broken) as down:
+        down.post(exports_url(world.team_id), json=body, headers=bearer(tokens["staff"]))
+        down.get("/api/health")
+    logged = "\n".join(f"{r.getMessage()} {r.__dict__}" for r in caplog.records)
+    assert "database unavailable" in logged and "health check failed" in logged
+    for secret in (tokens["staff"], "secret-body-text", "secret-csv-row"):
+        assert secret not in logged
+
+
+# --- the last-resort answer -------------------------------------------------------------------
+
+
+def test_an_unexpected_error_answers_500_without_its_text(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = create_api(settings, configure_logging=False)
+
+    @app.get("/api/boom")
+    def boom() -> None:
+        raise ValueError("secret-detail")
+
+    with TestClient(app) as client:
+        response = client.get("/api/boom")
+    assert (response.status_code, response.json()) == (500, {"detail": "internal error"})
+    logged = "\n".join(f"{r.getMessage()} {r.__dict__}" for r in caplog.records)
+    assert "ValueError" in logged and "secret-detail" not in logged

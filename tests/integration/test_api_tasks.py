@@ -1,0 +1,217 @@
+"""The routes on existing tasks, in-process against real PostgreSQL.
+
+Listing a team's tasks (who sees what, newest first, never the CSV, the limit's bounds),
+reading one task, retry and cancel (accepted, or refused by state or a demoted creator,
+with the row untouched), and the CSV download (its headers; 409 until the export
+completes; 410 once expired or purged).
+"""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
+
+from api.errors import MSG_LIMIT, MSG_TEAM_NOT_FOUND
+from api.tasks import MSG_EXPIRED, MSG_NOT_AN_EXPORT, MSG_NOT_COMPLETED
+from ledger import permissions, service
+from tests.support.api_helpers import bearer, task_in_state
+from tests.support.factories import World, set_role, task_row
+
+# --- GET /api/teams/{team_id}/tasks -------------------------------------------------------
+
+
+def test_list_shows_what_each_user_may_see_newest_first(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str]
+) -> None:
+    team_task = task_in_state(engine, world, "WAITING")
+    staff_mine = task_in_state(engine, world, "WAITING", scope="MINE")
+    customer_mine = task_in_state(engine, world, "FAILED", scope="MINE", owner_id=world.customer_id)
+    url = f"/api/teams/{world.team_id}/tasks"
+
+    def ids(user: str, query: str = "") -> list[str]:
+        response = client.get(url + query, headers=bearer(tokens[user]))
+        assert response.status_code == 200, response.text
+        return [task["id"] for task in response.json()["tasks"]]
+
+    assert ids("staff") == [str(staff_mine), str(team_task)]
+    assert ids("staff2") == [str(team_task)]
+    assert ids("customer") == [str(customer_mine)]
+    assert ids("staff", "?limit=1") == [str(staff_mine)]
+    outsider = client.get(url, headers=bearer(tokens["outsider"]))
+    assert (outsider.status_code, outsider.json()) == (404, {"detail": MSG_TEAM_NOT_FOUND})
+
+
+def test_list_items_never_carry_the_csv(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str]
+) -> None:
+    task_in_state(engine, world, "COMPLETED", csv="id\r\nsecret-row\r\n")
+    response = client.get(f"/api/teams/{world.team_id}/tasks", headers=bearer(tokens["staff"]))
+    (task,) = response.json()["tasks"]
+    assert task["has_csv"] is True and task["status"] == "COMPLETED"
+    assert "result_csv" not in task and "secret-row" not in response.text
+
+
+@pytest.mark.parametrize("limit", ["0", "201", "-1", "ten", "1.5"])
+def test_list_limit_out_of_range_is_422(
+    client: TestClient, world: World, tokens: dict[str, str], limit: str
+) -> None:
+    response = client.get(
+        f"/api/teams/{world.team_id}/tasks?limit={limit}", headers=bearer(tokens["staff"])
+    )
+    assert (response.status_code, response.json()) == (422, {"detail": MSG_LIMIT})
+
+
+def test_list_of_a_malformed_team_is_404(client: TestClient, tokens: dict[str, str]) -> None:
+    response = client.get("/api/teams/12345/tasks", headers=bearer(tokens["staff"]))
+    assert (response.status_code, response.json()) == (404, {"detail": MSG_TEAM_NOT_FOUND})
+
+
+# --- GET /api/tasks/{task_id} -------------------------------------------------------------
+
+
+def test_get_task_shows_status_run_attempts_progress_and_error(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str]
+) -> None:
+    task_id = task_in_state(engine, world, "FAILED")
+    response = client.get(f"/api/tasks/{task_id}", headers=bearer(tokens["staff"]))
+    assert response.status_code == 200
+    body = response.json()
+    assert body["id"] == str(task_id)
+    assert (body["status"], body["run"], body["attempts"], body["progress"]) == ("FAILED", 0, 1, 0)
+    assert body["last_error"] == "Export failed."
+    assert body["expires_at"] is None and body["has_csv"] is False
+    assert set(body) >= {"result_summary", "created_at", "updated_at", "run_at", "recoveries"}
+    assert "result_csv" not in body and "execution_id" not in body
+
+
+# --- POST /api/tasks/{task_id}/retry --------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", ["FAILED", "CANCELLED"])
+def test_retry_is_accepted_and_opens_a_new_run(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str], state: str
+) -> None:
+    task_id = task_in_state(engine, world, state)
+    response = client.post(f"/api/tasks/{task_id}/retry", headers=bearer(tokens["staff2"]))
+    assert (response.status_code, response.json()) == (
+        202,
+        {"task_id": str(task_id), "run": 1, "status": "WAITING"},
+    )
+    row = task_row(engine, task_id)
+    assert (row["status"], row["run"], row["attempts"], row["dispatched_at"]) == (
+        "WAITING",
+        1,
+        0,
+        None,
+    )
+
+
+@pytest.mark.parametrize("state", ["WAITING", "RUNNING", "COMPLETED"])
+def test_retry_of_an_unfinished_or_completed_task_is_409(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str], state: str
+) -> None:
+    task_id = task_in_state(engine, world, state)
+    before = task_row(engine, task_id)
+    response = client.post(f"/api/tasks/{task_id}/retry", headers=bearer(tokens["staff"]))
+    assert (response.status_code, response.json()) == (409, {"detail": service.MSG_RETRY_STATE})
+    assert task_row(engine, task_id) == before
+
+
+def test_retry_of_a_team_export_whose_creator_was_demoted_is_403(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str]
+) -> None:
+    task_id = task_in_state(engine, world, "FAILED", owner_id=world.staff2_id)
+    with engine.begin() as conn:
+        set_role(conn, world.team_id, world.staff2_id, "CUSTOMER")
+    before = task_row(engine, task_id)
+    response = client.post(f"/api/tasks/{task_id}/retry", headers=bearer(tokens["staff"]))
+    assert (response.status_code, response.json()) == (
+        403,
+        {"detail": permissions.MSG_CREATOR_NOT_STAFF},
+    )
+    assert task_row(engine, task_id) == before
+
+
+# --- POST /api/tasks/{task_id}/cancel -------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", ["WAITING", "RUNNING"])
+def test_cancel_is_accepted_and_revokes_the_lease(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str], state: str
+) -> None:
+    task_id = task_in_state(engine, world, state)
+    response = client.post(f"/api/tasks/{task_id}/cancel", headers=bearer(tokens["staff"]))
+    assert (response.status_code, response.json()) == (
+        202,
+        {"task_id": str(task_id), "run": 0, "status": "CANCELLED"},
+    )
+    row = task_row(engine, task_id)
+    assert (row["status"], row["execution_id"]) == ("CANCELLED", None)
+    again = client.post(f"/api/tasks/{task_id}/cancel", headers=bearer(tokens["staff"]))
+    assert (again.status_code, again.json()) == (409, {"detail": service.MSG_CANCEL_STATE})
+
+
+@pytest.mark.parametrize("state", ["COMPLETED", "FAILED"])
+def test_cancel_of_a_finished_task_is_409(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str], state: str
+) -> None:
+    task_id = task_in_state(engine, world, state)
+    before = task_row(engine, task_id)
+    response = client.post(f"/api/tasks/{task_id}/cancel", headers=bearer(tokens["staff"]))
+    assert (response.status_code, response.json()) == (409, {"detail": service.MSG_CANCEL_STATE})
+    assert task_row(engine, task_id) == before
+
+
+# --- GET /api/tasks/{task_id}/csv -----------------------------------------------------------
+
+CSV = 'id,title\r\nT-1,"Café, ""quoted"""\r\nT-2,\'=1+1\r\n'
+
+
+def test_csv_download_of_a_completed_export(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str]
+) -> None:
+    task_id = task_in_state(engine, world, "COMPLETED", csv=CSV)
+    response = client.get(f"/api/tasks/{task_id}/csv", headers=bearer(tokens["staff2"]))
+    assert response.status_code == 200
+    assert response.headers["Content-Type"] == "text/csv; charset=utf-8"
+    assert response.headers["Content-Disposition"] == f'attachment; filename="export-{task_id}.csv"'
+    assert response.headers["Cache-Control"] == "no-store"
+    assert response.content == CSV.encode("utf-8")
+
+
+@pytest.mark.parametrize("state", ["WAITING", "RUNNING", "FAILED", "CANCELLED"])
+def test_csv_is_409_until_the_export_completes(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str], state: str
+) -> None:
+    task_id = task_in_state(engine, world, state)
+    response = client.get(f"/api/tasks/{task_id}/csv", headers=bearer(tokens["staff"]))
+    assert (response.status_code, response.json()) == (409, {"detail": MSG_NOT_COMPLETED})
+
+
+def test_csv_of_a_reminder_is_409(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str]
+) -> None:
+    task_id = task_in_state(engine, world, "COMPLETED", kind="REMINDER")
+    response = client.get(f"/api/tasks/{task_id}/csv", headers=bearer(tokens["staff"]))
+    assert (response.status_code, response.json()) == (409, {"detail": MSG_NOT_AN_EXPORT})
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "expires_at = now() - interval '1 second'",
+        "result_csv = NULL",  # purged by the dispatcher
+    ],
+    ids=["expired", "purged"],
+)
+def test_csv_is_410_once_expired_or_purged(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str], change: str
+) -> None:
+    task_id = task_in_state(engine, world, "COMPLETED", csv=CSV)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(f"UPDATE background_tasks SET {change} WHERE id = :id"), {"id": task_id}
+        )
+    response = client.get(f"/api/tasks/{task_id}/csv", headers=bearer(tokens["staff"]))
+    assert (response.status_code, response.json()) == (410, {"detail": MSG_EXPIRED})

@@ -1,0 +1,465 @@
+"""deploy/k8s/: the Kubernetes manifests, checked offline (no cluster is needed).
+
+Every document is validated with kubernetes-validate (strict: an unknown field is an
+error) against the Kubernetes schemas that package ships. ``k8s_problems`` checks the
+operational points (non-root, exec-form commands, one beat Deployment with a hot standby
+and no ``-S`` replacing the dispatcher, every task queue consumed by some worker
+Deployment and none naming another, the 90 s grace above the 75 s drain, exec health
+probes, Services that match their pods, Flower auth built from the Secret), and every
+check is shown to fail on a copy of the manifests broken in exactly that point.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.support.deploy_files import (
+    BEAT_REPLICAS,
+    DEPLOY,
+    DRAIN_S,
+    HEALTH_CMD,
+    HEALTH_HARD_CAP_S,
+    WORKER_GRACE_S,
+    beat_scheduler_problem,
+    default_of,
+    flag_value,
+    is_exec_form,
+    runs_celery,
+    runs_embedded_beat,
+    unconsumed_queues,
+    unknown_queues,
+)
+
+K8S_DIR = DEPLOY / "k8s"
+
+# Oldest Kubernetes minor the manifests are written for; kubernetes-validate ships its schemas.
+K8S_VERSION = "1.31.0"
+
+
+# --------------------------------------------------------------------------- Kubernetes
+
+
+def _k8s_docs() -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = []
+    for path in sorted(K8S_DIR.glob("*.yaml")):
+        docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
+    return docs
+
+
+def _find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any] | None:
+    for doc in docs:
+        if doc.get("kind") == kind and doc.get("metadata", {}).get("name") == name:
+            return doc
+    return None
+
+
+def _pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = workload["spec"]["template"]["spec"]
+    return spec
+
+
+def _containers(workload: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield from _pod_spec(workload).get("containers", [])
+
+
+def _main_container(workload: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any] = _pod_spec(workload)["containers"][0]
+    return container
+
+
+def _argv(container: dict[str, Any]) -> list[str]:
+    return [*(container.get("command") or []), *(container.get("args") or [])]
+
+
+def k8s_problems(docs: list[dict[str, Any]]) -> list[str]:
+    problems: list[str] = []
+    wanted = [
+        ("Deployment", "teamdesk-worker"),
+        ("Deployment", "teamdesk-beat"),
+        ("Deployment", "teamdesk-api"),
+        ("Service", "teamdesk-api"),
+        ("Deployment", "teamdesk-flower"),
+        ("Service", "teamdesk-flower"),
+        ("Job", "teamdesk-migrate"),
+        ("ConfigMap", "teamdesk-config"),
+        ("Secret", "teamdesk-secrets"),
+    ]
+    missing = [w for w in wanted if _find(docs, *w) is None]
+    if missing:
+        return [f"manifests missing: {missing}"]
+    worker = _find(docs, "Deployment", "teamdesk-worker")
+    beat = _find(docs, "Deployment", "teamdesk-beat")
+    api = _find(docs, "Deployment", "teamdesk-api")
+    flower = _find(docs, "Deployment", "teamdesk-flower")
+    migrate = _find(docs, "Job", "teamdesk-migrate")
+    config = _find(docs, "ConfigMap", "teamdesk-config")
+    assert worker and beat and api and flower and migrate and config
+
+    workloads = [d for d in docs if d.get("kind") in ("Deployment", "Job")]
+    for w in workloads:
+        name = w["metadata"]["name"]
+        pod_sc = _pod_spec(w).get("securityContext") or {}
+        for c in _containers(w):
+            c_sc = c.get("securityContext") or {}
+            if c_sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is not True:
+                problems.append(f"{name}/{c['name']}: runAsNonRoot not true")
+            if c_sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
+                problems.append(f"{name}/{c['name']}: runAsUser 0")
+            if not is_exec_form(_argv(c)):
+                problems.append(f"{name}/{c['name']}: command is not exec form")
+
+    # worker
+    wspec = _pod_spec(worker)
+    grace = wspec.get("terminationGracePeriodSeconds", 30)
+    if grace != WORKER_GRACE_S:
+        problems.append(f"worker: terminationGracePeriodSeconds is {grace}, not 90")
+    drain = default_of(config.get("data", {}).get("SHUTDOWN_TIMEOUT_S", DRAIN_S))
+    if drain is None or not drain < grace:
+        problems.append("worker: SHUTDOWN_TIMEOUT_S is not below the grace period")
+    wc = _main_container(worker)
+    wargv = _argv(wc)
+    if not (runs_celery(wargv, "worker") and flag_value(wargv, "-A", "--app") == "tasks"):
+        problems.append("worker: command is not celery -A tasks worker")
+    for probe in ("livenessProbe", "readinessProbe"):
+        p = wc.get(probe) or {}
+        if (p.get("exec") or {}).get("command") != HEALTH_CMD:
+            problems.append(f"worker: {probe} is not exec teamdesk-tasks health")
+        if not p.get("timeoutSeconds", 1) > HEALTH_HARD_CAP_S:
+            problems.append(f"worker: {probe} timeoutSeconds not above the 4 s cap")
+    instance = [e for e in wc.get("env") or [] if e.get("name") == "WORKER_INSTANCE_ID"]
+    field = (
+        ((instance[0].get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
+        if instance
+        else None
+    )
+    if field != "metadata.name":
+        problems.append("worker: WORKER_INSTANCE_ID is not the pod name (downward API)")
+
+    # exactly one beat
+    beat_deployments = [
+        d["metadata"]["name"]
+        for d in docs
+        if d.get("kind") == "Deployment"
+        and any(
+            runs_celery(_argv(c), "beat") or runs_embedded_beat(_argv(c)) for c in _containers(d)
+        )
+    ]
+    if beat_deployments != ["teamdesk-beat"]:
+        problems.append(f"not exactly one beat Deployment: {beat_deployments}")
+    if beat["spec"].get("replicas", 1) < BEAT_REPLICAS:
+        problems.append("beat: replicas below 2, no hot standby")
+    strategy = beat["spec"].get("strategy") or {}
+    max_unavailable = (strategy.get("rollingUpdate") or {}).get("maxUnavailable")
+    if strategy.get("type") != "RollingUpdate" or max_unavailable != 0:
+        problems.append("beat: strategy is not RollingUpdate with maxUnavailable 0")
+    if scheduler_problem := beat_scheduler_problem("beat", _argv(_main_container(beat))):
+        problems.append(scheduler_problem)
+
+    # every task queue has a consumer among the worker Deployments, and none names another
+    k8s_worker_commands = [
+        _argv(c)
+        for d in docs
+        if d.get("kind") == "Deployment"
+        for c in _containers(d)
+        if runs_celery(_argv(c), "worker")
+    ]
+    if unconsumed := unconsumed_queues(k8s_worker_commands):
+        problems.append(f"no worker Deployment consumes queue(s) {unconsumed}")
+    for command in k8s_worker_commands:
+        if unknown := unknown_queues(command):
+            problems.append(f"a worker Deployment names undeclared queue(s) {unknown}")
+
+    # api
+    ac = _main_container(api)
+    if (((ac.get("readinessProbe") or {}).get("httpGet") or {}).get("path")) != "/api/health":
+        problems.append("api: readinessProbe is not GET /api/health")
+    problems.extend(_service_problems(docs, "teamdesk-api", api))
+
+    # flower
+    fc = _main_container(flower)
+    if not runs_celery(_argv(fc), "flower"):
+        problems.append("flower: command is not celery ... flower")
+    fenv = {e["name"]: e for e in fc.get("env") or []}
+    auth = (fenv.get("FLOWER_BASIC_AUTH") or {}).get("value")
+    from_secret = all(
+        ((fenv.get(n) or {}).get("valueFrom") or {}).get("secretKeyRef")
+        for n in ("FLOWER_USER", "FLOWER_PASSWORD")
+    )
+    if auth != "$(FLOWER_USER):$(FLOWER_PASSWORD)" or not from_secret:
+        problems.append("flower: basic auth is not built from the Secret's FLOWER_USER/PASSWORD")
+    problems.extend(_service_problems(docs, "teamdesk-flower", flower))
+    fsvc = _find(docs, "Service", "teamdesk-flower") or {}
+    if fsvc.get("spec", {}).get("type", "ClusterIP") != "ClusterIP":
+        problems.append("flower: Service exposed beyond the cluster")
+
+    # migrate
+    mc = _main_container(migrate)
+    if _argv(mc) != ["teamdesk-tasks", "migrate"]:
+        problems.append("migrate: command is not teamdesk-tasks migrate")
+    if _pod_spec(migrate).get("restartPolicy") not in ("Never", "OnFailure"):
+        problems.append("migrate: restartPolicy must be Never or OnFailure")
+    return problems
+
+
+def _service_problems(
+    docs: list[dict[str, Any]], name: str, deployment: dict[str, Any]
+) -> list[str]:
+    svc = _find(docs, "Service", name)
+    if svc is None:
+        return [f"{name}: no Service"]
+    labels = deployment["spec"]["template"]["metadata"].get("labels", {})
+    selector = svc["spec"].get("selector", {})
+    problems = []
+    if not selector or any(labels.get(k) != v for k, v in selector.items()):
+        problems.append(f"{name}: Service selector does not match the pods")
+    port_names = {p.get("name") for c in _containers(deployment) for p in c.get("ports", [])}
+    port_numbers = {
+        p.get("containerPort") for c in _containers(deployment) for p in c.get("ports", [])
+    }
+    for port in svc["spec"].get("ports", []):
+        target = port.get("targetPort", port.get("port"))
+        if target not in port_names and target not in port_numbers:
+            problems.append(f"{name}: Service targetPort {target} is no container port")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def k8s_docs() -> list[dict[str, Any]]:
+    return _k8s_docs()
+
+
+# --------------------------------------------------------------------------- Kubernetes tests
+
+
+def test_k8s_manifests_are_present_and_parse(k8s_docs: list[dict[str, Any]]) -> None:
+    assert len(list(K8S_DIR.glob("*.yaml"))) >= 5
+    assert all("apiVersion" in d and "kind" in d for d in k8s_docs)
+
+
+def test_k8s_manifests_match_the_kubernetes_schemas(k8s_docs: list[dict[str, Any]]) -> None:
+    failures = []
+    for doc in k8s_docs:
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            failures.append(f"{doc['kind']}/{doc['metadata']['name']}: {exc.message}")
+    assert failures == []
+
+
+@pytest.mark.parametrize("breakage", ["unknown field", "wrong type"])
+def test_k8s_schema_check_rejects_an_invalid_manifest(
+    k8s_docs: list[dict[str, Any]], breakage: str
+) -> None:
+    worker = copy.deepcopy(_find(k8s_docs, "Deployment", "teamdesk-worker"))
+    assert worker is not None
+    if breakage == "unknown field":
+        _pod_spec(worker)["terminationGracePeriodSecond"] = 90
+    else:
+        worker["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(worker, K8S_VERSION, strict=True)
+
+
+def test_k8s_points(k8s_docs: list[dict[str, Any]]) -> None:
+    assert k8s_problems(k8s_docs) == []
+
+
+def _k8s_edit(
+    kind: str, name: str, edit: Callable[[dict[str, Any]], None]
+) -> Callable[[list[dict[str, Any]]], None]:
+    def mutate(docs: list[dict[str, Any]]) -> None:
+        doc = _find(docs, kind, name)
+        assert doc is not None
+        edit(doc)
+
+    return mutate
+
+
+def _worker_container(
+    edit: Callable[[dict[str, Any]], None],
+) -> Callable[[list[dict[str, Any]]], None]:
+    return _k8s_edit("Deployment", "teamdesk-worker", lambda d: edit(_main_container(d)))
+
+
+def _set_worker_instance(container: dict[str, Any]) -> None:
+    container["env"] = [{"name": "WORKER_INSTANCE_ID", "value": "worker"}]
+
+
+def _k8s_second_beat(docs: list[dict[str, Any]]) -> None:
+    beat = copy.deepcopy(_find(docs, "Deployment", "teamdesk-beat"))
+    assert beat is not None
+    beat["metadata"]["name"] = "teamdesk-beat-2"
+    docs.append(beat)
+
+
+def _k8s_drain(docs: list[dict[str, Any]]) -> None:
+    config = _find(docs, "ConfigMap", "teamdesk-config")
+    assert config is not None
+    config["data"]["SHUTDOWN_TIMEOUT_S"] = "120"
+
+
+def _k8s_drop_configmap(docs: list[dict[str, Any]]) -> None:
+    config = _find(docs, "ConfigMap", "teamdesk-config")
+    assert config is not None
+    docs.remove(config)
+
+
+def _k8s_root(doc: dict[str, Any]) -> None:
+    _pod_spec(doc)["securityContext"] = {"runAsUser": 0}
+
+
+def _k8s_flower_literal(doc: dict[str, Any]) -> None:
+    _main_container(doc)["env"] = [{"name": "FLOWER_BASIC_AUTH", "value": "admin:secret"}]
+
+
+K8S_BREAKS: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
+    (
+        "worker grace default",
+        _k8s_edit(
+            "Deployment",
+            "teamdesk-worker",
+            lambda d: _pod_spec(d).pop("terminationGracePeriodSeconds"),
+        ),
+        "terminationGracePeriodSeconds is 30",
+    ),
+    ("drain above grace", _k8s_drain, "SHUTDOWN_TIMEOUT_S"),
+    ("no liveness", _worker_container(lambda c: c.pop("livenessProbe")), "livenessProbe"),
+    (
+        "readiness http",
+        _worker_container(
+            lambda c: c.__setitem__("readinessProbe", {"httpGet": {"path": "/", "port": 80}})
+        ),
+        "readinessProbe is not exec",
+    ),
+    (
+        "probe timeout default",
+        _worker_container(lambda c: c["livenessProbe"].pop("timeoutSeconds")),
+        "timeoutSeconds",
+    ),
+    ("instance id fixed", _worker_container(_set_worker_instance), "WORKER_INSTANCE_ID"),
+    (
+        "worker shell",
+        _worker_container(
+            lambda c: c.__setitem__("command", ["/bin/sh", "-c", "celery -A tasks worker"])
+        ),
+        "teamdesk-worker/worker: command is not exec form",
+    ),
+    ("worker as root", _k8s_edit("Deployment", "teamdesk-worker", _k8s_root), "runAsNonRoot"),
+    (
+        "beat one replica",
+        _k8s_edit("Deployment", "teamdesk-beat", lambda d: d["spec"].__setitem__("replicas", 1)),
+        "beat: replicas below 2",
+    ),
+    (
+        "beat recreate",
+        _k8s_edit(
+            "Deployment",
+            "teamdesk-beat",
+            lambda d: d["spec"].__setitem__("strategy", {"type": "Recreate"}),
+        ),
+        "beat: strategy",
+    ),
+    (
+        "beat rollout may stop the standby",
+        _k8s_edit(
+            "Deployment",
+            "teamdesk-beat",
+            lambda d: d["spec"]["strategy"]["rollingUpdate"].__setitem__("maxUnavailable", 1),
+        ),
+        "beat: strategy",
+    ),
+    ("second beat", _k8s_second_beat, "not exactly one beat"),
+    (
+        "beat scheduler replaced",
+        _k8s_edit(
+            "Deployment",
+            "teamdesk-beat",
+            lambda d: _main_container(d).__setitem__(
+                "command", ["celery", "-A", "tasks", "beat", "--scheduler=celery.beat.Scheduler"]
+            ),
+        ),
+        "replaces the app's dispatcher scheduler",
+    ),
+    (
+        "worker without exports",
+        _worker_container(
+            lambda c: c.__setitem__(
+                "command", ["celery", "-A", "tasks", "worker", "-Q", "reminders"]
+            )
+        ),
+        "no worker Deployment consumes queue(s) ['exports']",
+    ),
+    (
+        "worker with the old maintenance queue",
+        _worker_container(
+            lambda c: c.__setitem__(
+                "command",
+                ["celery", "-A", "tasks", "worker", "-Q", "exports,reminders,maintenance"],
+            )
+        ),
+        "names undeclared queue(s) ['maintenance']",
+    ),
+    (
+        "api readiness",
+        _k8s_edit("Deployment", "teamdesk-api", lambda d: _main_container(d).pop("readinessProbe")),
+        "api: readinessProbe",
+    ),
+    (
+        "api service selector",
+        _k8s_edit(
+            "Service", "teamdesk-api", lambda s: s["spec"].__setitem__("selector", {"x": "y"})
+        ),
+        "selector",
+    ),
+    (
+        "api service port",
+        _k8s_edit(
+            "Service",
+            "teamdesk-api",
+            lambda s: s["spec"]["ports"][0].__setitem__("targetPort", 9999),
+        ),
+        "targetPort",
+    ),
+    (
+        "flower literal auth",
+        _k8s_edit("Deployment", "teamdesk-flower", _k8s_flower_literal),
+        "flower: basic auth",
+    ),
+    (
+        "flower public",
+        _k8s_edit(
+            "Service", "teamdesk-flower", lambda s: s["spec"].__setitem__("type", "LoadBalancer")
+        ),
+        "beyond the cluster",
+    ),
+    (
+        "migrate command",
+        _k8s_edit(
+            "Job",
+            "teamdesk-migrate",
+            lambda j: _main_container(j).__setitem__("command", ["teamdesk-tasks"]),
+        ),
+        "migrate: command",
+    ),
+    ("no configmap", _k8s_drop_configmap, "manifests missing"),
+]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [(m, e) for _, m, e in K8S_BREAKS],
+    ids=[name for name, _, _ in K8S_BREAKS],
+)
+def test_k8s_checks_catch_a_broken_manifest(
+    k8s_docs: list[dict[str, Any]], mutate: Callable[[list[dict[str, Any]]], None], expected: str
+) -> None:
+    broken = copy.deepcopy(k8s_docs)
+    mutate(broken)
+    problems = k8s_problems(broken)
+    assert any(expected in p for p in problems), problems
