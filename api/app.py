@@ -4,7 +4,7 @@ Routes (docs/design.md, "HTTP API"; every error body is ``{"detail": "<fixed mes
 
 ==========================================  =====================================
 ``GET  /api/health``                        200 ok / 503 unavailable (no-store)
-``GET  /api/workers/health``                200 ``{"workers": bool}`` / 503 null
+``GET  /api/workers/health``                200 workers, dispatcher, consumers, missing / 503
 ``POST /api/teams/{team_id}/exports``       201 task; 401 403 404 413 422
 ``POST /api/teams/{team_id}/reminders``     201 task; 401 403 404 413 422
 ``GET  /api/teams/{team_id}/tasks?limit=``  200 ``{"tasks": [...]}``; 401 404 422

@@ -1,8 +1,11 @@
-"""``GET /api/health`` and ``GET /api/workers/health`` (docs/design.md, "Heartbeats").
+"""``GET /api/health`` and ``GET /api/workers/health`` (docs/design.md, "HTTP API" and
+"Heartbeats").
 
 Both answer within :data:`CHECK_DEADLINE_S`: the check runs in a daemon thread and the
-request stops waiting at the deadline (see :mod:`api.bounded`). Answers never carry
-addresses or error text, and are never cached.
+request stops waiting at the deadline (see :mod:`api.bounded`). Concurrent requests share
+one check in flight, and /api/health answers a pass again for up to
+:data:`~api.resources.HEALTH_CACHE_S`; a failure is never reused. Answers never carry
+addresses or error text, and say ``Cache-Control: no-store``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import sqlalchemy as sa
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from api.bounded import BoundedChecks, CheckFailed
+from api.bounded import CheckFailed
 from api.deps import ResourcesDep
 from api.resources import Resources
 from api.schemas import HealthOut, WorkersOut
@@ -39,21 +42,19 @@ def cluster_roles(res: Resources) -> dict[str, Any]:
     return {"workers": has_heartbeat(res.redis, res.settings.queue_prefix), **roles.as_dict()}
 
 
-def _checks(res: Resources) -> BoundedChecks:
-    return res.checks
-
-
 @router.get(
     "/health",
     response_model=HealthOut,
     summary="Whether the API can reach PostgreSQL",
     description="`SELECT 1` on the database within about 2 s: 200 `ok`, else 503 "
-    "`unavailable`. Does not test Redis, workers or logins. Never cached.",
+    "`unavailable`. Does not test Redis, workers or logins. Concurrent requests share one "
+    "check, and a pass is reused for up to 1 s (a failure never is); the answer says "
+    "`Cache-Control: no-store`.",
     responses={503: {"model": HealthOut, "description": "the database did not answer"}},
 )
 async def health(res: ResourcesDep) -> JSONResponse:
     try:
-        await _checks(res).run(lambda: select_one(res), CHECK_DEADLINE_S)
+        await res.database_check.run(lambda: select_one(res), CHECK_DEADLINE_S)
     except CheckFailed as exc:
         _log_failure("database", exc)
         return JSONResponse({"status": "unavailable"}, status_code=503, headers=NO_STORE)
@@ -68,13 +69,13 @@ async def health(res: ResourcesDep) -> JSONResponse:
     "when a dispatcher (beat) holds the leader lock; `consumers` counts live worker "
     "processes per task queue; `missing` names the roles the cluster lacks (tasks of a "
     "queue nobody consumes, or any task when there is no dispatcher, wait until they "
-    "return). 503 with `workers: null` when Redis cannot be read within about 2 s. Never "
-    "cached.",
+    "return). 503 with `workers: null` when Redis cannot be read within about 2 s. Read "
+    "afresh for every request; concurrent requests share one read. Never cached.",
     responses={503: {"model": WorkersOut, "description": "Redis could not be read"}},
 )
 async def workers_health(res: ResourcesDep) -> JSONResponse:
     try:
-        roles = await _checks(res).run(lambda: cluster_roles(res), CHECK_DEADLINE_S)
+        roles = await res.roles_check.run(lambda: cluster_roles(res), CHECK_DEADLINE_S)
     except CheckFailed as exc:
         _log_failure("redis", exc)
         return JSONResponse({"workers": None}, status_code=503, headers=NO_STORE)

@@ -7,13 +7,14 @@ needs neither a database nor Redis; the lifespan's shutdown closes what was open
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import NullPool
 
-from api.bounded import BoundedChecks
+from api.bounded import SharedCheck
 from teamdesk.config import Settings, get_settings
 from teamdesk.db import make_engine, sqlalchemy_url
 from teamdesk.redis_client import redis_client
@@ -27,6 +28,12 @@ DB_POOL_TIMEOUT_S = 5.0
 HEALTH_CONNECT_TIMEOUT_S = 2
 HEALTH_STATEMENT_TIMEOUT_MS = 2_000
 REDIS_TIMEOUT_S = 1.0
+# A pass of `SELECT 1` answers /api/health again for this long (counted from when its check
+# started): probes checking in parallel or in quick succession cost one connection.
+HEALTH_CACHE_S = 1.0
+# /api/workers/health reads Redis every time (concurrent reads still share one): an operator
+# starting or stopping a process expects the next answer to show it.
+WORKERS_HEALTH_CACHE_S = 0.0
 
 
 class Resources:
@@ -38,7 +45,10 @@ class Resources:
         self._engine: Engine | None = None
         self._health_engine: Engine | None = None
         self._redis: redis.Redis | None = None
-        self.checks = BoundedChecks()  # the threads that run health checks
+        # The health routes' checks; each has its own threads, so a frozen Redis cannot
+        # take the slots /api/health needs.
+        self.database_check: SharedCheck[None] = SharedCheck(fresh_s=HEALTH_CACHE_S)
+        self.roles_check: SharedCheck[dict[str, Any]] = SharedCheck(fresh_s=WORKERS_HEALTH_CACHE_S)
 
     @property
     def settings(self) -> Settings:
