@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import psycopg2
@@ -45,9 +46,14 @@ def _audited(update: str, event: str) -> str:
     SELECT id FROM changed"""
 
 
-# Guard: the message's run is the ledger's run and the row is not finished.
-# A RUNNING row may be taken over: that is how a recovered or duplicate delivery
-# replaces a silent execution. Starting a WAITING row starts the run's next attempt
+# Guard: the message's run is the ledger's run, the row is not finished, and the message
+# is the run's current publish: its stamp equals the row's ``dispatched_at``. A RUNNING
+# row may be taken over by a delivery of that same message (redelivered after its worker
+# died or its pool process was lost): that is how a silent execution is replaced. A
+# message of an earlier publish (the run was recovered, or judged lost, and published
+# again with a new stamp) claims nothing: it must not take the run from the replacement.
+# A message without a stamp (published by an older version) is not checked against it.
+# Starting a WAITING row starts the run's next attempt
 # (the first, a retry after backoff, or the one after a recovery); a takeover continues
 # the attempt it replaces. Returns the attempt and the owner's current role with the row.
 # Its commit does not wait for the WAL flush: other sessions see the lease at once
@@ -63,6 +69,8 @@ CLAIM = """
                                ELSE greatest(attempts, 1) END,
                progress = 0, updated_at = now()
          WHERE id = %(task_id)s AND run = %(run)s AND status IN ('WAITING', 'RUNNING')
+           AND (CAST(%(stamp)s AS timestamptz) IS NULL
+                OR dispatched_at = CAST(%(stamp)s AS timestamptz))
         RETURNING id, run, kind, team_id, owner_id, scope, filters, attempts
     ), audit AS (
         INSERT INTO task_audit (task_id, run, event, execution_id)
@@ -179,15 +187,21 @@ def _execute(conn: Connection, sql: str, params: dict[str, Any]) -> Any:
 
 
 def claim(
-    conn: Connection, task_id: uuid.UUID, run: int, holder: str | None = None
+    conn: Connection,
+    task_id: uuid.UUID,
+    run: int,
+    holder: str | None = None,
+    stamp: datetime | None = None,
 ) -> Claim | None:
-    """Take the lease for ``run`` with a fresh execution id; None means skip the message."""
+    """Take the lease for ``run`` with a fresh execution id, for the message published with
+    ``stamp`` (its row's ``dispatched_at`` then); None means skip the message."""
     execution_id = uuid.uuid4()
     params = {
         "task_id": str(task_id),
         "run": run,
         "execution_id": str(execution_id),
         "holder": holder,
+        "stamp": stamp,
     }
     row = _execute(conn, CLAIM, params).fetchone()
     if row is None:

@@ -29,9 +29,9 @@ def register(app: Celery, settings: Settings) -> None:
     }
 
     @app.task(name=EXPORT_TASK, **options)
-    def export(self: Task, task_id: str, run: int) -> dict[str, Any]:
-        return execute(self, task_id, run, run_export)
+    def export(self: Task, task_id: str, run: int, stamp: str | None = None) -> dict[str, Any]:
+        return execute(self, task_id, run, run_export, stamp)
 
     @app.task(name=REMINDER_TASK, **options)
-    def reminder(self: Task, task_id: str, run: int) -> dict[str, Any]:
-        return execute(self, task_id, run, run_reminder)
+    def reminder(self: Task, task_id: str, run: int, stamp: str | None = None) -> dict[str, Any]:
+        return execute(self, task_id, run, run_reminder, stamp)

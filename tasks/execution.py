@@ -23,7 +23,9 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, NoReturn
 
 from celery import Task
@@ -84,20 +86,30 @@ def _outcome(task_id: uuid.UUID, run: int, outcome: str, **extra: Any) -> dict[s
     return {"task_id": str(task_id), "run": run, "outcome": outcome, **extra}
 
 
-def execute(task: Task, task_id_text: str, run: int, body: Body) -> dict[str, Any]:
-    """Run one delivery of ``task_id``/``run``; returns a small JSON result for the queue."""
+def execute(
+    task: Task, task_id_text: str, run: int, body: Body, stamp: str | None = None
+) -> dict[str, Any]:
+    """Run one delivery of ``task_id``/``run``, published with ``stamp``; returns a small
+    JSON result for the queue."""
     settings = get_settings()
     task_id = uuid.UUID(task_id_text)
+    published = None if stamp is None else datetime.fromisoformat(stamp)
     engine = get_engine()
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+    with ExitStack() as stack:
         try:
+            # Opening the connection is part of the claim: a database refusing new
+            # connections (restarting, at max_connections) must end this message as a
+            # failed claim too, or its marker would keep the run from being published again.
+            conn = stack.enter_context(
+                engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            )
             hooks.fire("task.before_claim", task_id=task_id, run=run)
-            claimed = lease.claim(conn, task_id, run, lease_holder())
+            claimed = lease.claim(conn, task_id, run, lease_holder(), published)
         except Exception as exc:
-            _claim_failed(task_id, run, exc)
+            _claim_failed(task_id, run, stamp, exc)
         # After the claim: until it committed the row still said WAITING, and a scan that
-        # saw no marker then would publish a duplicate that takes the lease over.
-        queueing.message_started(task_id, run)
+        # saw no marker then would publish the run again.
+        queueing.message_started(task_id, run, stamp)
         if claimed is None:
             log_event(log, "task.skipped", **_fields(task_id, run, None, reason="not claimable"))
             return _outcome(task_id, run, "skipped")
@@ -119,13 +131,13 @@ def execute(task: Task, task_id_text: str, run: int, body: Body) -> dict[str, An
         return _outcome(task_id, run, "completed" if completed else "skipped", summary=summary)
 
 
-def _claim_failed(task_id: uuid.UUID, run: int, exc: Exception) -> NoReturn:
+def _claim_failed(task_id: uuid.UUID, run: int, stamp: str | None, exc: Exception) -> NoReturn:
     """The claim itself failed (the database went away): nothing was written, the row is
     WAITING and published, as the dispatcher left it. The message ends (as RETRY) and its
     queued marker goes with it, so the dispatcher sees the message as lost and publishes
     the run again once the database answers (a marker outliving its message would keep
     the run waiting until the marker expires)."""
-    queueing.message_started(task_id, run)
+    queueing.message_started(task_id, run, stamp)
     log_event(
         log,
         "task.attempt_failed",

@@ -69,10 +69,25 @@ def marker_redis() -> redis.Redis:
         return _client
 
 
-def message_started(task_id: uuid.UUID, run: int) -> None:
-    """The run is claimed (or could not be): its message no longer stands for it."""
+# KEYS: the marker. ARGV: the message's stamp. Deletes the marker only if it stands for
+# this message: a message of an earlier publish must not erase the current one's marker.
+_DELETE_IF_MINE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+def message_started(task_id: uuid.UUID, run: int, stamp: str | None = None) -> None:
+    """The run is claimed (or could not be): this message no longer stands for it. Its
+    marker goes, unless it carries another publish's stamp (that message stands)."""
     try:
-        marker_redis().delete(marker_key(task_id, run))
+        key = marker_key(task_id, run)
+        if stamp is None:
+            marker_redis().delete(key)
+        else:
+            marker_redis().eval(_DELETE_IF_MINE, 1, key, stamp)
     except redis.RedisError:
         # Harmless: the marker carries its publish's stamp, and a later publish of this
         # run carries a new one.
@@ -115,7 +130,9 @@ def publish_batch(app: Celery, runs: Sequence[RunRef]) -> None:
 
 def _send(amqp: object, producer: object, run: RunRef) -> None:
     name = TASK_OF_KIND[run.kind]
-    args = [str(run.task_id), run.run]
+    args: list[object] = [str(run.task_id), run.run]
+    if run.stamp is not None:
+        args.append(_stamp(run))  # the claim accepts this publish only (ledger/lease.py)
     message = amqp.create_task_message(  # type: ignore[attr-defined]
         message_id(run.task_id, run.run),
         name,

@@ -28,7 +28,19 @@ NOTIFICATION_KIND = "TICKET_REMINDER"
 
 MSG_BAD_TICKET = "The reminder does not name a ticket."
 
+# Every bound of the reminder's transaction. A process frozen inside it (SIGSTOP, a VM
+# pause, a half-open connection) would otherwise hold its team's lock for as long as it
+# stays frozen: the server ends that session after TX_BUDGET_S idle in the transaction,
+# which releases the lock, and a reminder waiting for the lock gives up after the same
+# time (a failed attempt, retried after the backoff, when the lock is free again). Other
+# teams never wait: the lock is per team.
+TX_BUDGET_S = 15
+
+# The bounds (in ms), then the team's lock, in one round trip.
 TEAM_LOCK = text(
+    "SET LOCAL lock_timeout = :budget_ms; "
+    "SET LOCAL statement_timeout = :budget_ms; "
+    "SET LOCAL idle_in_transaction_session_timeout = :budget_ms; "
     "SELECT pg_advisory_xact_lock(hashtextextended('teamdesk.reminder:' || :team_id, 0))"
 )
 TICKET = text("""
@@ -83,7 +95,10 @@ def run_reminder(ctx: Context) -> str:
     if refusal is not None:
         raise PermissionLost(refusal)
     with ctx.engine.begin() as conn:
-        conn.execute(TEAM_LOCK, {"team_id": str(claim.team_id)})
+        conn.execute(
+            TEAM_LOCK,
+            {"team_id": str(claim.team_id), "budget_ms": str(round(TX_BUDGET_S * 1000))},
+        )
         lease.check_lease(conn, claim.lease)
         hooks.fire("reminder.after_lease_read", claim=claim)
         ticket = conn.execute(

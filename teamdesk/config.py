@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 LOG_LEVELS = ("fatal", "error", "warn", "info", "debug", "trace", "silent")
 
@@ -129,6 +129,22 @@ def _listen_url(env: Mapping[str, str]) -> str | None:
     return _url(env, "DISPATCH_LISTEN_URL", "", _DATABASE_SCHEMES)
 
 
+def _broker_url(env: Mapping[str, str], redis_url: str, queue_prefix: str) -> str:
+    """BROKER_URL. On RabbitMQ the queues are named ``exports`` and ``reminders`` (workers
+    select them with ``-Q``), so two clusters on one virtual host would take each other's
+    messages: the virtual host must be the cluster's own, named like QUEUE_PREFIX."""
+    url = _url(env, "BROKER_URL", redis_url, _BROKER_SCHEMES)
+    if is_redis_url(url):
+        return url
+    vhost = unquote(urlsplit(url).path[1:]) or "/"
+    if vhost != queue_prefix:
+        raise ConfigError(
+            "BROKER_URL: on RabbitMQ each cluster needs its own virtual host, named like "
+            f"QUEUE_PREFIX: end the URL with /{quote(queue_prefix, safe='')}"
+        )
+    return url
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read and validate every variable; raise ConfigError naming the first bad one."""
     env = os.environ if env is None else env
@@ -138,11 +154,12 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             f"LOG_LEVEL must be one of {'|'.join(LOG_LEVELS)}, got {env.get('LOG_LEVEL')!r}"
         )
     redis_url = _url(env, "REDIS_URL", DEFAULT_REDIS_URL, REDIS_SCHEMES)
+    queue_prefix = _text(env, "QUEUE_PREFIX", "teamdesk")
     return Settings(
         database_url=_url(env, "DATABASE_URL", DEFAULT_DATABASE_URL, _DATABASE_SCHEMES),
         redis_url=redis_url,
-        broker_url=_url(env, "BROKER_URL", redis_url, _BROKER_SCHEMES),
-        queue_prefix=_text(env, "QUEUE_PREFIX", "teamdesk"),
+        broker_url=_broker_url(env, redis_url, queue_prefix),
+        queue_prefix=queue_prefix,
         log_level=level,
         worker_instance_id=_text(env, "WORKER_INSTANCE_ID", socket.gethostname()),
         max_task_attempts=_number(env, "MAX_TASK_ATTEMPTS", 3, int, 1),

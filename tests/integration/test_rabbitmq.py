@@ -1,9 +1,9 @@
-"""BROKER_URL may point at RabbitMQ; Redis stays for results and markers."""
+"""BROKER_URL may point at RabbitMQ; Redis stays for results, heartbeats and markers. The
+virtual host is the cluster's own, named like QUEUE_PREFIX (teamdesk/config.py)."""
 
 from __future__ import annotations
 
 import subprocess
-import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -12,15 +12,21 @@ import sqlalchemy as sa
 from celery import Celery
 from celery.result import AsyncResult
 
+from dispatcher import scan as scan_module
+from dispatcher.heartbeat import Heartbeat
+from dispatcher.scan import run_once
 from ledger import service
 from tasks import queueing
-from teamdesk import config
+from teamdesk import config, hooks
 from tests.support.csv_reference import expected_csv
+from tests.support.dispatch_scan import long_up
 from tests.support.dispatching import running_cluster
 from tests.support.factories import World, add_tickets, task_row
+from tests.support.gates import Gate
 from tests.support.queues import marker_present
+from tests.support.scenario import event_records
 from tests.support.waiting import wait_for
-from tests.support.workers import EventLog
+from tests.support.workers import EventLog, running_worker
 
 
 def rabbitmqctl(*args: str) -> None:
@@ -28,9 +34,10 @@ def rabbitmqctl(*args: str) -> None:
 
 
 @pytest.fixture
-def rabbit_vhost() -> Iterator[str]:
-    """A throwaway vhost: this test's queues and exchanges vanish with it."""
-    vhost = f"tdt-{uuid.uuid4().hex[:10]}"
+def rabbit_vhost(queue_prefix: str) -> Iterator[str]:
+    """A throwaway vhost named like the test's QUEUE_PREFIX: this test's queues and
+    exchanges vanish with it."""
+    vhost = queue_prefix
     rabbitmqctl("add_vhost", vhost)
     try:
         rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
@@ -64,3 +71,57 @@ def test_worker_on_rabbitmq_completes_an_export(
     assert AsyncResult(message, app=app).state == "SUCCESS"
     assert row["dispatched_at"] is not None  # the dispatcher published it
     assert not marker_present(redis_client, config.get_settings().queue_prefix, task_id, 0)
+
+
+def test_markers_lost_with_the_messages_kept_cost_one_republish_and_nothing_runs_twice(
+    engine: sa.Engine,
+    world: World,
+    make_app: Callable[..., Celery],
+    rabbit_vhost: str,
+    redis_client: redis.Redis,
+    queue_prefix: str,
+    offer: Callable[..., Heartbeat],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On RabbitMQ the queued markers live in Redis, another failure domain than the
+    messages. Redis loses them (a restart, an eviction) while RabbitMQ keeps the window's
+    message: the dispatcher publishes the run again, with a new stamp. Both messages are
+    then delivered at once, to two slots: the old one claims nothing, and the new one's
+    execution (parked at a gate meanwhile) is never interrupted: the task runs once."""
+    app = make_app(broker_url=f"amqp://guest:guest@127.0.0.1:5672/{rabbit_vhost}")
+    offer(concurrency=1)
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 3)
+        task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+    assert run_once(app, uptime=long_up).dispatched == 1
+    for key in redis_client.scan_iter(match=f"{queue_prefix}:queued:*"):
+        redis_client.delete(key)
+    monkeypatch.setattr(scan_module, "PUBLISH_GRACE_S", 0.0)
+    again = run_once(app, uptime=long_up)
+    assert (again.redispatched, again.dispatched) == (1, 0)
+    current = task_row(engine, task_id)["dispatched_at"]
+    running = Gate("the claiming execution, after its read")
+    claims: list[object] = []
+    with (
+        hooks.installed("task.claimed", lambda claim, **_: claims.append(claim)),
+        hooks.installed("export.after_read", running.hook()),
+        running_worker(app, concurrency=2),
+    ):
+        try:
+            running.wait_reached()
+            wait_for(
+                lambda: len(event_records(caplog, "task.skipped", task_id)) == 1,
+                what="the old message to claim nothing",
+            )
+            assert task_row(engine, task_id)["dispatched_at"] == current
+        finally:
+            running.release()
+        wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="COMPLETED")
+    with engine.connect() as conn:
+        trail = conn.execute(
+            sa.text("SELECT event FROM task_audit WHERE task_id = :t ORDER BY id"),
+            {"t": task_id},
+        ).scalars()
+        assert list(trail) == ["CLAIM", "COMPLETE"]
+    assert len(claims) == 1

@@ -22,7 +22,7 @@ from teamdesk import hooks
 from tests.support.dispatching import running_cluster
 from tests.support.factories import World, add_ticket, add_tickets, age_task, task_row
 from tests.support.gates import Gate
-from tests.support.queues import send_message
+from tests.support.queues import publish_stamped, resend_stamped, send_message
 from tests.support.scenario import event_records, outcomes, side_effects
 from tests.support.waiting import wait_for
 from tests.support.workers import EventLog, running_worker
@@ -305,3 +305,67 @@ def test_reminder_failure_after_event_insert_rolls_back_and_second_attempt_is_th
             engine, app, events, task_id, "REMINDER", delivered=1
         )
     assert side_effects(engine, ticket) == after
+
+
+def test_an_old_message_of_a_recovered_run_cannot_take_over_its_replacement(
+    engine: sa.Engine, world: World, celery_app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A's execution goes silent and the dispatcher takes the run back and publishes it
+    again (a new stamp); B claims that publish. A's original message is then delivered
+    once more (kombu restoring it, say): it claims nothing, B is never interrupted, and
+    B's result is the only one."""
+    task_id = export_task(engine, world)
+    message = queueing.message_id(task_id, 0)
+    gate_a, gate_b = Gate("A paused"), Gate("B claimed")
+    claims, second = nth_claim(2)
+    with (
+        EventLog(celery_app) as events,
+        running_worker(celery_app, concurrency=3),
+        hooks.installed("task.claimed", gate_b.hook(when=second)),
+        hooks.installed("export.after_read", gate_a.hook()),
+    ):
+        try:
+            first = publish_stamped(engine, celery_app, task_id, 0)
+            gate_a.wait_reached()
+            age_task(engine, task_id, 3600)
+            with engine.begin() as conn:
+                recovered = dispatch.recover_stale(
+                    conn,
+                    stale_after_s=120,
+                    live_members=[],
+                    use_heartbeats=False,
+                    holders_seen_at=dispatch.database_now(conn),
+                    max_recoveries=2,
+                    batch=10,
+                )
+            assert [(r.task_id, r.status) for r in recovered] == [(task_id, "WAITING")]
+            replacement = publish_stamped(engine, celery_app, task_id, 0)
+            assert replacement > first
+            gate_b.wait_reached()
+            resend_stamped(celery_app, task_id, 0, first)
+            wait_for(lambda: outcomes(events, message), what="the old message to end")
+            assert "'outcome': 'skipped'" in outcomes(events, message)[0]
+            snapshot = task_row(engine, task_id)
+            assert (snapshot["status"], snapshot["execution_id"]) == ("RUNNING", claims[1])
+            gate_a.release()
+            wait_for(lambda: len(outcomes(events, message)) == 2, what="A to return")
+            assert "'outcome': 'lease_lost'" in outcomes(events, message)[1]
+        finally:
+            gate_a.release()
+            gate_b.release()
+        wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="B to finish")
+    row = task_row(engine, task_id)
+    assert (row["result_summary"], row["attempts"], row["recoveries"]) == ("1200 rows", 1, 1)
+    with engine.connect() as conn:
+        trail = conn.execute(
+            sa.text("SELECT event, execution_id FROM task_audit WHERE task_id = :t ORDER BY id"),
+            {"t": task_id},
+        ).all()
+    assert [(e, x) for e, x in trail] == [
+        ("CLAIM", claims[0]),
+        ("RECOVER", claims[0]),
+        ("CLAIM", claims[1]),
+        ("COMPLETE", claims[1]),
+    ]
+    assert len(claims) == 2  # the old message claimed nothing
+    assert len(event_records(caplog, "task.skipped", task_id)) == 1

@@ -6,9 +6,11 @@ import json
 import socket
 import uuid
 from collections.abc import Iterable
+from datetime import datetime
 from typing import Any
 
 import redis
+import sqlalchemy as sa
 from celery import Celery
 
 from ledger.dispatch import RunRef
@@ -57,6 +59,30 @@ def send_message(app: Celery, task_id: uuid.UUID, run: int, kind: str = "EXPORT"
     without touching the ledger: a late or duplicate delivery, or a first delivery in a
     test that runs no dispatcher."""
     publish_batch(app, [RunRef(task_id, run, kind)])
+
+
+def publish_stamped(
+    engine: sa.Engine, app: Celery, task_id: uuid.UUID, run: int, kind: str = "EXPORT"
+) -> datetime:
+    """Publish the run the way the dispatcher does: stamp ``dispatched_at`` (the database's
+    clock), then send a message that carries that stamp. Returns the stamp."""
+    with engine.begin() as conn:
+        stamp = conn.execute(
+            sa.text(
+                "UPDATE background_tasks SET dispatched_at = clock_timestamp() "
+                "WHERE id = :id AND run = :run RETURNING dispatched_at"
+            ),
+            {"id": task_id, "run": run},
+        ).scalar_one()
+    resend_stamped(app, task_id, run, stamp, kind)
+    return stamp
+
+
+def resend_stamped(
+    app: Celery, task_id: uuid.UUID, run: int, stamp: datetime, kind: str = "EXPORT"
+) -> None:
+    """Send the message of the publish stamped ``stamp`` once more (a redelivery)."""
+    publish_batch(app, [RunRef(task_id, run, kind, stamp=stamp)])
 
 
 def marker_present(client: redis.Redis, prefix: str, task_id: uuid.UUID, run: int) -> bool:

@@ -48,8 +48,25 @@ def test_values_are_read_and_broker_follows_redis() -> None:
         worker_instance_id="pod-7",
     )
     assert load_settings(
-        {"BROKER_URL": "amqp://guest:guest@127.0.0.1:5672//"}
+        {"BROKER_URL": "amqp://guest:guest@127.0.0.1:5672/teamdesk"}
     ).broker_url.startswith("amqp://")
+    assert load_settings(
+        {"BROKER_URL": "amqp://mq/staging-desk", "QUEUE_PREFIX": "staging-desk"}
+    ).broker_url.endswith("/staging-desk")
+
+
+@pytest.mark.parametrize(
+    "url", ["amqp://guest:guest@127.0.0.1:5672//", "amqp://mq", "amqp://mq/other", "pyamqp://mq/"]
+)
+def test_rabbitmq_needs_the_clusters_own_virtual_host(url: str) -> None:
+    """Queue names are not prefixed on RabbitMQ: two clusters sharing a virtual host
+    would consume each other's messages, so the virtual host must be QUEUE_PREFIX."""
+    with pytest.raises(ConfigError) as refused:
+        load_settings({"BROKER_URL": url})
+    assert str(refused.value) == (
+        "BROKER_URL: on RabbitMQ each cluster needs its own virtual host, named like "
+        "QUEUE_PREFIX: end the URL with /teamdesk"
+    )
 
 
 @pytest.mark.parametrize(
