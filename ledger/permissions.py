@@ -22,9 +22,13 @@ MSG_CREATOR_NOT_STAFF = (
 
 
 def may_see(scope: str, owner_id: uuid.UUID, user_id: uuid.UUID, role: str | None) -> bool:
-    """A member sees the tasks they created, and staff also see every TEAM-scope task.
+    """A TEAM-scope task (the whole team's tickets) is seen by the team's staff, and only
+    while they are staff: its creator, once demoted, no longer sees it or its CSV. A MINE
+    task is seen by its creator while a member. The role is the caller's role now.
     (``LIST_TASKS`` in ledger/service.py says the same in SQL.)"""
-    return role is not None and (owner_id == user_id or (scope == "TEAM" and role == STAFF))
+    if role is None:
+        return False
+    return role == STAFF if scope == "TEAM" else owner_id == user_id
 
 
 def may_export(scope: str, role: str | None) -> bool:

@@ -58,7 +58,8 @@ SELECT_TASK_FOR_UPDATE = text(
 # permissions.may_see, in SQL.
 LIST_TASKS = text(f"""
     SELECT {TASK_COLUMNS} FROM background_tasks
-     WHERE team_id = :team_id AND (owner_id = :user_id OR (scope = 'TEAM' AND :is_staff))
+     WHERE team_id = :team_id
+       AND CASE WHEN scope = 'TEAM' THEN :is_staff ELSE owner_id = :user_id END
      ORDER BY created_at DESC, id DESC
      LIMIT :limit
 """)

@@ -90,7 +90,8 @@ def test_authentication_comes_before_validation(
 
 # --- the authorisation matrix for one task --------------------------------------------------
 
-# Who sees a task: its owner, and staff when its scope is TEAM (docs/design.md, "Lifecycle").
+# Who sees a task (docs/design.md, "Permissions"): a TEAM task its team's staff, a MINE
+# task its owner.
 VISIBLE = {
     ("TEAM", "staff"): True,  # the owner
     ("TEAM", "staff2"): True,

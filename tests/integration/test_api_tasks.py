@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
-from api.errors import MSG_LIMIT, MSG_TEAM_NOT_FOUND
+from api.errors import MSG_LIMIT, MSG_TASK_NOT_FOUND, MSG_TEAM_NOT_FOUND
 from api.tasks import MSG_EXPIRED, MSG_NOT_AN_EXPORT, MSG_NOT_COMPLETED
 from ledger import permissions, service
 from tests.support.api_helpers import bearer, task_in_state
@@ -131,6 +131,35 @@ def test_retry_of_a_team_export_whose_creator_was_demoted_is_403(
         {"detail": permissions.MSG_CREATOR_NOT_STAFF},
     )
     assert task_row(engine, task_id) == before
+
+
+@pytest.mark.parametrize("new_role", ["CUSTOMER", None])
+def test_a_team_export_follows_its_creators_role_at_read_time(
+    client: TestClient,
+    engine: sa.Engine,
+    world: World,
+    tokens: dict[str, str],
+    new_role: str | None,
+) -> None:
+    """Staff created a whole-team export; once demoted (or removed) they no longer see it,
+    its CSV or its place in the list; other staff still do."""
+    task_id = task_in_state(engine, world, "COMPLETED", owner_id=world.staff_id)
+    with engine.begin() as conn:
+        set_role(conn, world.team_id, world.staff_id, new_role)
+    creator = bearer(tokens["staff"])
+    for suffix in ("", "/csv", "/retry", "/cancel"):
+        method = "POST" if suffix in ("/retry", "/cancel") else "GET"
+        response = client.request(method, f"/api/tasks/{task_id}{suffix}", headers=creator)
+        assert (response.status_code, response.json()) == (404, {"detail": MSG_TASK_NOT_FOUND})
+    listed = client.get(f"/api/teams/{world.team_id}/tasks", headers=creator)
+    if new_role is None:
+        assert listed.status_code == 404  # no longer a member of the team
+    else:
+        assert [t["id"] for t in listed.json()["tasks"]] == []
+    assert (
+        client.get(f"/api/tasks/{task_id}/csv", headers=bearer(tokens["staff2"])).status_code == 200
+    )
+    assert task_row(engine, task_id)["status"] == "COMPLETED"
 
 
 # --- POST /api/tasks/{task_id}/cancel -------------------------------------------------------

@@ -184,7 +184,8 @@ def test_retry_by_other_staff_of_a_team_task(engine: sa.Engine, world: World) ->
         ("non_member", NotFound),
         ("customer_cannot_see", NotFound),
         ("staff_cannot_see_mine_task", NotFound),
-        ("demoted_creator", NotAllowed),
+        ("demoted_creator", NotFound),
+        ("creator_demoted_other_staff_retries", NotAllowed),
         ("creator_left_team", NotAllowed),
     ],
 )
@@ -198,8 +199,12 @@ def test_retry_refusals_change_nothing(
         task_id, user = failed_task(engine, world), world.customer_id
     elif case == "staff_cannot_see_mine_task":
         task_id = failed_task(engine, world, scope="MINE", owner=world.customer_id)
-    elif case == "demoted_creator":
+    elif case == "demoted_creator":  # a TEAM task is the staff's: the creator no longer sees it
         task_id = failed_task(engine, world)
+        with engine.begin() as conn:
+            set_role(conn, world.team_id, world.staff_id, "CUSTOMER")
+    elif case == "creator_demoted_other_staff_retries":
+        task_id, user = failed_task(engine, world), world.staff2_id
         with engine.begin() as conn:
             set_role(conn, world.team_id, world.staff_id, "CUSTOMER")
     else:

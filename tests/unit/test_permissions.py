@@ -56,10 +56,14 @@ def test_reminders_need_staff_to_schedule_and_membership_to_send() -> None:
     ("scope", "owner", "role", "visible"),
     [
         ("MINE", OWNER, "CUSTOMER", True),
+        ("MINE", OWNER, STAFF, True),
         ("MINE", OTHER, STAFF, False),
         ("TEAM", OTHER, STAFF, True),
+        ("TEAM", OWNER, STAFF, True),
         ("TEAM", OTHER, "CUSTOMER", False),
+        ("TEAM", OWNER, "CUSTOMER", False),  # created while staff, since demoted
         ("MINE", OWNER, None, False),
+        ("TEAM", OWNER, None, False),
     ],
 )
 def test_who_sees_a_task(scope: str, owner: uuid.UUID, role: str | None, visible: bool) -> None:
