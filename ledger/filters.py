@@ -22,7 +22,8 @@ MSG_UNKNOWN_KEY = f"filters may only contain {', '.join(FILTER_KEYS)}"
 MSG_STATUS = f"filters.status must be a non-empty list of {', '.join(TICKET_STATUSES)}"
 MSG_PRIORITY = f"filters.priority must be a non-empty list of {', '.join(TICKET_PRIORITIES)}"
 MSG_ASSIGNEE = "filters.assignee_id must be a UUID"
-MSG_DATE = "filters.{key} must be a date written YYYY-MM-DD"
+MIN_DATE, MAX_DATE = date(1900, 1, 1), date(2999, 12, 31)
+MSG_DATE = f"filters.{{key}} must be a date written YYYY-MM-DD, from {MIN_DATE} to {MAX_DATE}"
 MSG_DATE_ORDER = "filters.created_from must not be after filters.created_to"
 MSG_Q = f"filters.q must be text of at most {MAX_Q_LENGTH} characters"
 MSG_Q_CHARS = "filters.q must be text without NUL characters or unpaired surrogates"
@@ -50,9 +51,12 @@ def _date(value: Any, key: str) -> date:
     if not isinstance(value, str) or len(value) != 10:
         raise InvalidFilters(MSG_DATE.format(key=key))
     try:
-        return date.fromisoformat(value)
+        parsed = date.fromisoformat(value)
     except ValueError:
         raise InvalidFilters(MSG_DATE.format(key=key)) from None
+    if not MIN_DATE <= parsed <= MAX_DATE:  # the export adds a day to created_to
+        raise InvalidFilters(MSG_DATE.format(key=key))
+    return parsed
 
 
 def _uuid(value: Any) -> uuid.UUID:

@@ -32,18 +32,28 @@ from ledger.wake import WAKE_SQL
 MSG_SCOPE = "scope must be TEAM or MINE"
 MSG_TICKET = "ticket_id must name a ticket of this team"
 MSG_RUN_AT = "run_at must be a date and time with a time zone"
+MSG_RUN_AT_WINDOW = (
+    "run_at must be at most one year ahead and at most one day in the past (a past time means now)"
+)
 MSG_RETRY_STATE = "only FAILED or CANCELLED tasks can be retried"
 MSG_CANCEL_STATE = "only WAITING or RUNNING tasks can be cancelled"
 
 ROLE = text("SELECT role FROM memberships WHERE team_id = :team_id AND user_id = :user_id")
 
 # The insert wakes the dispatcher through the table's statement trigger (ledger/wake.py).
-# With no run_at the task is ready at once by the database's clock.
+# With no run_at, or one in the past, the task is ready at once by the database's clock.
 INSERT_TASK = text("""
     INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters, run_at)
     VALUES (:kind, :team_id, :owner_id, :scope, CAST(:filters AS jsonb),
-            coalesce(CAST(:run_at AS timestamptz), now()))
+            greatest(coalesce(CAST(:run_at AS timestamptz), now()), now()))
     RETURNING id
+""")
+
+# The window a reminder's run_at may fall in, by the database's clock: a year ahead at most
+# (a reminder in year 9999 would never fire), a day in the past at most (a late request).
+RUN_AT_IN_WINDOW = text("""
+    SELECT CAST(:run_at AS timestamptz)
+           BETWEEN now() - interval '1 day' AND now() + interval '1 year'
 """)
 
 TASK_COLUMNS = """id, kind, team_id, owner_id, scope, filters, status, run, attempts, progress,
@@ -199,6 +209,8 @@ def create_reminder(
         raise InvalidInput(MSG_TICKET) from None
     if run_at is not None and run_at.tzinfo is None:
         raise InvalidInput(MSG_RUN_AT)
+    if run_at is not None and not conn.execute(RUN_AT_IN_WINDOW, {"run_at": run_at}).scalar():
+        raise InvalidInput(MSG_RUN_AT_WINDOW)
     if not may_schedule_reminder(_member_role(conn, team_id, user_id)):
         raise NotAllowed(MSG_REMINDER_NEEDS_STAFF)
     if conn.execute(TICKET_IN_TEAM, {"ticket_id": ticket, "team_id": team_id}).first() is None:

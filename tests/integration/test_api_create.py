@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -22,8 +22,16 @@ from fastapi.testclient import TestClient
 from api.errors import MSG_TEAM_NOT_FOUND
 from api.middleware import MAX_BODY_BYTES
 from ledger import permissions, service
-from ledger.filters import MSG_DATE_ORDER, MSG_NOT_OBJECT, MSG_Q, MSG_STATUS, MSG_UNKNOWN_KEY
+from ledger.filters import (
+    MSG_DATE,
+    MSG_DATE_ORDER,
+    MSG_NOT_OBJECT,
+    MSG_Q,
+    MSG_STATUS,
+    MSG_UNKNOWN_KEY,
+)
 from ledger.filters import MSG_Q_CHARS as MSG_TEXT
+from ledger.service import MSG_RUN_AT_WINDOW as WINDOW
 from tests.support.api_helpers import bearer, count_tasks, exports_url, reminders_url
 from tests.support.factories import World, add_ticket, task_row
 
@@ -93,6 +101,14 @@ INVALID_EXPORTS: list[tuple[Any, str]] = [
     (
         {"scope": "TEAM", "filters": {"created_from": "2026-02-01", "created_to": "2026-01-01"}},
         MSG_DATE_ORDER,
+    ),
+    (
+        {"scope": "TEAM", "filters": {"created_to": "9999-12-31"}},
+        MSG_DATE.format(key="created_to"),
+    ),
+    (
+        {"scope": "TEAM", "filters": {"created_from": "0001-01-01"}},
+        MSG_DATE.format(key="created_from"),
     ),
     ({"scope": "TEAM", "extra": 1}, "the request body may only contain scope, filters"),
     (["scope", "TEAM"], "the request body must be a JSON object"),
@@ -196,19 +212,39 @@ def test_create_reminder_at_a_time(
     tokens: dict[str, str],
     ticket_id: uuid.UUID,
 ) -> None:
+    when = (datetime.now(UTC) + timedelta(days=30)).replace(microsecond=0)
+    in_paris_summer = when.astimezone(timezone(timedelta(hours=2)))
     response = client.post(
         reminders_url(world.team_id),
-        json={"ticket_id": str(ticket_id), "run_at": "2030-05-01T10:00:00+02:00"},
+        json={"ticket_id": str(ticket_id), "run_at": in_paris_summer.isoformat()},
         headers=bearer(tokens["staff2"]),
     )
     assert response.status_code == 201, response.text
     body = response.json()
     assert (body["kind"], body["scope"], body["status"]) == ("REMINDER", "TEAM", "WAITING")
     assert body["filters"] == {"ticket_id": str(ticket_id)}
-    assert body["run_at"] == "2030-05-01T08:00:00Z"
+    assert body["run_at"] == when.strftime("%Y-%m-%dT%H:%M:%SZ")
     assert response.headers["Location"] == f"/api/tasks/{body['id']}"
     row = task_row(engine, uuid.UUID(body["id"]))
-    assert row["run_at"] == datetime(2030, 5, 1, 8, tzinfo=UTC) and row["dispatched_at"] is None
+    assert row["run_at"] == when and row["dispatched_at"] is None
+
+
+def test_a_reminder_at_a_past_time_is_due_now(
+    client: TestClient,
+    engine: sa.Engine,
+    world: World,
+    tokens: dict[str, str],
+    ticket_id: uuid.UUID,
+) -> None:
+    an_hour_ago = datetime.now(UTC) - timedelta(hours=1)
+    response = client.post(
+        reminders_url(world.team_id),
+        json={"ticket_id": str(ticket_id), "run_at": an_hour_ago.isoformat()},
+        headers=bearer(tokens["staff"]),
+    )
+    assert response.status_code == 201, response.text
+    row = task_row(engine, uuid.UUID(response.json()["id"]))
+    assert row["run_at"] == row["created_at"]  # the database's now(), not an hour ago
 
 
 def test_create_reminder_defaults_to_now(
@@ -238,10 +274,16 @@ def test_invalid_reminders_write_nothing(
         ).scalar_one()
         foreign_ticket = add_ticket(conn, other_team, world.outsider_id, "Elsewhere")
     ticket = str(ticket_id)
+    far_ahead = (datetime.now(UTC) + timedelta(days=370)).isoformat()
+    two_days_ago = (datetime.now(UTC) - timedelta(days=2)).isoformat()
     cases: list[tuple[str, Any, int, str]] = [
         ("staff", {"ticket_id": ticket, "run_at": "2030-05-01T10:00:00"}, 422, service.MSG_RUN_AT),
         ("staff", {"ticket_id": ticket, "run_at": "tomorrow"}, 422, service.MSG_RUN_AT),
         ("staff", {"ticket_id": ticket, "run_at": 1893456000}, 422, service.MSG_RUN_AT),
+        ("staff", {"ticket_id": ticket, "run_at": "9999-12-31T00:00:00Z"}, 422, WINDOW),
+        ("staff", {"ticket_id": ticket, "run_at": "0001-01-01T00:00:00Z"}, 422, WINDOW),
+        ("staff", {"ticket_id": ticket, "run_at": far_ahead}, 422, WINDOW),
+        ("staff", {"ticket_id": ticket, "run_at": two_days_ago}, 422, WINDOW),
         ("staff", {"ticket_id": "ticket-7"}, 422, service.MSG_TICKET),
         ("staff", {}, 422, service.MSG_TICKET),
         ("staff", {"ticket_id": str(uuid.uuid4())}, 422, service.MSG_TICKET),

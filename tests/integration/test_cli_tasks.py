@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -132,14 +133,11 @@ def test_submit_reminder_writes_a_scheduled_row(cli: Any, engine: sa.Engine, wor
         ticket = add_ticket(conn, world.team_id, world.customer_id, assignee_id=world.staff_id)
     staff = email_of(engine, world.staff_id)
     base = ["submit", "reminder", "--user", staff, "--team", str(world.team_id)]
-    result = cli(*base, "--ticket", str(ticket), "--run-at", "2030-01-02T03:04:05Z", "--json")
+    when = (datetime.now(UTC) + timedelta(days=30)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    result = cli(*base, "--ticket", str(ticket), "--run-at", when, "--json")
     assert result.code == 0, result.err
     view = json.loads(result.out)
-    assert (view["kind"], view["status"], view["run_at"]) == (
-        "REMINDER",
-        "WAITING",
-        "2030-01-02T03:04:05Z",
-    )
+    assert (view["kind"], view["status"], view["run_at"]) == ("REMINDER", "WAITING", when)
     assert view["filters"] == {"ticket_id": str(ticket)}
 
     elsewhere = cli(*base, "--ticket", str(uuid.uuid4()))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
@@ -106,7 +106,7 @@ def test_create_export_refusals_write_nothing(
 
 
 def test_create_reminder(engine: sa.Engine, world: World) -> None:
-    when = datetime(2030, 1, 1, 8, 0, tzinfo=UTC)
+    when = (datetime.now(UTC) + timedelta(days=30)).replace(microsecond=0)
     with engine.begin() as conn:
         ticket = add_ticket(conn, world.team_id, world.customer_id, assignee_id=world.staff_id)
         task_id = service.create_reminder(conn, world.team_id, world.staff_id, str(ticket), when)

@@ -16,7 +16,7 @@ from celery.result import AsyncResult
 
 from dispatcher import scan as scan_module
 from ledger import permissions, service
-from ledger.filters import MSG_STATUS
+from ledger.filters import MSG_DATE, MSG_STATUS
 from tasks import queueing
 from teamdesk import config, hooks
 from tests.support.csv_reference import expected_csv
@@ -107,17 +107,29 @@ def test_transient_error_retries_once_after_backoff(
     assert not marker_present(redis_client, settings.queue_prefix, task_id, 0)
 
 
+@pytest.mark.parametrize(
+    ("filters", "reason"),
+    [
+        ({"status": ["SOLVED"]}, MSG_STATUS),
+        ({"created_to": "9999-12-31"}, MSG_DATE.format(key="created_to")),  # was OverflowError
+    ],
+)
 def test_permanent_rejection_fails_at_once(
-    engine: sa.Engine, world: World, celery_app: Celery, caplog: pytest.LogCaptureFixture
+    engine: sa.Engine,
+    world: World,
+    celery_app: Celery,
+    caplog: pytest.LogCaptureFixture,
+    filters: dict[str, object],
+    reason: str,
 ) -> None:
     with engine.begin() as conn:  # bypasses create-time validation, as an old row would
-        task_id = insert_task(conn, world, filters={"status": ["SOLVED"]})
+        task_id = insert_task(conn, world, filters=filters)
     with EventLog(celery_app) as events, running_cluster(celery_app):
         row = run_to_end(engine, task_id)
         message = queueing.message_id(task_id, 0)
         wait_for(lambda: events.of_type("task-failed", message), what="task-failed")
         assert events.of_type("task-retried", message) == []
-    assert (row["status"], row["attempts"], row["last_error"]) == ("FAILED", 1, MSG_STATUS)
+    assert (row["status"], row["attempts"], row["last_error"]) == ("FAILED", 1, reason)
     assert row["execution_id"] is None and row["result_csv"] is None
     assert AsyncResult(message, app=celery_app).state == "FAILURE"
     (failed,) = event_records(caplog, "task.failed", task_id)
