@@ -31,7 +31,8 @@ EXPORT_TIMEOUT_S = 300
 
 # The CSV columns in order (the same expressions the export renders, when it has them).
 FALLBACK_COLUMNS = """id,
-    CASE WHEN left(title, 1) IN ('=', '+', '-', '@') THEN '''' || title ELSE title END,
+    CASE WHEN left(title, 1) IN ('=', '+', '-', '@', chr(9), chr(13)) THEN '''' || title
+         ELSE title END,
     status, priority, requester_id, assignee_id,
     to_char(due_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'),
     to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'),

@@ -10,7 +10,8 @@ The CSV contract (docs/design.md, "Exports"): UTF-8; header ``id,title,status,pr
 assignee_id,due_at,created_at,updated_at``; rows ordered by ``created_at, id``; times in
 UTC as ``YYYY-MM-DDTHH:MM:SSZ``; NULL as an empty cell; RFC 4180 quoting (a field with a
 comma, quote, CR or LF is quoted, quotes doubled; an empty text is written ``""``); records
-end with LF; a cell starting with ``=``, ``+``, ``-`` or ``@`` gets a leading ``'``.
+end with LF; a cell starting with ``=``, ``+``, ``-``, ``@``, TAB or CR gets a leading ``'``
+(OWASP's CSV-injection guidance: spreadsheets skip a leading TAB or CR and run the rest).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ MSG_TOO_MANY = "The export matches more than {limit} tickets; narrow the filters
 
 _TS = '\'YYYY-MM-DD"T"HH24:MI:SS"Z"\''
 CSV_COLUMNS = f"""id,
-    CASE WHEN left(title, 1) IN ('=', '+', '-', '@') THEN '''' || title ELSE title END,
+    CASE WHEN left(title, 1) IN ('=', '+', '-', '@', chr(9), chr(13)) THEN '''' || title
+         ELSE title END,
     status, priority, requester_id, assignee_id,
     to_char(due_at AT TIME ZONE 'UTC', {_TS}),
     to_char(created_at AT TIME ZONE 'UTC', {_TS}),

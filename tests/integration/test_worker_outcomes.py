@@ -236,6 +236,9 @@ TRICKY_TITLES = [
     ("+1, call me", '"\'+1, call me"'),
     ("-2", "'-2"),
     ("@admin", "'@admin"),
+    ('\t=HYPERLINK("http://x")', '"\'\t=HYPERLINK(""http://x"")"'),
+    ("\r=cmd|' /C calc'!A0", "\"'\r=cmd|' /C calc'!A0\""),
+    ("\tindented", "'\tindented"),
     ("", '""'),
 ]
 

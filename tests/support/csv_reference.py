@@ -11,7 +11,7 @@ from typing import Any
 import sqlalchemy as sa
 
 HEADER = "id,title,status,priority,requester_id,assignee_id,due_at,created_at,updated_at"
-FORMULA_STARTS = ("=", "+", "-", "@")
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 
 def cell(value: Any) -> str:
