@@ -27,7 +27,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api import errors, health, tasks
-from api.middleware import BodyLimit, LastResort
+from api.middleware import BodyLimit, LastResort, SecurityHeaders
 from api.resources import Resources
 from teamdesk.config import Settings
 from teamdesk.logs import setup_logging
@@ -85,6 +85,7 @@ def create_api(settings: Settings | None = None, *, configure_logging: bool = Tr
     errors.install(app)
     app.add_middleware(LastResort)
     app.add_middleware(BodyLimit)
+    app.add_middleware(SecurityHeaders)  # outermost: 413 and 500 answers get them too
     return app
 
 

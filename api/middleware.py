@@ -1,4 +1,9 @@
-"""Two small ASGI middlewares: a request-size limit and a last-resort error answer.
+"""Three small ASGI middlewares: security headers, a request-size limit and a last-resort
+error answer.
+
+:class:`SecurityHeaders` adds ``X-Content-Type-Options: nosniff`` to every answer and
+``Cache-Control: no-store`` to every ``/api/`` answer that does not set its own (task
+views carry the team's data: no proxy or browser cache may keep them).
 
 :class:`BodyLimit` answers 413 to a body over :data:`MAX_BODY_BYTES` (by its
 ``Content-Length``, or by counting a chunked body while buffering it) before any route
@@ -78,6 +83,33 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
         return pending.pop(0) if pending else await receive()
 
     return replay
+
+
+NOSNIFF = (b"x-content-type-options", b"nosniff")
+NO_STORE = (b"cache-control", b"no-store")
+
+
+class SecurityHeaders:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        private = str(scope.get("path", "")).startswith("/api/")
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                names = {name.lower() for name, _ in headers}
+                headers.append(NOSNIFF)
+                if private and b"cache-control" not in names:
+                    headers.append(NO_STORE)
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
 
 
 class LastResort:

@@ -34,7 +34,8 @@ def cmd_api(args: argparse.Namespace) -> int:
     setup_logging("api", settings_or_exit().log_level)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _note_signal)
-    uvicorn.run(APP, host=args.host, port=args.port, log_config=None)
+    # No "server: uvicorn" header: it tells a scanner what to try.
+    uvicorn.run(APP, host=args.host, port=args.port, log_config=None, server_header=False)
     return 0
 
 

@@ -120,3 +120,42 @@ def test_an_unexpected_error_answers_500_without_its_text(
     assert (response.status_code, response.json()) == (500, {"detail": "internal error"})
     logged = "\n".join(f"{r.getMessage()} {r.__dict__}" for r in caplog.records)
     assert "ValueError" in logged and "secret-detail" not in logged
+
+
+# --- security headers on every kind of answer ------------------------------------------------
+
+
+def test_every_answer_says_nosniff_and_api_answers_are_never_stored(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str]
+) -> None:
+    staff = bearer(tokens["staff"])
+    done = task_in_state(engine, world, "COMPLETED")
+    answers = {
+        "health": client.get("/api/health"),
+        "create": client.post(exports_url(world.team_id), json={"scope": "TEAM"}, headers=staff),
+        "read": client.get(f"/api/tasks/{done}", headers=staff),
+        "list": client.get(f"/api/teams/{world.team_id}/tasks", headers=staff),
+        "csv": client.get(f"/api/tasks/{done}/csv", headers=staff),
+        "401": client.get(f"/api/tasks/{done}"),
+        "404": client.get(f"/api/tasks/{uuid.uuid4()}", headers=staff),
+        "413": client.post(exports_url(world.team_id), content=b"x" * 70_000, headers=staff),
+        "422": client.post(exports_url(world.team_id), json={"scope": "ALL"}, headers=staff),
+    }
+    statuses = {name: answer.status_code for name, answer in answers.items()}
+    assert statuses == {
+        "health": 200,
+        "create": 201,
+        "read": 200,
+        "list": 200,
+        "csv": 200,
+        "401": 401,
+        "404": 404,
+        "413": 413,
+        "422": 422,
+    }
+    for name, answer in answers.items():
+        assert answer.headers["x-content-type-options"] == "nosniff", name
+        assert answer.headers["cache-control"] == "no-store", name
+    docs = client.get("/openapi.json")
+    assert docs.headers["x-content-type-options"] == "nosniff"
+    assert "cache-control" not in docs.headers  # public and the same for everyone

@@ -253,6 +253,13 @@ def test_make_run_serves_an_export_end_to_end_and_stops_cleanly(runners: Runner)
     code, csv_body, headers = http(f"{readback['url']}/csv", headers=readback["headers"])
     assert code == 200 and headers["content-type"].startswith("text/csv")
     assert len(list(csv.reader(io.StringIO(csv_body.decode())))) == TICKETS + 1
+    # The real server (uvicorn) says nothing about itself; the security headers are there.
+    _, _, read_headers = http(readback["url"], headers=readback["headers"])
+    for answer in (headers, read_headers):
+        lowered = {name.lower(): value for name, value in answer.items()}
+        assert "server" not in lowered
+        assert lowered["x-content-type-options"] == "nosniff"
+        assert lowered["cache-control"] == "no-store"
 
     # Flower saw it too (behind basic auth).
     auth = base64.b64encode(f"admin:{FLOWER_PASSWORD}".encode()).decode()
