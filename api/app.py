@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from api import errors, health, tasks
 from api.middleware import BodyLimit, LastResort, SecurityHeaders
@@ -72,7 +73,9 @@ def create_api(settings: Settings | None = None, *, configure_logging: bool = Tr
         finally:
             res.close()
 
-    app = FastAPI(
+    # FastAPIOffline: /docs and /redoc load their scripts from this server (the assets ship
+    # in the fastapi-offline package), never from a public CDN.
+    app = FastAPIOffline(
         title="TeamDesk tasks API",
         version="1.0",
         description="Health probes and background tasks (exports, reminders) of TeamDesk. "

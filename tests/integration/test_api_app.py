@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -62,6 +63,14 @@ def test_openapi_and_docs_are_served(client: TestClient) -> None:
     assert "bearer" in schema["components"]["securitySchemes"]
     docs = client.get("/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    # Every script and style sheet of the docs comes from the API itself, never a CDN.
+    assets = re.findall(r'(?:src|href)="([^"]+)"', docs.text) + re.findall(
+        r"url: '([^']+)'", docs.text
+    )
+    assert assets and not [a for a in assets if "://" in a]
+    for asset in assets:
+        assert client.get(asset).status_code == 200, asset
+    assert client.get("/redoc").status_code == 200
 
 
 def test_importing_the_module_level_app_needs_no_database() -> None:
