@@ -4,20 +4,24 @@ Each line is one JSON object with ``time`` (ISO 8601 UTC), ``level``, ``event``,
 ``service``, ``pid`` and, for task logs, ``task_id``, ``run``, ``attempt``. Code logs
 events through :func:`log_event` with names from :data:`EVENTS`; lines from libraries
 (Celery, kombu, uvicorn) keep their message under ``message`` with ``event`` set to
-``log``. Secret-named fields and credentials inside URLs are redacted on the way out.
+``log``. Credentials are redacted on the way out (teamdesk/redaction.py), and no library
+logs SQL: SQLAlchemy's engine and pool loggers stay at WARNING at every level, since a
+statement's parameters hold request bodies, token hashes and ticket text.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
-from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from pythonjsonlogger.json import JsonFormatter
+
+from teamdesk.redaction import REDACTED, redact, redact_text
+
+__all__ = ["EVENTS", "LEVELS", "REDACTED", "log_event", "redact", "redact_text", "setup_logging"]
 
 EVENTS = frozenset(
     {
@@ -65,33 +69,11 @@ _LEVEL_NAMES = {
     TRACE: "trace",
 }
 
-REDACTED = "[REDACTED]"
-_SECRET_KEY = re.compile(
-    r"password|passwd|secret|token|cookie|authorization|api[_-]?key", re.IGNORECASE
-)
-_URL_CREDENTIALS = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.\-]*://[^:/@\s]*):(?P<pw>[^@\s/]+)@")
-_BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=\-]+")
-
 _RESERVED = ("time", "level", "event", "service", "pid")
 
-
-def redact_text(text: str) -> str:
-    """Hide credentials inside URLs and Authorization-style values in free text."""
-    text = _URL_CREDENTIALS.sub(lambda m: f"{m.group('head')}:{REDACTED}@", text)
-    return _BEARER.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
-
-
-def redact(value: Any, key: str = "") -> Any:
-    """Redact a log field: secret-named keys entirely, URLs and nested values recursively."""
-    if key and _SECRET_KEY.search(key):
-        return REDACTED
-    if isinstance(value, str):
-        return redact_text(value)
-    if isinstance(value, Mapping):
-        return {k: redact(v, str(k)) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [redact(v) for v in value]
-    return value
+# Loggers that would print SQL with its parameters and result rows (request bodies, token
+# hashes, ticket text, CSV) at INFO or DEBUG: never below WARNING, whatever LOG_LEVEL says.
+NEVER_BELOW_WARNING = ("sqlalchemy.engine", "sqlalchemy.pool", "sqlalchemy.orm")
 
 
 class TeamdeskJsonFormatter(JsonFormatter):
@@ -146,8 +128,10 @@ def setup_logging(service: str, level: str = "info", stream: Any = None) -> None
     # Libraries chatter at INFO (kombu connections, amqp heartbeats); keep them at WARNING
     # unless the operator asked for debug or trace.
     quiet = logging.WARNING if LEVELS[level] > logging.DEBUG else LEVELS[level]
-    for name in ("kombu", "amqp", "urllib3", "sqlalchemy.engine", "alembic"):
+    for name in ("kombu", "amqp", "urllib3", "alembic"):
         logging.getLogger(name).setLevel(max(quiet, LEVELS[level]))
+    for name in NEVER_BELOW_WARNING:
+        logging.getLogger(name).setLevel(max(logging.WARNING, LEVELS[level]))
     _configured_service = service
 
 
