@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -21,31 +22,81 @@ from teamdesk.logs import setup_logging
 Handler = Callable[[argparse.Namespace], int]
 
 
+APP_PASSWORD_VAR = "APP_DB_PASSWORD"  # read by migrate only, never a command-line argument
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
     from ledger.migrate import current_revision, upgrade
 
     settings = settings_or_exit()
-    if args.create_database:
-        from cli.localrun import RunError, ensure_database
-
-        try:
-            if ensure_database(settings.database_url):
-                print("database created")
-        except RunError as exc:
-            print(f"teamdesk-tasks migrate: {exc}", file=sys.stderr)
-            return 1
+    password = os.environ.get(APP_PASSWORD_VAR) or None
+    if password and not args.app_role:
+        print(
+            f"teamdesk-tasks migrate: {APP_PASSWORD_VAR} is set but --app-role is not",
+            file=sys.stderr,
+        )
+        return 2
+    if args.create_database and not _create_database(settings.database_url):
+        return 1
     try:
         upgrade(settings.database_url)
         revision = current_revision(settings.database_url)
     except Exception as exc:  # the driver's message may hold the address; print the class only
-        print(
-            f"teamdesk-tasks migrate: cannot migrate the database ({type(exc).__name__}); "
-            "check DATABASE_URL and that PostgreSQL is running",
-            file=sys.stderr,
-        )
-        return 1
+        return _migrate_failed(exc)
     print(f"schema at revision {revision}")
+    if args.app_role:
+        return _set_up_app_role(settings.database_url, args.app_role, password)
     return 0
+
+
+def _create_database(database_url: str) -> bool:
+    from cli.localrun import RunError, ensure_database
+
+    try:
+        if ensure_database(database_url):
+            print("database created")
+    except RunError as exc:
+        print(f"teamdesk-tasks migrate: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def _set_up_app_role(database_url: str, role: str, password: str | None) -> int:
+    from ledger.migrate import set_up_app_role
+    from ledger.roles import AppRoleRefused
+
+    try:
+        report = set_up_app_role(database_url, role, password)
+    except AppRoleRefused as exc:
+        print(f"teamdesk-tasks migrate: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        return _migrate_failed(exc)
+    done = "created" if report.created else "password set" if report.password_set else "kept"
+    print(
+        f"app role {report.role}: {done}; grants on {report.tables} tables "
+        f"and {report.sequences} sequences"
+    )
+    return 0
+
+
+def _migrate_failed(exc: Exception) -> int:
+    print(
+        f"teamdesk-tasks migrate: cannot migrate the database ({type(exc).__name__}); "
+        "check DATABASE_URL and that PostgreSQL is running",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _role_name(value: str) -> str:
+    from ledger.roles import valid_role_name
+
+    if not valid_role_name(value):
+        raise argparse.ArgumentTypeError(
+            "a role name of lower-case letters, digits and '_', not starting with pg_"
+        )
+    return value
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -75,15 +126,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     migrate = sub.add_parser(
         "migrate",
-        help="apply database migrations (idempotent)",
-        description="Bring the database schema to the newest revision. "
-        "Safe to run again and from several hosts at once.",
+        help="apply database migrations (idempotent); set up the application's role",
+        description="Bring the database schema to the newest revision, as the schema's "
+        "owner (DATABASE_URL). With --app-role, then create or update the role every other "
+        "process connects as and re-apply its grants: rows of the project's tables only, no "
+        "DDL. Safe to run again and from several hosts at once.",
+        epilog=f"{APP_PASSWORD_VAR}: the application role's password (read by migrate only; "
+        "never pass it as an argument). Required to create the role; when set, an existing "
+        "role's password is changed to it; when unset, an existing role keeps its password. "
+        "The migrating role needs CREATEROLE to create or change the role.",
     )
     migrate.add_argument(
         "--create-database",
         action="store_true",
         help="first create the database DATABASE_URL names when it does not exist "
         "(through the server's 'postgres' maintenance database)",
+    )
+    migrate.add_argument(
+        "--app-role",
+        metavar="NAME",
+        type=_role_name,
+        help="after migrating, create or update this LOGIN role (e.g. teamdesk_app) with "
+        "SELECT/INSERT/UPDATE/DELETE on the project's tables (task_audit: SELECT/INSERT) "
+        f"and nothing else; password from {APP_PASSWORD_VAR}",
     )
     migrate.set_defaults(handler=cmd_migrate)
     health = sub.add_parser(

@@ -1,4 +1,5 @@
-"""Apply the Alembic revisions in ``ledger/migrations`` (``teamdesk-tasks migrate``)."""
+"""Apply the Alembic revisions in ``ledger/migrations``, then set up the application's
+database role when one is named (``teamdesk-tasks migrate [--app-role NAME]``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 
+from ledger.roles import AppRoleReport, grant_app_role
 from teamdesk.db import sqlalchemy_url
 
 MIGRATIONS = Path(__file__).with_name("migrations")
@@ -28,10 +30,20 @@ def upgrade(database_url: str, revision: str = "head") -> None:
 
 
 def current_revision(database_url: str) -> str | None:
-
     engine = sa.create_engine(sqlalchemy_url(database_url))
     try:
         with engine.connect() as conn:
             return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()
+
+
+def set_up_app_role(database_url: str, role: str, password: str | None) -> AppRoleReport:
+    """Create or update the application role and re-apply its grants (ledger/roles.py),
+    in one transaction, as the role of ``database_url`` (the schema's owner)."""
+    engine = sa.create_engine(sqlalchemy_url(database_url), poolclass=sa.pool.NullPool)
+    try:
+        with engine.begin() as conn:
+            return grant_app_role(conn, role, password)
     finally:
         engine.dispose()

@@ -29,8 +29,10 @@ from tests.support.deploy_files import (
     WORKER_GRACE_S,
     beat_scheduler_problem,
     default_of,
+    env_map,
     flag_value,
     is_exec_form,
+    migrate_app_role,
     runs_celery,
     runs_embedded_beat,
     unconsumed_queues,
@@ -56,19 +58,6 @@ def _duration_s(value: Any) -> float:
         return float("nan")
     scale = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
     return sum(float(n) * scale[u] for n, u in parts)
-
-
-def _env_map(environment: Any) -> dict[str, Any]:
-    """Compose `environment` as a dict, from either its map or its list form."""
-    if environment is None:
-        return {}
-    if isinstance(environment, dict):
-        return dict(environment)
-    result: dict[str, Any] = {}
-    for item in environment:
-        name, _, value = str(item).partition("=")
-        result[name] = value if "=" in str(item) else None
-    return result
 
 
 # --------------------------------------------------------------------------- compose
@@ -102,8 +91,9 @@ def compose_problems(doc: dict[str, Any]) -> list[str]:
             problems.append(f"{name}: no image")
 
     migrate = services["migrate"]
-    if migrate.get("command") != ["teamdesk-tasks", "migrate"]:
-        problems.append("migrate: command is not teamdesk-tasks migrate")
+    mcmd = migrate.get("command") or []
+    if mcmd[:2] != ["teamdesk-tasks", "migrate"] or not migrate_app_role(mcmd):
+        problems.append("migrate: command is not teamdesk-tasks migrate --app-role NAME")
     if migrate.get("restart", "no") not in ("no", "on-failure"):
         problems.append("migrate: a one-shot must not restart after success")
     for name in ("api", "worker", "beat", "flower"):
@@ -146,7 +136,7 @@ def compose_problems(doc: dict[str, Any]) -> list[str]:
         problems.append(f"worker: stop_grace_period is not 90s: {worker.get('stop_grace_period')}")
     if worker.get("stop_signal", "SIGTERM") != "SIGTERM":
         problems.append("worker: stop_signal is not SIGTERM")
-    env = _env_map(worker.get("environment"))
+    env = env_map(worker.get("environment"))
     if "WORKER_INSTANCE_ID" in env:
         problems.append("worker: WORKER_INSTANCE_ID set for every replica (must be unique)")
     for key in ("hostname", "container_name"):
@@ -180,7 +170,7 @@ def compose_problems(doc: dict[str, Any]) -> list[str]:
     fcmd = flower.get("command") or []
     if not runs_celery(fcmd, "flower"):
         problems.append("flower: command is not celery ... flower")
-    auth_env = _env_map(flower.get("environment")).get("FLOWER_BASIC_AUTH")
+    auth_env = env_map(flower.get("environment")).get("FLOWER_BASIC_AUTH")
     auth_arg = flag_value(fcmd, "--basic-auth", "--basic_auth") if fcmd else None
     if not any(FLOWER_AUTH_RE.match(str(v)) for v in (auth_env, auth_arg) if v):
         problems.append("flower: basic auth is not ${FLOWER_USER:?}:${FLOWER_PASSWORD:?}")
@@ -327,6 +317,11 @@ COMPOSE_BREAKS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("postgres health missing", _drop("postgres", "healthcheck"), "postgres: no health check"),
     ("migrate restarts", _set("migrate", "restart", "unless-stopped"), "migrate: a one-shot"),
     ("migrate command", _set("migrate", "command", ["teamdesk-tasks", "scan"]), "migrate: command"),
+    (
+        "migrate without the app role",
+        _set("migrate", "command", ["teamdesk-tasks", "migrate"]),
+        "migrate: command",
+    ),
     ("no wait for migrate", _compose_no_migrate_wait, "worker: does not wait for migrate"),
     (
         "worker without reminders",

@@ -80,7 +80,9 @@ def _docker_compose_config(tmp_path: Path, env: dict[str, str]) -> subprocess.Co
     clean = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("FLOWER_", "POSTGRES_", "COMPOSE_", "DOCKER_HOST"))
+        if not k.startswith(
+            ("FLOWER_", "POSTGRES_", "REDIS_", "APP_DB_", "COMPOSE_", "DOCKER_HOST")
+        )
     }
     return subprocess.run(
         ["docker", "compose", "--env-file", str(env_file), "-f", str(COMPOSE_FILE), "config", "-q"],
@@ -95,10 +97,16 @@ def _docker_compose_config(tmp_path: Path, env: dict[str, str]) -> subprocess.Co
 def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
     if not _docker_compose_works():
         pytest.skip("docker CLI with the compose plugin not available")
-    result = _docker_compose_config(
-        tmp_path, {"POSTGRES_PASSWORD": "pw", "FLOWER_USER": "u", "FLOWER_PASSWORD": "p"}
-    )
+    required = {
+        "POSTGRES_PASSWORD": "pw",
+        "APP_DB_PASSWORD": "app",
+        "REDIS_PASSWORD": "rp",
+        "FLOWER_USER": "u",
+        "FLOWER_PASSWORD": "p",
+    }
+    result = _docker_compose_config(tmp_path, required)
     assert result.returncode == 0, result.stderr
-    missing = _docker_compose_config(tmp_path, {"POSTGRES_PASSWORD": "pw", "FLOWER_USER": "u"})
-    assert missing.returncode != 0
-    assert "FLOWER_PASSWORD" in missing.stderr
+    for name in ("FLOWER_PASSWORD", "REDIS_PASSWORD", "APP_DB_PASSWORD"):
+        missing = _docker_compose_config(tmp_path, {k: v for k, v in required.items() if k != name})
+        assert missing.returncode != 0
+        assert name in missing.stderr

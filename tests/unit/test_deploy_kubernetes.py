@@ -12,69 +12,41 @@ check is shown to fail on a copy of the manifests broken in exactly that point.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import kubernetes_validate
 import pytest
-import yaml
 
 from tests.support.deploy_files import (
     BEAT_REPLICAS,
-    DEPLOY,
+    COMPONENTS,
     DRAIN_S,
     HEALTH_CMD,
     HEALTH_HARD_CAP_S,
+    K8S_DIR,
     WORKER_GRACE_S,
+    argv,
     beat_scheduler_problem,
+    containers,
     default_of,
+    find,
     flag_value,
     is_exec_form,
+    main_container,
+    migrate_app_role,
+    pod_spec,
     runs_celery,
     runs_embedded_beat,
     unconsumed_queues,
     unknown_queues,
 )
 
-K8S_DIR = DEPLOY / "k8s"
-
 # Oldest Kubernetes minor the manifests are written for; kubernetes-validate ships its schemas.
 K8S_VERSION = "1.31.0"
 
-
-# --------------------------------------------------------------------------- Kubernetes
-
-
-def _k8s_docs() -> list[dict[str, Any]]:
-    docs: list[dict[str, Any]] = []
-    for path in sorted(K8S_DIR.glob("*.yaml")):
-        docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
-    return docs
-
-
-def _find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any] | None:
-    for doc in docs:
-        if doc.get("kind") == kind and doc.get("metadata", {}).get("name") == name:
-            return doc
-    return None
-
-
-def _pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
-    spec: dict[str, Any] = workload["spec"]["template"]["spec"]
-    return spec
-
-
-def _containers(workload: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield from _pod_spec(workload).get("containers", [])
-
-
-def _main_container(workload: dict[str, Any]) -> dict[str, Any]:
-    container: dict[str, Any] = _pod_spec(workload)["containers"][0]
-    return container
-
-
-def _argv(container: dict[str, Any]) -> list[str]:
-    return [*(container.get("command") or []), *(container.get("args") or [])]
+# Each component's own Secret (deploy/README.md, "Who gets which secret").
+SECRETS = [("Secret", f"teamdesk-{component}") for component in COMPONENTS]
 
 
 def k8s_problems(docs: list[dict[str, Any]]) -> list[str]:
@@ -88,42 +60,42 @@ def k8s_problems(docs: list[dict[str, Any]]) -> list[str]:
         ("Service", "teamdesk-flower"),
         ("Job", "teamdesk-migrate"),
         ("ConfigMap", "teamdesk-config"),
-        ("Secret", "teamdesk-secrets"),
+        *SECRETS,
     ]
-    missing = [w for w in wanted if _find(docs, *w) is None]
+    missing = [w for w in wanted if find(docs, *w) is None]
     if missing:
         return [f"manifests missing: {missing}"]
-    worker = _find(docs, "Deployment", "teamdesk-worker")
-    beat = _find(docs, "Deployment", "teamdesk-beat")
-    api = _find(docs, "Deployment", "teamdesk-api")
-    flower = _find(docs, "Deployment", "teamdesk-flower")
-    migrate = _find(docs, "Job", "teamdesk-migrate")
-    config = _find(docs, "ConfigMap", "teamdesk-config")
+    worker = find(docs, "Deployment", "teamdesk-worker")
+    beat = find(docs, "Deployment", "teamdesk-beat")
+    api = find(docs, "Deployment", "teamdesk-api")
+    flower = find(docs, "Deployment", "teamdesk-flower")
+    migrate = find(docs, "Job", "teamdesk-migrate")
+    config = find(docs, "ConfigMap", "teamdesk-config")
     assert worker and beat and api and flower and migrate and config
 
     workloads = [d for d in docs if d.get("kind") in ("Deployment", "Job")]
     for w in workloads:
         name = w["metadata"]["name"]
-        pod_sc = _pod_spec(w).get("securityContext") or {}
-        for c in _containers(w):
+        pod_sc = pod_spec(w).get("securityContext") or {}
+        for c in containers(w):
             c_sc = c.get("securityContext") or {}
             if c_sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is not True:
                 problems.append(f"{name}/{c['name']}: runAsNonRoot not true")
             if c_sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
                 problems.append(f"{name}/{c['name']}: runAsUser 0")
-            if not is_exec_form(_argv(c)):
+            if not is_exec_form(argv(c)):
                 problems.append(f"{name}/{c['name']}: command is not exec form")
 
     # worker
-    wspec = _pod_spec(worker)
+    wspec = pod_spec(worker)
     grace = wspec.get("terminationGracePeriodSeconds", 30)
     if grace != WORKER_GRACE_S:
         problems.append(f"worker: terminationGracePeriodSeconds is {grace}, not 90")
     drain = default_of(config.get("data", {}).get("SHUTDOWN_TIMEOUT_S", DRAIN_S))
     if drain is None or not drain < grace:
         problems.append("worker: SHUTDOWN_TIMEOUT_S is not below the grace period")
-    wc = _main_container(worker)
-    wargv = _argv(wc)
+    wc = main_container(worker)
+    wargv = argv(wc)
     if not (runs_celery(wargv, "worker") and flag_value(wargv, "-A", "--app") == "tasks"):
         problems.append("worker: command is not celery -A tasks worker")
     for probe in ("livenessProbe", "readinessProbe"):
@@ -146,9 +118,7 @@ def k8s_problems(docs: list[dict[str, Any]]) -> list[str]:
         d["metadata"]["name"]
         for d in docs
         if d.get("kind") == "Deployment"
-        and any(
-            runs_celery(_argv(c), "beat") or runs_embedded_beat(_argv(c)) for c in _containers(d)
-        )
+        and any(runs_celery(argv(c), "beat") or runs_embedded_beat(argv(c)) for c in containers(d))
     ]
     if beat_deployments != ["teamdesk-beat"]:
         problems.append(f"not exactly one beat Deployment: {beat_deployments}")
@@ -158,16 +128,16 @@ def k8s_problems(docs: list[dict[str, Any]]) -> list[str]:
     max_unavailable = (strategy.get("rollingUpdate") or {}).get("maxUnavailable")
     if strategy.get("type") != "RollingUpdate" or max_unavailable != 0:
         problems.append("beat: strategy is not RollingUpdate with maxUnavailable 0")
-    if scheduler_problem := beat_scheduler_problem("beat", _argv(_main_container(beat))):
+    if scheduler_problem := beat_scheduler_problem("beat", argv(main_container(beat))):
         problems.append(scheduler_problem)
 
     # every task queue has a consumer among the worker Deployments, and none names another
     k8s_worker_commands = [
-        _argv(c)
+        argv(c)
         for d in docs
         if d.get("kind") == "Deployment"
-        for c in _containers(d)
-        if runs_celery(_argv(c), "worker")
+        for c in containers(d)
+        if runs_celery(argv(c), "worker")
     ]
     if unconsumed := unconsumed_queues(k8s_worker_commands):
         problems.append(f"no worker Deployment consumes queue(s) {unconsumed}")
@@ -176,14 +146,14 @@ def k8s_problems(docs: list[dict[str, Any]]) -> list[str]:
             problems.append(f"a worker Deployment names undeclared queue(s) {unknown}")
 
     # api
-    ac = _main_container(api)
+    ac = main_container(api)
     if (((ac.get("readinessProbe") or {}).get("httpGet") or {}).get("path")) != "/api/health":
         problems.append("api: readinessProbe is not GET /api/health")
     problems.extend(_service_problems(docs, "teamdesk-api", api))
 
     # flower
-    fc = _main_container(flower)
-    if not runs_celery(_argv(fc), "flower"):
+    fc = main_container(flower)
+    if not runs_celery(argv(fc), "flower"):
         problems.append("flower: command is not celery ... flower")
     fenv = {e["name"]: e for e in fc.get("env") or []}
     auth = (fenv.get("FLOWER_BASIC_AUTH") or {}).get("value")
@@ -194,15 +164,15 @@ def k8s_problems(docs: list[dict[str, Any]]) -> list[str]:
     if auth != "$(FLOWER_USER):$(FLOWER_PASSWORD)" or not from_secret:
         problems.append("flower: basic auth is not built from the Secret's FLOWER_USER/PASSWORD")
     problems.extend(_service_problems(docs, "teamdesk-flower", flower))
-    fsvc = _find(docs, "Service", "teamdesk-flower") or {}
+    fsvc = find(docs, "Service", "teamdesk-flower") or {}
     if fsvc.get("spec", {}).get("type", "ClusterIP") != "ClusterIP":
         problems.append("flower: Service exposed beyond the cluster")
 
     # migrate
-    mc = _main_container(migrate)
-    if _argv(mc) != ["teamdesk-tasks", "migrate"]:
-        problems.append("migrate: command is not teamdesk-tasks migrate")
-    if _pod_spec(migrate).get("restartPolicy") not in ("Never", "OnFailure"):
+    mc = main_container(migrate)
+    if argv(mc)[:2] != ["teamdesk-tasks", "migrate"] or not migrate_app_role(argv(mc)):
+        problems.append("migrate: command is not teamdesk-tasks migrate --app-role NAME")
+    if pod_spec(migrate).get("restartPolicy") not in ("Never", "OnFailure"):
         problems.append("migrate: restartPolicy must be Never or OnFailure")
     return problems
 
@@ -210,7 +180,7 @@ def k8s_problems(docs: list[dict[str, Any]]) -> list[str]:
 def _service_problems(
     docs: list[dict[str, Any]], name: str, deployment: dict[str, Any]
 ) -> list[str]:
-    svc = _find(docs, "Service", name)
+    svc = find(docs, "Service", name)
     if svc is None:
         return [f"{name}: no Service"]
     labels = deployment["spec"]["template"]["metadata"].get("labels", {})
@@ -218,20 +188,15 @@ def _service_problems(
     problems = []
     if not selector or any(labels.get(k) != v for k, v in selector.items()):
         problems.append(f"{name}: Service selector does not match the pods")
-    port_names = {p.get("name") for c in _containers(deployment) for p in c.get("ports", [])}
+    port_names = {p.get("name") for c in containers(deployment) for p in c.get("ports", [])}
     port_numbers = {
-        p.get("containerPort") for c in _containers(deployment) for p in c.get("ports", [])
+        p.get("containerPort") for c in containers(deployment) for p in c.get("ports", [])
     }
     for port in svc["spec"].get("ports", []):
         target = port.get("targetPort", port.get("port"))
         if target not in port_names and target not in port_numbers:
             problems.append(f"{name}: Service targetPort {target} is no container port")
     return problems
-
-
-@pytest.fixture(scope="module")
-def k8s_docs() -> list[dict[str, Any]]:
-    return _k8s_docs()
 
 
 # --------------------------------------------------------------------------- Kubernetes tests
@@ -256,10 +221,10 @@ def test_k8s_manifests_match_the_kubernetes_schemas(k8s_docs: list[dict[str, Any
 def test_k8s_schema_check_rejects_an_invalid_manifest(
     k8s_docs: list[dict[str, Any]], breakage: str
 ) -> None:
-    worker = copy.deepcopy(_find(k8s_docs, "Deployment", "teamdesk-worker"))
+    worker = copy.deepcopy(find(k8s_docs, "Deployment", "teamdesk-worker"))
     assert worker is not None
     if breakage == "unknown field":
-        _pod_spec(worker)["terminationGracePeriodSecond"] = 90
+        pod_spec(worker)["terminationGracePeriodSecond"] = 90
     else:
         worker["spec"]["replicas"] = "two"
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -274,7 +239,7 @@ def _k8s_edit(
     kind: str, name: str, edit: Callable[[dict[str, Any]], None]
 ) -> Callable[[list[dict[str, Any]]], None]:
     def mutate(docs: list[dict[str, Any]]) -> None:
-        doc = _find(docs, kind, name)
+        doc = find(docs, kind, name)
         assert doc is not None
         edit(doc)
 
@@ -284,7 +249,7 @@ def _k8s_edit(
 def _worker_container(
     edit: Callable[[dict[str, Any]], None],
 ) -> Callable[[list[dict[str, Any]]], None]:
-    return _k8s_edit("Deployment", "teamdesk-worker", lambda d: edit(_main_container(d)))
+    return _k8s_edit("Deployment", "teamdesk-worker", lambda d: edit(main_container(d)))
 
 
 def _set_worker_instance(container: dict[str, Any]) -> None:
@@ -292,30 +257,30 @@ def _set_worker_instance(container: dict[str, Any]) -> None:
 
 
 def _k8s_second_beat(docs: list[dict[str, Any]]) -> None:
-    beat = copy.deepcopy(_find(docs, "Deployment", "teamdesk-beat"))
+    beat = copy.deepcopy(find(docs, "Deployment", "teamdesk-beat"))
     assert beat is not None
     beat["metadata"]["name"] = "teamdesk-beat-2"
     docs.append(beat)
 
 
 def _k8s_drain(docs: list[dict[str, Any]]) -> None:
-    config = _find(docs, "ConfigMap", "teamdesk-config")
+    config = find(docs, "ConfigMap", "teamdesk-config")
     assert config is not None
     config["data"]["SHUTDOWN_TIMEOUT_S"] = "120"
 
 
 def _k8s_drop_configmap(docs: list[dict[str, Any]]) -> None:
-    config = _find(docs, "ConfigMap", "teamdesk-config")
+    config = find(docs, "ConfigMap", "teamdesk-config")
     assert config is not None
     docs.remove(config)
 
 
 def _k8s_root(doc: dict[str, Any]) -> None:
-    _pod_spec(doc)["securityContext"] = {"runAsUser": 0}
+    pod_spec(doc)["securityContext"] = {"runAsUser": 0}
 
 
 def _k8s_flower_literal(doc: dict[str, Any]) -> None:
-    _main_container(doc)["env"] = [{"name": "FLOWER_BASIC_AUTH", "value": "admin:secret"}]
+    main_container(doc)["env"] = [{"name": "FLOWER_BASIC_AUTH", "value": "admin:secret"}]
 
 
 K8S_BREAKS: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
@@ -324,7 +289,7 @@ K8S_BREAKS: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
         _k8s_edit(
             "Deployment",
             "teamdesk-worker",
-            lambda d: _pod_spec(d).pop("terminationGracePeriodSeconds"),
+            lambda d: pod_spec(d).pop("terminationGracePeriodSeconds"),
         ),
         "terminationGracePeriodSeconds is 30",
     ),
@@ -380,7 +345,7 @@ K8S_BREAKS: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
         _k8s_edit(
             "Deployment",
             "teamdesk-beat",
-            lambda d: _main_container(d).__setitem__(
+            lambda d: main_container(d).__setitem__(
                 "command", ["celery", "-A", "tasks", "beat", "--scheduler=celery.beat.Scheduler"]
             ),
         ),
@@ -407,7 +372,7 @@ K8S_BREAKS: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
     ),
     (
         "api readiness",
-        _k8s_edit("Deployment", "teamdesk-api", lambda d: _main_container(d).pop("readinessProbe")),
+        _k8s_edit("Deployment", "teamdesk-api", lambda d: main_container(d).pop("readinessProbe")),
         "api: readinessProbe",
     ),
     (
@@ -443,7 +408,7 @@ K8S_BREAKS: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
         _k8s_edit(
             "Job",
             "teamdesk-migrate",
-            lambda j: _main_container(j).__setitem__("command", ["teamdesk-tasks"]),
+            lambda j: main_container(j).__setitem__("command", ["teamdesk-tasks"]),
         ),
         "migrate: command",
     ),

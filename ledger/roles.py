@@ -1,0 +1,251 @@
+"""The application's database role (docs/design.md, "Processes"): the role every process
+but ``migrate`` connects as, and the one place its grants are written.
+
+``teamdesk-tasks migrate --app-role NAME`` runs :func:`grant_app_role` as the schema's
+owner, right after the migrations. The role gets what the processes use, nothing more:
+
+- ``CONNECT`` on the database and ``USAGE`` on the schema of the tables (no ``CREATE``);
+- ``SELECT, INSERT, UPDATE, DELETE`` on the project's tables (those in ``ledger.models``),
+  only ``SELECT, INSERT`` on ``task_audit``: the audit trail is append-only, and no
+  process rewrites it;
+- ``USAGE, SELECT`` on the sequences those tables own (``task_audit.id``).
+
+It owns nothing and is no member of an owner, so it can do no DDL (``CREATE``, ``ALTER``,
+``DROP``, ``TRUNCATE``, ``GRANT``) and reads no table outside the list
+(``alembic_version`` included). ``LISTEN``/``NOTIFY``, advisory locks and ``SET LOCAL``
+need no grant; ``TEMP`` tables (``PUBLIC``'s by default) change no schema and are left
+alone. ``ANALYZE`` needs ownership before PostgreSQL 17 (``MAINTAIN`` from 17):
+as this role, PostgreSQL skips the dispatcher's ``ANALYZE background_tasks`` with a
+warning and no error, so the scan goes on and autovacuum keeps the statistics.
+
+The grants are re-applied at every run (``REVOKE ALL`` then ``GRANT`` on every listed
+table, in one transaction), not left to ``ALTER DEFAULT PRIVILEGES``: the migrate run that
+creates a table grants it before any process of that version starts; grants changed by
+hand are put back; and default privileges would follow whichever role creates a table
+(any table it creates, the project's or not) and would have to be removed before the
+role could be dropped. Safe to run again and from several hosts at once: one
+transaction, under an advisory lock (per database: runs against one database queue up).
+
+The password arrives as a SCRAM-SHA-256 verifier computed by the driver, so the server
+(and a ``log_statement = ddl`` log) never sees it in clear text. Identifiers are quoted
+by the driver (``psycopg2.sql``), never formatted in.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg2 import errors, sql
+from psycopg2.extensions import encrypt_password
+from sqlalchemy.engine import Connection
+
+from ledger.errors import LedgerError
+from ledger.models import metadata
+
+ROLE_LOCK = 748_201_114  # pg_advisory_xact_lock key for the app role's grants
+ROLE_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+READ_WRITE = ("SELECT", "INSERT", "UPDATE", "DELETE")
+APPEND_ONLY = ("SELECT", "INSERT")
+APPEND_ONLY_TABLES = frozenset({"task_audit"})
+SEQUENCE_PRIVILEGES = ("USAGE", "SELECT")
+
+# The attributes that would make the role more than a user of the tables.
+ROLE_POWERS = """
+    SELECT rolsuper, rolcreaterole, rolcreatedb, rolreplication, rolbypassrls
+      FROM pg_roles WHERE rolname = %s
+"""
+POWER_NAMES = ("SUPERUSER", "CREATEROLE", "CREATEDB", "REPLICATION", "BYPASSRLS")
+
+# The sequences behind the tables' identity and serial columns.
+OWNED_SEQUENCES = """
+    SELECT n.nspname, s.relname, s.oid FROM pg_depend d
+      JOIN pg_class s ON s.oid = d.objid AND s.relkind = 'S'
+      JOIN pg_namespace n ON n.oid = s.relnamespace
+     WHERE d.classid = 'pg_class'::regclass AND d.refclassid = 'pg_class'::regclass
+       AND d.deptype IN ('a', 'i') AND d.refobjid = ANY(%s::oid[])
+     ORDER BY 1, 2
+"""
+
+
+class AppRoleRefused(LedgerError):
+    """The application role cannot be set up with least privilege."""
+
+
+@dataclass(frozen=True)
+class AppRoleReport:
+    role: str
+    created: bool
+    password_set: bool
+    tables: int
+    sequences: int
+
+
+@dataclass(frozen=True)
+class _Relation:
+    schema: str
+    name: str
+    oid: int
+
+    @property
+    def ident(self) -> sql.Identifier:
+        return sql.Identifier(self.schema, self.name)
+
+
+def valid_role_name(name: str) -> bool:
+    """Lower-case letters, digits and ``_``; not a ``pg_`` role (reserved by PostgreSQL)."""
+    return bool(ROLE_NAME.fullmatch(name)) and not name.startswith("pg_")
+
+
+def table_privileges() -> dict[str, tuple[str, ...]]:
+    """Each project table and what the application role may do to its rows."""
+    return {
+        table.name: APPEND_ONLY if table.name in APPEND_ONLY_TABLES else READ_WRITE
+        for table in metadata.sorted_tables
+    }
+
+
+def grant_app_role(conn: Connection, role: str, password: str | None) -> AppRoleReport:
+    """Create ``role`` (or set its password) and give it exactly the application's grants,
+    in the caller's transaction. Raises :class:`AppRoleRefused` when the role would hold
+    more than that (it is the migrating role, a member of the owner, a superuser...)."""
+    if not valid_role_name(role):
+        raise AppRoleRefused(f"{role!r} is not a valid role name (a-z, 0-9, _)")
+    dbapi = conn.connection.dbapi_connection
+    assert dbapi is not None, "an open connection"
+    cur: Any = dbapi.cursor()
+    cur.execute("SELECT pg_advisory_xact_lock(%s), current_user", (ROLE_LOCK,))
+    if cur.fetchone()[1] == role:
+        raise AppRoleRefused(f"role {role} is the migrating role: name another one")
+    tables = _tables(cur)
+    created = _ensure_login(cur, role, password)
+    _refuse_powers(cur, role, tables)
+    sequences = _owned_sequences(cur, tables)
+    _grant(cur, role, tables, sequences)
+    _refuse_ddl(cur, role, sorted({t.schema for t in tables}))
+    return AppRoleReport(role, created, bool(password), len(tables), len(sequences))
+
+
+def _tables(cur: Any) -> list[_Relation]:
+    found = []
+    for name in table_privileges():
+        cur.execute(
+            "SELECT n.nspname, c.relname, c.oid FROM pg_class c"
+            " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass(%s)",
+            (name,),
+        )
+        row = cur.fetchone()
+        if row is None:
+            raise AppRoleRefused(f"table {name} does not exist: the migrations did not run")
+        found.append(_Relation(*row))
+    return found
+
+
+def _ensure_login(cur: Any, role: str, password: str | None) -> bool:
+    """Create the role with ``password``, or set an existing role's password when one is
+    given (without one, an existing role keeps its password). True when created."""
+    cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,))
+    exists = cur.fetchone() is not None
+    if not exists and not password:
+        raise AppRoleRefused(f"role {role} does not exist; set APP_DB_PASSWORD to create it")
+    if not password:
+        return False
+    verifier = encrypt_password(password, role, cur.connection, "scram-sha-256")
+    statement = sql.SQL(
+        "ALTER ROLE {} WITH LOGIN PASSWORD {}"
+        if exists
+        else "CREATE ROLE {} WITH LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION "
+        "NOBYPASSRLS PASSWORD {}"
+    ).format(sql.Identifier(role), sql.Literal(verifier))
+    try:
+        cur.execute(statement)
+    except errors.InsufficientPrivilege:
+        raise AppRoleRefused(
+            f"the migrating role may not create or alter role {role} (it needs CREATEROLE): "
+            "create the role beforehand and run migrate without APP_DB_PASSWORD"
+        ) from None
+    return not exists
+
+
+def _refuse_powers(cur: Any, role: str, tables: Sequence[_Relation]) -> None:
+    cur.execute(ROLE_POWERS, (role,))
+    powers = cur.fetchone()
+    held = [name for name, has in zip(POWER_NAMES, powers, strict=True) if has]
+    if held:
+        raise AppRoleRefused(f"role {role} has {', '.join(held)}: not least-privileged")
+    cur.execute(
+        "SELECT bool_or(pg_has_role(%s, relowner, 'MEMBER')) FROM pg_class"
+        " WHERE oid = ANY(%s::oid[])",
+        (role, [t.oid for t in tables]),
+    )
+    if cur.fetchone()[0]:
+        raise AppRoleRefused(f"role {role} owns the tables, or is a member of their owner")
+
+
+def _owned_sequences(cur: Any, tables: Sequence[_Relation]) -> list[_Relation]:
+    cur.execute(OWNED_SEQUENCES, ([t.oid for t in tables],))
+    return [_Relation(*row) for row in cur.fetchall()]
+
+
+def _grant(
+    cur: Any, role: str, tables: Sequence[_Relation], sequences: Sequence[_Relation]
+) -> None:
+    """Everything the role may do, replacing whatever it had on these objects."""
+    who = sql.Identifier(role)
+    cur.execute("SELECT current_database()")
+    database = sql.Identifier(cur.fetchone()[0])
+    cur.execute(sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(database, who))
+    for schema in sorted({t.schema for t in tables}):
+        cur.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(sql.Identifier(schema), who))
+    privileges = table_privileges()
+    for table in tables:
+        _replace(cur, "TABLE", table, privileges[table.name], who)
+    for sequence in sequences:
+        _replace(cur, "SEQUENCE", sequence, SEQUENCE_PRIVILEGES, who)
+
+
+def _replace(
+    cur: Any, kind: str, relation: _Relation, privileges: Iterable[str], who: sql.Identifier
+) -> None:
+    """REVOKE ALL, then GRANT exactly ``privileges`` (the same transaction: no gap)."""
+    on = sql.SQL(kind)
+    cur.execute(sql.SQL("REVOKE ALL ON {} {} FROM {}").format(on, relation.ident, who))
+    granted = sql.SQL(", ").join(sql.SQL(p) for p in privileges)
+    cur.execute(sql.SQL("GRANT {} ON {} {} TO {}").format(granted, on, relation.ident, who))
+
+
+def _refuse_ddl(cur: Any, role: str, schemas: Iterable[str]) -> None:
+    """What the role may do in the end, through PUBLIC or other roles included: connect
+    and use the schema, create nothing in it or in the database."""
+    cur.execute(
+        "SELECT has_database_privilege(%(r)s, current_database(), 'CONNECT'),"
+        " has_database_privilege(%(r)s, current_database(), 'CREATE')",
+        {"r": role},
+    )
+    connect, create_schema = cur.fetchone()
+    if not connect:
+        raise AppRoleRefused(
+            f"role {role} may not connect to the database, and the migrating role cannot "
+            "grant it: GRANT CONNECT as the database's owner"
+        )
+    if create_schema:
+        raise AppRoleRefused(
+            f"role {role} may create schemas: REVOKE CREATE ON DATABASE from it and PUBLIC"
+        )
+    for schema in schemas:
+        cur.execute(
+            "SELECT has_schema_privilege(%(r)s, %(s)s, 'USAGE'),"
+            " has_schema_privilege(%(r)s, %(s)s, 'CREATE')",
+            {"r": role, "s": schema},
+        )
+        usage, create = cur.fetchone()
+        if not usage:
+            raise AppRoleRefused(f"role {role} may not use schema {schema}: GRANT USAGE on it")
+        if create:
+            raise AppRoleRefused(
+                f"role {role} may create objects in schema {schema} (PUBLIC may, before "
+                f"PostgreSQL 15): REVOKE CREATE ON SCHEMA {schema} FROM PUBLIC as its owner"
+            )
