@@ -5,12 +5,12 @@ Routes (docs/design.md, "HTTP API"; every error body is ``{"detail": "<fixed mes
 ==========================================  =====================================
 ``GET  /api/health``                        200 ok / 503 unavailable (no-store)
 ``GET  /api/workers/health``                200 workers, dispatcher, consumers, missing / 503
-``POST /api/teams/{team_id}/exports``       201 task; 401 403 404 413 422
-``POST /api/teams/{team_id}/reminders``     201 task; 401 403 404 413 422
+``POST /api/teams/{team_id}/exports``       201 task; 401 403 404 413 422 429
+``POST /api/teams/{team_id}/reminders``     201 task; 401 403 404 413 422 429
 ``GET  /api/teams/{team_id}/tasks?limit=``  200 ``{"tasks": [...]}``; 401 404 422
 ``GET  /api/tasks/{task_id}``               200 task; 401 404
-``POST /api/tasks/{task_id}/retry``         202 ``{task_id, run, status}``; 401 403 404 409
-``POST /api/tasks/{task_id}/cancel``        202 ``{task_id, run, status}``; 401 404 409
+``POST /api/tasks/{task_id}/retry``         202 ``{task_id, run, status}``; 401 403 404 409 429
+``POST /api/tasks/{task_id}/cancel``        202 ``{task_id, run, status}``; 401 404 409 429
 ``GET  /api/tasks/{task_id}/csv``           200 text/csv; 401 404 409 410
 ==========================================  =====================================
 

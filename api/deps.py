@@ -1,29 +1,68 @@
-"""Request plumbing shared by the routes: the app's resources and bearer authentication.
+"""Request plumbing shared by the routes: the app's resources, bearer authentication and
+the rate limits (docs/design.md, "HTTP API").
 
 A route reads the raw token from the header (:func:`bearer_token`, no database), then
 resolves it inside its own transaction (:func:`authenticate`), so every task route is
 one short transaction. Tokens are never logged or echoed.
+
+Before the header is even read, an address whose failed authentications used up its
+budget answers 429 (no database lookup); every 401 answer takes from that budget
+(api/errors.py). Create, retry and cancel also take from their token's budget
+(:meth:`Limits.throttle_token`) before writing anything.
 """
 
 from __future__ import annotations
 
-import uuid
+import threading
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.engine import Connection
 
+from api.limits import RateLimiter, Rule, Verdict
 from api.resources import Resources
-from ledger.tokens import user_for_token
+from ledger.tokens import TokenOwner, resolve_token
 
 MSG_UNAUTHENTICATED = "a valid bearer token is required (Authorization: Bearer <token>)"
+MSG_TOKEN_RATE = "too many requests with this token; try again after Retry-After seconds"
+MSG_AUTH_RATE = (
+    "too many failed authentications from this address; try again after Retry-After seconds"
+)
+UNKNOWN_ADDRESS = "unknown"
 
 _bearer = HTTPBearer(
     auto_error=False,
     scheme_name="bearer",
     description="An API token (`teamdesk-tasks token create USER`).",
 )
+_limits_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The app's rate limits: one limiter (state in Redis) and the two rules it applies."""
+
+    limiter: RateLimiter
+    per_token: Rule
+    auth_failures: Rule
+
+    def refuse_blocked_address(self, address: str) -> None:
+        """429 while ``address`` has no failed authentication left (nothing taken)."""
+        _refuse(self.limiter.look(self.auth_failures, address), MSG_AUTH_RATE)
+
+    def count_auth_failure(self, address: str) -> None:
+        self.limiter.take(self.auth_failures, address)
+
+    def throttle_token(self, owner: TokenOwner) -> None:
+        """429 when the token's budget for create, retry and cancel is spent."""
+        _refuse(self.limiter.take(self.per_token, str(owner.token_id)), MSG_TOKEN_RATE)
+
+
+def _refuse(verdict: Verdict, message: str) -> None:
+    if not verdict.allowed:
+        raise HTTPException(429, message, headers={"Retry-After": str(verdict.retry_after_s)})
 
 
 def resources(request: Request) -> Resources:
@@ -31,14 +70,41 @@ def resources(request: Request) -> Resources:
     return app_resources
 
 
+def limits(request: Request) -> Limits:
+    """The app's :class:`Limits`, built on first use from its settings (its Redis client
+    is the resources', opened lazily and closed with them)."""
+    state = request.app.state
+    with _limits_lock:
+        found: Limits | None = getattr(state, "limits", None)
+        if found is None:
+            res = resources(request)
+            settings = res.settings
+            found = Limits(
+                RateLimiter(lambda: res.redis, settings.queue_prefix),
+                Rule("token", settings.api_rate_per_min, settings.api_rate_burst),
+                Rule("auth", settings.auth_failures_per_min, settings.auth_failures_per_min),
+            )
+            state.limits = found
+    return found
+
+
+def client_address(request: Request) -> str:
+    """The peer address as uvicorn sees it: behind a reverse proxy on another host, its
+    ``FORWARDED_ALLOW_IPS`` must name the proxy for ``X-Forwarded-For`` to be used."""
+    return request.client.host if request.client else UNKNOWN_ADDRESS
+
+
 def unauthenticated() -> HTTPException:
     return HTTPException(401, MSG_UNAUTHENTICATED, headers={"WWW-Authenticate": "Bearer"})
 
 
 def bearer_token(
+    request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> str:
-    """The raw token from ``Authorization: Bearer``; 401 when the header is missing."""
+    """The raw token from ``Authorization: Bearer``; 429 first when the address is
+    blocked, 401 when the header is missing."""
+    limits(request).refuse_blocked_address(client_address(request))
     if credentials is None or not credentials.credentials:
         raise unauthenticated()
     return credentials.credentials
@@ -46,20 +112,21 @@ def bearer_token(
 
 ResourcesDep = Annotated[Resources, Depends(resources)]
 TokenDep = Annotated[str, Depends(bearer_token)]
+LimitsDep = Annotated[Limits, Depends(limits)]
 
 
-def authenticate(conn: Connection, token: str) -> uuid.UUID:
-    """The token's user; 401 for an unknown token."""
-    user_id = user_for_token(conn, token)
-    if user_id is None:
+def authenticate(conn: Connection, token: str) -> TokenOwner:
+    """The live token and its user; 401 for an unknown, expired or revoked token."""
+    owner = resolve_token(conn, token)
+    if owner is None:
         raise unauthenticated()
-    return user_id
+    return owner
 
 
 def token_is_valid(res: Resources, request: Request) -> bool:
-    """Whether the request carries a known token (for answering 401 before 422)."""
+    """Whether the request carries a live token (for answering 401 before 422)."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return False
     with res.engine.begin() as conn:
-        return user_for_token(conn, token.strip()) is not None
+        return resolve_token(conn, token.strip()) is not None

@@ -1,7 +1,10 @@
 """How errors become HTTP answers: always ``{"detail": "<fixed message>"}``.
 
 - ledger errors: NotFound 404, NotAllowed 403, InvalidInput / rejected filters 422,
-  InvalidState 409 (their messages are fixed text chosen by the ledger);
+  InvalidState 409, TeamQuotaExceeded 429 with ``Retry-After`` (their messages are fixed
+  text chosen by the ledger);
+- every 401 answer takes from the client address's budget of failed authentications
+  (api/deps.py); an address that spent it answers 429 before its token is looked up;
 - request validation: 422 with a fixed message per field (never the input, never
   pydantic's own text); a malformed id in the path answers 404 exactly like a missing
   task or team, since it names nothing the caller can see;
@@ -28,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from api.deps import resources, token_is_valid, unauthenticated
+from api.deps import client_address, limits, resources, token_is_valid, unauthenticated
 from api.schemas import MAX_LIST_LIMIT
 from api.tasks import BODY_FIELDS
 from ledger import service
@@ -39,6 +42,7 @@ from ledger.errors import (
     NotAllowed,
     NotFound,
     TaskRejected,
+    TeamQuotaExceeded,
 )
 from ledger.filters import MSG_NOT_OBJECT
 
@@ -62,7 +66,11 @@ FIELD_MESSAGES = {
 }
 NOT_FOUND_PATH = {"team_id": MSG_TEAM_NOT_FOUND, "task_id": MSG_TASK_NOT_FOUND}
 
+# When a team at its cap may try again: tasks take seconds to minutes to finish.
+TEAM_FULL_RETRY_AFTER_S = 60
+
 STATUS_BY_ERROR: tuple[tuple[type[LedgerError], int], ...] = (
+    (TeamQuotaExceeded, 429),
     (NotFound, 404),
     (NotAllowed, 403),
     (InvalidState, 409),
@@ -93,7 +101,9 @@ def status_for(exc: LedgerError) -> int:
 
 async def ledger_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, LedgerError)
-    return error(status_for(exc), exc.message)
+    full = isinstance(exc, TeamQuotaExceeded)
+    headers = {"Retry-After": str(TEAM_FULL_RETRY_AFTER_S)} if full else None
+    return error(status_for(exc), exc.message, headers=headers)
 
 
 async def database_unavailable(request: Request, exc: Exception) -> JSONResponse:
@@ -103,7 +113,7 @@ async def database_unavailable(request: Request, exc: Exception) -> JSONResponse
     return error(503, MSG_UNAVAILABLE, headers={"Retry-After": "5"})
 
 
-async def invalid_request(request: Request, exc: Exception) -> JSONResponse:
+async def invalid_request(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     status, message = validation_answer(exc.errors(), _route_path(request))
     return await _unless_unauthenticated(request, error(status, message))
@@ -115,20 +125,32 @@ async def http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 400 and exc.__cause__ is not None:
         return await _unless_unauthenticated(request, error(422, MSG_BODY_JSON))
+    if exc.status_code == 401:
+        await _count_auth_failure(request)
     return await http_exception_handler(request, exc)
 
 
-async def _unless_unauthenticated(request: Request, answer: JSONResponse) -> JSONResponse:
-    """``answer``, or 401 when a task route was called without a known token."""
+async def _unless_unauthenticated(request: Request, answer: JSONResponse) -> Response:
+    """``answer``, or 401 when a task route was called without a live token (429 when
+    the address may not try any more)."""
     if request.url.path.startswith(PROTECTED_PREFIXES):
+        address = client_address(request)
         try:
+            await run_in_threadpool(limits(request).refuse_blocked_address, address)
             known = await run_in_threadpool(token_is_valid, resources(request), request)
+        except StarletteHTTPException as refused:
+            return await http_exception_handler(request, refused)
         except UNAVAILABLE_ERRORS as db_exc:
             return await database_unavailable(request, db_exc)
         if not known:
+            await _count_auth_failure(request)
             denied = unauthenticated()
             return error(401, str(denied.detail), headers=denied.headers)
     return answer
+
+
+async def _count_auth_failure(request: Request) -> None:
+    await run_in_threadpool(limits(request).count_auth_failure, client_address(request))
 
 
 def validation_answer(errors: Sequence[Any], route_path: str) -> tuple[int, str]:

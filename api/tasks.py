@@ -1,7 +1,10 @@
 """The task routes (docs/design.md, "HTTP API"): create, list, read, retry, cancel, download.
 
 Each route authenticates and calls :mod:`ledger.service` inside one short transaction;
-any error rolls it back, so a refused request writes nothing. Creating a task only
+any error rolls it back, so a refused request writes nothing. Create, retry and cancel
+take from their token's rate limit first, and creations and retries pass the team's cap
+on unfinished tasks (``TEAM_MAX_UNFINISHED``) to the ledger, which checks it under a lock
+(ledger/quota.py); both refusals answer 429 with ``Retry-After``. Creating a task only
 writes its WAITING row: the dispatcher publishes it at once (its insert notifies the
 dispatcher), the API never waits on a worker. Visibility is the ledger's: whatever the
 caller cannot see answers 404, the same as something missing.
@@ -14,7 +17,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Response
 
-from api.deps import ResourcesDep, TokenDep, authenticate
+from api.deps import LimitsDep, ResourcesDep, TokenDep, authenticate
 from api.schemas import (
     DEFAULT_LIST_LIMIT,
     MAX_LIST_LIMIT,
@@ -50,9 +53,11 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
         410: "the CSV has expired or was purged",
         413: "the request body is too large",
         422: "invalid input; nothing was written",
+        429: "too many requests (this token's or this address's rate limit, or the team's "
+        "cap on unfinished tasks); nothing was written; Retry-After says when to try again",
         503: "the database is unavailable",
     }
-    return {s: {"model": ErrorOut, "description": meaning[s]} for s in (401, *statuses, 503)}
+    return {s: {"model": ErrorOut, "description": meaning[s]} for s in (401, *statuses, 429, 503)}
 
 
 router = APIRouter(prefix="/api", tags=["tasks"])
@@ -71,11 +76,16 @@ def create_export(
     response: Response,
     token: TokenDep,
     res: ResourcesDep,
+    limits: LimitsDep,
 ) -> dict[str, Any]:
+    cap = res.settings.team_max_unfinished
     with res.engine.begin() as conn:
-        user_id = authenticate(conn, token)
-        task_id = service.create_export(conn, team_id, user_id, body.scope, body.filters)
-        view = service.get_task(conn, task_id, user_id).as_dict()
+        caller = authenticate(conn, token)
+        limits.throttle_token(caller)
+        task_id = service.create_export(
+            conn, team_id, caller.user_id, body.scope, body.filters, max_unfinished=cap
+        )
+        view = service.get_task(conn, task_id, caller.user_id).as_dict()
     response.headers["Location"] = f"/api/tasks/{task_id}"
     return view
 
@@ -93,11 +103,16 @@ def create_reminder(
     response: Response,
     token: TokenDep,
     res: ResourcesDep,
+    limits: LimitsDep,
 ) -> dict[str, Any]:
+    cap = res.settings.team_max_unfinished
     with res.engine.begin() as conn:
-        user_id = authenticate(conn, token)
-        task_id = service.create_reminder(conn, team_id, user_id, body.ticket_id, body.run_at)
-        view = service.get_task(conn, task_id, user_id).as_dict()
+        caller = authenticate(conn, token)
+        limits.throttle_token(caller)
+        task_id = service.create_reminder(
+            conn, team_id, caller.user_id, body.ticket_id, body.run_at, max_unfinished=cap
+        )
+        view = service.get_task(conn, task_id, caller.user_id).as_dict()
     response.headers["Location"] = f"/api/tasks/{task_id}"
     return view
 
@@ -115,7 +130,7 @@ def list_tasks(
     limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = DEFAULT_LIST_LIMIT,
 ) -> dict[str, Any]:
     with res.engine.begin() as conn:
-        user_id = authenticate(conn, token)
+        user_id = authenticate(conn, token).user_id
         views = service.list_tasks(conn, team_id, user_id, limit)
     return {"tasks": [view.as_dict() for view in views]}
 
@@ -132,7 +147,7 @@ def get_task(
     res: ResourcesDep,
 ) -> dict[str, Any]:
     with res.engine.begin() as conn:
-        user_id = authenticate(conn, token)
+        user_id = authenticate(conn, token).user_id
         return service.get_task(conn, task_id, user_id).as_dict()
 
 
@@ -147,10 +162,13 @@ def retry_task(
     task_id: uuid.UUID,
     token: TokenDep,
     res: ResourcesDep,
+    limits: LimitsDep,
 ) -> dict[str, Any]:
+    cap = res.settings.team_max_unfinished
     with res.engine.begin() as conn:
-        user_id = authenticate(conn, token)
-        run = service.retry(conn, task_id, user_id)
+        caller = authenticate(conn, token)
+        limits.throttle_token(caller)
+        run = service.retry(conn, task_id, caller.user_id, max_unfinished=cap)
     return {"task_id": task_id, "run": run, "status": "WAITING"}
 
 
@@ -165,11 +183,13 @@ def cancel_task(
     task_id: uuid.UUID,
     token: TokenDep,
     res: ResourcesDep,
+    limits: LimitsDep,
 ) -> dict[str, Any]:
     with res.engine.begin() as conn:
-        user_id = authenticate(conn, token)
-        service.cancel(conn, task_id, user_id)
-        run = service.get_task(conn, task_id, user_id).row["run"]
+        caller = authenticate(conn, token)
+        limits.throttle_token(caller)
+        service.cancel(conn, task_id, caller.user_id)
+        run = service.get_task(conn, task_id, caller.user_id).row["run"]
     return {"task_id": task_id, "run": run, "status": "CANCELLED"}
 
 
@@ -188,7 +208,7 @@ def download_csv(
     res: ResourcesDep,
 ) -> Response:
     with res.engine.begin() as conn:
-        user_id = authenticate(conn, token)
+        user_id = authenticate(conn, token).user_id
         task, csv = service.read_csv(conn, task_id, user_id)
     if task["kind"] != "EXPORT":
         raise InvalidState(MSG_NOT_AN_EXPORT)

@@ -5,7 +5,9 @@ user with fixed emails, and :data:`DEFAULT_TICKETS` tickets made by one set-base
 (varied status, priority, titles with commas, quotes and formula-like starts, creation
 times spread over six weeks, a third assigned to the staff user). A second run finds the
 team by its staff member and creates nothing; every run issues fresh API tokens (only
-their hashes are stored, so earlier ones cannot be shown again).
+their hashes are stored, so earlier ones cannot be shown again) and revokes the demo
+users' earlier tokens of the same name, so repeated runs leave one live token per user
+and name, not a trail.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from ledger.tokens import create_token
+from ledger.tokens import create_token, revoke_named
 
 TEAM_NAME = "Demo Support"
 STAFF_EMAIL = "staff@demo.teamdesk.test"
@@ -101,6 +103,8 @@ class DemoTeam:
     created: bool
     tickets: int
     users: list[DemoUser] = field(default_factory=list)
+    revoked_tokens: int = 0  # the users' earlier live tokens of the same name
+    token_name: str | None = None
 
     @property
     def staff(self) -> DemoUser:
@@ -112,6 +116,7 @@ class DemoTeam:
             "team_name": TEAM_NAME,
             "created": self.created,
             "tickets": self.tickets,
+            "revoked_tokens": self.revoked_tokens,
             "users": [
                 {"email": u.email, "role": u.role, "user_id": str(u.user_id), "token": u.token}
                 for u in self.users
@@ -142,27 +147,34 @@ def _create(conn: Connection, tickets: int) -> uuid.UUID:
     return team_id
 
 
-def _users(conn: Connection, token_name: str | None) -> list[DemoUser]:
-
+def _users(conn: Connection, token_name: str | None) -> tuple[list[DemoUser], int]:
+    """The demo users with a new token each (after revoking their earlier live tokens of
+    that name), and how many were revoked."""
+    ids = {
+        email: uuid.UUID(str(conn.execute(USER_ID, {"email": email}).scalar_one()))
+        for email in (STAFF_EMAIL, CUSTOMER_EMAIL)
+    }
+    revoked = revoke_named(conn, list(ids.values()), token_name) if token_name else 0
     users = []
     for email, role in ((STAFF_EMAIL, "STAFF"), (CUSTOMER_EMAIL, "CUSTOMER")):
-        user_id = uuid.UUID(str(conn.execute(USER_ID, {"email": email}).scalar_one()))
-        token = create_token(conn, user_id, token_name) if token_name else None
-        users.append(DemoUser(email, role, user_id, token))
-    return users
+        token = create_token(conn, ids[email], token_name) if token_name else None
+        users.append(DemoUser(email, role, ids[email], token))
+    return users, revoked
 
 
 def seed(
     conn: Connection, tickets: int = DEFAULT_TICKETS, token_name: str | None = "demo-seed"
 ) -> DemoTeam:
-    """Create the demo team once; issue one new token per user (none if ``token_name``
-    is None). Runs in the caller's transaction."""
+    """Create the demo team once; issue one new token per user, revoking their earlier
+    tokens named ``token_name`` (no tokens at all if it is None). Runs in the caller's
+    transaction."""
     conn.execute(LOCK)
     found = conn.execute(FIND_TEAM, {"team_name": TEAM_NAME, "staff_email": STAFF_EMAIL}).first()
     created = found is None
     team_id = _create(conn, tickets) if found is None else uuid.UUID(str(found.id))
     count = int(conn.execute(COUNT_TICKETS, {"team_id": team_id}).scalar_one())
-    return DemoTeam(team_id, created, count, _users(conn, token_name))
+    users, revoked = _users(conn, token_name)
+    return DemoTeam(team_id, created, count, users, revoked, token_name)
 
 
 def describe(team: DemoTeam) -> str:
@@ -177,4 +189,14 @@ def describe(team: DemoTeam) -> str:
     for user in team.users:
         lines.append(f"{user.role.lower():<9} {user.email:<28} token {user.token}")
     lines.append("Tokens are shown only now (only their hashes are stored).")
+    if team.revoked_tokens:
+        lines.append(revoked_note(team))
     return "\n".join(lines)
+
+
+def revoked_note(team: DemoTeam) -> str:
+    """The line saying the run revoked the users' earlier tokens of the same name."""
+    return (
+        f'Revoked {team.revoked_tokens} earlier "{team.token_name}" token(s) of these users '
+        "(they no longer work)."
+    )

@@ -2,10 +2,10 @@
 
 Before starting anything: create the database named in DATABASE_URL when it is missing
 (through the server's ``postgres`` maintenance database), migrate, seed the demo team
-(once; a fresh token for the demo staff user every time), check Redis, and print the
-Flower and API addresses with a ready-to-paste ``curl``. Then run the ``Procfile``'s
-processes in the foreground with honcho's manager, each output line prefixed with the
-process name.
+(once; a fresh token for the demo staff user every time, the earlier ones revoked),
+check Redis, and print the Flower and API addresses with a ready-to-paste ``curl``. Then
+run the ``Procfile``'s processes in the foreground with honcho's manager, each output
+line prefixed with the process name.
 
 Stopping: the first SIGINT (Ctrl-C) or SIGTERM sends exactly one SIGTERM to each
 process, never to its process group, because Celery treats a second TERM/INT
@@ -199,7 +199,8 @@ def banner(team: DemoTeam, options: LocalOptions, processes: dict[str, str]) -> 
             f"  Flower   http://127.0.0.1:{options.flower_port}   user {FLOWER_USER}, "
             f"password {password}",
             f"  Demo     team {team.team_id} ({state}, {team.tickets} tickets)",
-            f"           staff {team.staff.email}, token {token}",
+            f"           staff {team.staff.email}, token {token}"
+            + (f" (earlier {TOKEN_NAME!r} tokens revoked)" if team.revoked_tokens else ""),
             "",
             "Start an export:",
             f'  curl -s -X POST {auth} -H "Content-Type: application/json" -d '

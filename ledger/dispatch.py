@@ -247,7 +247,9 @@ STATISTICS_DRIFT = text("""
              WHERE oid = CAST('ix_background_tasks_due' AS regclass)) AS believed
 """)
 
-ANALYZE = text("ANALYZE background_tasks")
+# ANALYZE through the owner's function (migration 0006): the processes run as the
+# application role, which may not ANALYZE before PostgreSQL 17 (ledger/roles.py).
+ANALYZE = text("SELECT teamdesk_analyze_ledger()")
 
 DRIFT_CAP = 100_000  # rows counted at most
 DRIFT_MIN_ROWS = 1000  # a difference smaller than this never triggers an ANALYZE

@@ -38,6 +38,19 @@ class TooManyRows(TaskRejected):
     """The export matches more rows than allowed; narrow the filters."""
 
 
+MSG_TEAM_FULL = (
+    "this team has too many unfinished tasks (waiting or running); "
+    "try again when some have finished, or cancel some"
+)
+
+
+class TeamQuotaExceeded(LedgerError):
+    """This team has too many unfinished tasks (waiting or running); try again later."""
+
+    def __init__(self) -> None:
+        super().__init__(MSG_TEAM_FULL)
+
+
 class InvalidInput(LedgerError):
     """The request is invalid."""
 

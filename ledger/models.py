@@ -221,6 +221,9 @@ task_audit = sa.Table(
 )
 sa.Index("ix_task_audit_task_id", task_audit.c.task_id, task_audit.c.id)
 
+# Bearer tokens, stored as hashes (ledger/tokens.py). A token is live while revoked_at is
+# NULL and expires_at is ahead of the database's now(); last_used_at moves at most once a
+# minute per token.
 api_tokens = sa.Table(
     "api_tokens",
     metadata,
@@ -229,4 +232,9 @@ api_tokens = sa.Table(
     _fk("user_id", "users.id"),
     sa.Column("name", sa.Text, nullable=True),
     _created_at(),
+    sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("last_used_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("revoked_at", sa.DateTime(timezone=True), nullable=True),
 )
+# `token list EMAIL` and demo-seed's revocation read a user's tokens.
+sa.Index("ix_api_tokens_user_id", api_tokens.c.user_id)

@@ -14,9 +14,9 @@ It owns nothing and is no member of an owner, so it can do no DDL (``CREATE``, `
 ``DROP``, ``TRUNCATE``, ``GRANT``) and reads no table outside the list
 (``alembic_version`` included). ``LISTEN``/``NOTIFY``, advisory locks and ``SET LOCAL``
 need no grant; ``TEMP`` tables (``PUBLIC``'s by default) change no schema and are left
-alone. ``ANALYZE`` needs ownership before PostgreSQL 17 (``MAINTAIN`` from 17):
-as this role, PostgreSQL skips the dispatcher's ``ANALYZE background_tasks`` with a
-warning and no error, so the scan goes on and autovacuum keeps the statistics.
+alone. ``ANALYZE`` needs ownership before PostgreSQL 17, so the dispatcher refreshes the
+ledger's statistics through ``teamdesk_analyze_ledger()`` (migration 0006: ``SECURITY
+DEFINER``, that one statement), on which the role gets ``EXECUTE``.
 
 The grants are re-applied at every run (``REVOKE ALL`` then ``GRANT`` on every listed
 table, in one transaction), not left to ``ALTER DEFAULT PRIVILEGES``: the migrate run that
@@ -52,6 +52,7 @@ READ_WRITE = ("SELECT", "INSERT", "UPDATE", "DELETE")
 APPEND_ONLY = ("SELECT", "INSERT")
 APPEND_ONLY_TABLES = frozenset({"task_audit"})
 SEQUENCE_PRIVILEGES = ("USAGE", "SELECT")
+ANALYZE_FUNCTION = "teamdesk_analyze_ledger"  # ledger/dispatch.py ANALYZE calls it
 
 # The attributes that would make the role more than a user of the tables.
 ROLE_POWERS = """
@@ -205,6 +206,13 @@ def _grant(
         _replace(cur, "TABLE", table, privileges[table.name], who)
     for sequence in sequences:
         _replace(cur, "SEQUENCE", sequence, SEQUENCE_PRIVILEGES, who)
+    for schema in sorted({t.schema for t in tables}):
+        # The dispatcher's ANALYZE, run with the owner's rights (migration 0006).
+        cur.execute(
+            sql.SQL("GRANT EXECUTE ON FUNCTION {}.{}() TO {}").format(
+                sql.Identifier(schema), sql.Identifier(ANALYZE_FUNCTION), who
+            )
+        )
 
 
 def _replace(

@@ -26,6 +26,7 @@ from ledger.permissions import (
     may_schedule_reminder,
     may_see,
 )
+from ledger.quota import NO_CAP, ensure_room
 from ledger.states import SCOPES
 from ledger.wake import WAKE_SQL
 
@@ -184,14 +185,21 @@ def _insert(
 
 
 def create_export(
-    conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID, scope: Any, filters: Any
+    conn: Connection,
+    team_id: uuid.UUID,
+    user_id: uuid.UUID,
+    scope: Any,
+    filters: Any,
+    max_unfinished: int = NO_CAP,
 ) -> uuid.UUID:
-    """Validate and insert a WAITING export; nothing is written when anything is wrong."""
+    """Validate and insert a WAITING export; nothing is written when anything is wrong,
+    or when the team already has ``max_unfinished`` unfinished tasks (ledger/quota.py)."""
     if scope not in SCOPES:
         raise InvalidInput(MSG_SCOPE)
     validate_filters(filters)
     if not may_export(scope, _member_role(conn, team_id, user_id)):
         raise NotAllowed(MSG_TEAM_EXPORT_NEEDS_STAFF)
+    ensure_room(conn, team_id, max_unfinished)
     return _insert(conn, "EXPORT", team_id, user_id, scope, dict(filters), None)
 
 
@@ -201,8 +209,10 @@ def create_reminder(
     user_id: uuid.UUID,
     ticket_id: Any,
     run_at: datetime | None = None,
+    max_unfinished: int = NO_CAP,
 ) -> uuid.UUID:
-    """Validate and insert a WAITING reminder for one ticket, due at ``run_at`` (default now)."""
+    """Validate and insert a WAITING reminder for one ticket, due at ``run_at`` (default now);
+    refused like :func:`create_export` when the team is at ``max_unfinished``."""
     try:
         ticket = uuid.UUID(str(ticket_id))
     except ValueError:
@@ -215,6 +225,7 @@ def create_reminder(
         raise NotAllowed(MSG_REMINDER_NEEDS_STAFF)
     if conn.execute(TICKET_IN_TEAM, {"ticket_id": ticket, "team_id": team_id}).first() is None:
         raise InvalidInput(MSG_TICKET)
+    ensure_room(conn, team_id, max_unfinished)
     return _insert(conn, "REMINDER", team_id, user_id, "TEAM", {"ticket_id": str(ticket)}, run_at)
 
 
@@ -250,8 +261,11 @@ def read_csv(
     return task, row.result_csv
 
 
-def retry(conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID) -> int:
-    """Open a new run of a FAILED or CANCELLED task; returns the new run number."""
+def retry(
+    conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID, max_unfinished: int = NO_CAP
+) -> int:
+    """Open a new run of a FAILED or CANCELLED task; returns the new run number. Refused
+    like a creation when the team is at ``max_unfinished`` (a retry adds a WAITING row)."""
     task = _visible_task(conn, task_id, user_id, for_update=True)
     if task["status"] not in ("FAILED", "CANCELLED"):
         raise InvalidState(MSG_RETRY_STATE)
@@ -259,6 +273,7 @@ def retry(conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID) -> int:
         refusal = export_refusal(task["scope"], role_of(conn, task["team_id"], task["owner_id"]))
         if refusal is not None:
             raise NotAllowed(refusal)
+    ensure_room(conn, task["team_id"], max_unfinished)
     row = conn.execute(RETRY, {"task_id": task_id}).one_or_none()
     if row is None:
         raise InvalidState(MSG_RETRY_STATE)

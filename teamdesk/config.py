@@ -57,6 +57,11 @@ class Settings:
     dispatch_window: int = 0  # 0: two per live worker process consuming the queue
     team_max_running: int = 0  # 0: no per-team cap (teams still share round-robin)
     dispatch_listen_url: str | None = ""  # "": DATABASE_URL; None: poll only, no LISTEN
+    # Abuse limits (docs/design.md, "HTTP API"); 0 turns each one off.
+    team_max_unfinished: int = 1000  # WAITING + RUNNING tasks of one team
+    api_rate_per_min: int = 120  # create, retry and cancel requests per token, refilled
+    api_rate_burst: int = 30  # ... of which this many at once
+    auth_failures_per_min: int = 30  # 401 answers per client address (also the burst)
 
     @property
     def listen_url(self) -> str | None:
@@ -174,6 +179,10 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         dispatch_window=_number(env, "DISPATCH_WINDOW", 0, int, 0),
         team_max_running=_number(env, "TEAM_MAX_RUNNING", 0, int, 0),
         dispatch_listen_url=_listen_url(env),
+        team_max_unfinished=_number(env, "TEAM_MAX_UNFINISHED", 1000, int, 0),
+        api_rate_per_min=_number(env, "API_RATE_PER_MIN", 120, int, 0),
+        api_rate_burst=_number(env, "API_RATE_BURST", 30, int, 1),
+        auth_failures_per_min=_number(env, "AUTH_FAILURES_PER_MIN", 30, int, 0),
     )
 
 

@@ -1,8 +1,10 @@
-"""``submit export|reminder``, ``status``, ``retry``, ``cancel``, ``token create``.
+"""``submit export|reminder``, ``status``, ``retry``, ``cancel``, ``token create|list|revoke``.
 
 They act through ``ledger.service`` and ``ledger.tokens`` as the user named by
-``--user EMAIL``, so the CLI authorises exactly like the API. They write the ledger only:
-the dispatcher (beat) publishes new and retried runs as soon as they are ready.
+``--user EMAIL``, so the CLI authorises exactly like the API, and creations and retries
+respect the team's cap on unfinished tasks (``TEAM_MAX_UNFINISHED``) as the API does.
+They write the ledger only: the dispatcher (beat) publishes new and retried runs as soon
+as they are ready. (The API's rate limits are for HTTP clients; the CLI has none.)
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 from cli.commands.common import (
@@ -21,6 +24,11 @@ from cli.commands.common import (
     uuid_arg,
 )
 
+# ledger.tokens.DEFAULT_TTL_DAYS and MAX_TTL_DAYS (not imported: keeps --help light)
+TOKEN_TTL_DAYS = 90
+TOKEN_MAX_TTL_DAYS = 365
+TOKEN_COLUMNS = ("id", "name", "created_at", "last_used_at", "expires_at", "state")
+
 PUBLISH_NOTE = (
     "The command only writes the WAITING row; the dispatcher (beat) publishes it to the "
     "queue as soon as it is ready (or `teamdesk-tasks scan` does, once)."
@@ -31,6 +39,12 @@ def _user(conn: Any, email: str) -> uuid.UUID:
     from ledger.tokens import user_id_by_email
 
     return user_id_by_email(conn, email)
+
+
+def _team_cap() -> int:
+    from teamdesk.config import get_settings
+
+    return get_settings().team_max_unfinished
 
 
 def _print_created(view: Any, as_json: bool) -> None:
@@ -46,7 +60,9 @@ def cmd_submit_export(args: argparse.Namespace) -> int:
 
     with get_engine().begin() as conn:
         user_id = _user(conn, args.user)
-        task_id = service.create_export(conn, args.team, user_id, args.scope, args.filters)
+        task_id = service.create_export(
+            conn, args.team, user_id, args.scope, args.filters, max_unfinished=_team_cap()
+        )
         view = service.get_task(conn, task_id, user_id)
     _print_created(view, args.json)
     return EXIT_OK
@@ -58,7 +74,9 @@ def cmd_submit_reminder(args: argparse.Namespace) -> int:
 
     with get_engine().begin() as conn:
         user_id = _user(conn, args.user)
-        task_id = service.create_reminder(conn, args.team, user_id, args.ticket, args.run_at)
+        task_id = service.create_reminder(
+            conn, args.team, user_id, args.ticket, args.run_at, max_unfinished=_team_cap()
+        )
         view = service.get_task(conn, task_id, user_id)
     _print_created(view, args.json)
     return EXIT_OK
@@ -87,7 +105,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
     from teamdesk.db import get_engine
 
     with get_engine().begin() as conn:
-        run = service.retry(conn, args.id, _user(conn, args.user))
+        run = service.retry(conn, args.id, _user(conn, args.user), max_unfinished=_team_cap())
     print(f"{args.id}: run {run + 1} is WAITING; the dispatcher will publish it")
     return EXIT_OK
 
@@ -107,9 +125,61 @@ def cmd_token_create(args: argparse.Namespace) -> int:
     from teamdesk.db import get_engine
 
     with get_engine().begin() as conn:
-        raw = create_token(conn, _user(conn, args.email), args.name)
+        raw = create_token(conn, _user(conn, args.email), args.name, args.expires_in_days)
     print(raw)
     return EXIT_OK
+
+
+def _when(value: datetime | None) -> str | None:
+    return None if value is None else value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _token_view(token: dict[str, Any]) -> dict[str, str | None]:
+    """What `token list` shows of a token: never its hash."""
+    view = {column: token[column] for column in TOKEN_COLUMNS}
+    for column in ("created_at", "last_used_at", "expires_at"):
+        view[column] = _when(view[column])
+    view["id"] = str(view["id"])
+    return view
+
+
+def cmd_token_list(args: argparse.Namespace) -> int:
+    from ledger.tokens import list_tokens
+    from teamdesk.db import get_engine
+
+    with get_engine().begin() as conn:
+        rows = [_token_view(token) for token in list_tokens(conn, _user(conn, args.email))]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    cells = [[row[c] or "-" for c in TOKEN_COLUMNS] for row in rows]
+    widths = [max([len(c), *(len(line[i]) for line in cells)]) for i, c in enumerate(TOKEN_COLUMNS)]
+    for line in [list(TOKEN_COLUMNS), *cells]:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        )
+    return EXIT_OK
+
+
+def cmd_token_revoke(args: argparse.Namespace) -> int:
+    from ledger.tokens import revoke_token
+    from teamdesk.db import get_engine
+
+    with get_engine().begin() as conn:
+        revoked = revoke_token(conn, args.id)
+    print(f"{args.id}: {'revoked' if revoked else 'already revoked'}")
+    return EXIT_OK
+
+
+def ttl_days_arg(text: str) -> int:
+    """argparse type: a token's lifetime in whole days."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a whole number of days") from None
+    if not 1 <= value <= TOKEN_MAX_TTL_DAYS:
+        raise argparse.ArgumentTypeError(f"must be within 1..{TOKEN_MAX_TTL_DAYS}")
+    return value
 
 
 def _add_user(parser: argparse.ArgumentParser, required: bool = True, extra: str = "") -> None:
@@ -225,11 +295,38 @@ def _register_token(sub: Any) -> None:
         "create",
         "create a token for a user and print it once",
         "Create an API token for the user with this email and print it (only its hash is "
-        "stored: it cannot be shown again).",
+        "stored: it cannot be shown again). It expires after --expires-in-days.",
     )
     create.add_argument("email", metavar="EMAIL")
     create.add_argument("--name", metavar="N", help="a label for the token")
+    create.add_argument(
+        "--expires-in-days",
+        metavar="D",
+        type=ttl_days_arg,
+        default=TOKEN_TTL_DAYS,
+        help=f"days until the token expires, 1..{TOKEN_MAX_TTL_DAYS} (default: {TOKEN_TTL_DAYS})",
+    )
     create.set_defaults(handler=guarded(cmd_token_create))
+    listing = _sub(
+        actions,
+        "list",
+        "list a user's tokens (never their secrets)",
+        "List the tokens of the user with this email, oldest first: id, name, created, last "
+        "used (recorded at most once a minute), expiry and state (active, expired or "
+        "revoked). Neither the token nor its hash is shown.",
+    )
+    listing.add_argument("email", metavar="EMAIL")
+    listing.add_argument("--json", action="store_true", help="print a JSON list")
+    listing.set_defaults(handler=guarded(cmd_token_list))
+    revoke = _sub(
+        actions,
+        "revoke",
+        "revoke a token at once",
+        "Revoke the token with this id (from `token list`): its next request answers 401. "
+        "Revoking a revoked token changes nothing.",
+    )
+    revoke.add_argument("id", metavar="ID", type=uuid_arg, help="token id")
+    revoke.set_defaults(handler=guarded(cmd_token_revoke))
 
 
 def register(sub: Any) -> None:

@@ -1,10 +1,11 @@
 """Who may call the task routes (docs/design.md, "HTTP API"), in-process against real
 PostgreSQL.
 
-Every route needs a known bearer token and says so before validating anything; the
+Every route needs a live bearer token and says so before validating anything; the
 authorisation matrix for one task (owner, other staff, customer, outsider, no token,
-unknown token) with nothing written on any refusal; a task you may not see answers 404
-like a missing or malformed id.
+unknown token, the owner's revoked or expired token) with nothing written on any
+refusal; a task you may not see answers 404 like a missing or malformed id. Revoked and
+expired tokens answer exactly like unknown ones.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tests.support.api_helpers import (
     task_in_state,
 )
 from tests.support.factories import World, task_row
+from tests.support.tokens import new_token, revoke
 
 
 def assert_unauthenticated(response: Any) -> None:
@@ -68,6 +70,38 @@ def test_every_task_route_needs_a_known_token(
         response = client.request(method, url, json=body, headers=headers)
         assert_unauthenticated(response)
     assert count_tasks(engine) == 0
+
+
+@pytest.mark.parametrize("state", ["revoked", "expired"])
+def test_revoked_and_expired_tokens_answer_like_unknown_ones(
+    client: TestClient, engine: sa.Engine, world: World, state: str
+) -> None:
+    token = new_token(engine, world.staff_id, state)
+    unknown = client.get(f"/api/teams/{world.team_id}/tasks", headers=bearer(BAD_TOKEN))
+    assert_unauthenticated(unknown)
+    for method, url, body in _every_route(world):
+        response = client.request(method, url, json=body, headers=bearer(token))
+        assert_unauthenticated(response)
+        assert response.json() == unknown.json()
+    # also where the body is invalid (the 401-before-422 path looks the token up again)
+    assert_unauthenticated(
+        client.post(
+            exports_url(world.team_id),
+            content=b"{",
+            headers={**bearer(token), "Content-Type": "application/json"},
+        )
+    )
+    assert count_tasks(engine) == 0
+
+
+def test_a_token_stops_working_the_moment_it_is_revoked(
+    client: TestClient, engine: sa.Engine, world: World
+) -> None:
+    token = new_token(engine, world.staff_id)
+    url = f"/api/teams/{world.team_id}/tasks"
+    assert client.get(url, headers=bearer(token)).status_code == 200
+    revoke(engine, token)
+    assert_unauthenticated(client.get(url, headers=bearer(token)))
 
 
 def test_authentication_comes_before_validation(
@@ -123,13 +157,16 @@ def test_authorisation_matrix(
 ) -> None:
     method, suffix, state, allowed = ACTIONS[action]
     owner = world.staff_id if scope == "TEAM" else world.customer_id
+    # The owner's own tokens, once revoked or expired, are refused like no token at all.
+    dead = {kind: new_token(engine, owner, kind) for kind in ("revoked", "expired")}
     users: list[str | None] = ["staff", "staff2", "customer", "outsider", None, "bad"]
+    users += list(dead)
     for user in users:
         task_id = task_in_state(engine, world, state, owner_id=owner, scope=scope)
         before = task_row(engine, task_id)
-        token = None if user is None else tokens.get(user, BAD_TOKEN)
+        token = None if user is None else {**tokens, **dead}.get(user, BAD_TOKEN)
         response = client.request(method, f"/api/tasks/{task_id}{suffix}", headers=bearer(token))
-        if user is None or user == "bad":
+        if user in (None, "bad", "revoked", "expired"):
             assert_unauthenticated(response)
         elif VISIBLE[(scope, user)]:
             assert response.status_code == allowed, (user, response.text)

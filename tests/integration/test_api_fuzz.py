@@ -25,6 +25,9 @@ from tests.support.api_helpers import bearer, make_tokens, task_in_state
 from tests.support.factories import World, add_ticket
 
 EXAMPLES_PER_OPERATION = 100
+# One token makes every request: its rate limit stays on (the limiter runs on every
+# request) but large enough that each operation still reaches real work.
+FUZZ_RATE_PER_MIN = 100_000
 REAL_ID_PROBABILITY = 0.7
 # Operations without parameters or body: nothing to make invalid.
 NO_INPUT = ("/api/health", "/api/workers/health")
@@ -62,7 +65,10 @@ def api_schema(engine: sa.Engine, world: World, settings: Settings) -> Iterator[
     ]
     with engine.begin() as conn:
         ticket = add_ticket(conn, world.team_id, world.customer_id, "=fuzzed")
-    app = create_api(settings, configure_logging=False)
+    fuzz_settings = settings.with_overrides(
+        api_rate_per_min=FUZZ_RATE_PER_MIN, api_rate_burst=FUZZ_RATE_PER_MIN
+    )
+    app = create_api(fuzz_settings, configure_logging=False)
     config = _fuzz_config(world, [str(t) for t in tasks], str(ticket))
     yield schemathesis.openapi.from_asgi("/openapi.json", app, config=config)
     app.state.resources.close()  # schemathesis keeps the app's lifespan open until exit

@@ -78,8 +78,10 @@ def test_demo_seed_creates_the_team_once_and_issues_fresh_tokens(
     first_tokens = {u["token"] for u in seeded["users"]}
     assert not first_tokens & set(tokens)
     with engine.connect() as conn:
-        owners = {user_for_token(conn, t) for t in [*tokens, *first_tokens]}
+        owners = {user_for_token(conn, t) for t in tokens}
+        earlier = {user_for_token(conn, t) for t in first_tokens}
     assert owners == {uuid.UUID(u["user_id"]) for u in seeded["users"]}
+    assert earlier == {None}  # revoked by the second run (tests/integration/test_cli_tokens.py)
 
 
 # -- migrate --create-database --------------------------------------------------------

@@ -1,6 +1,7 @@
 """``teamdesk-tasks`` task commands against real PostgreSQL: token create, submit export
-and reminder (what is written, and every refusal writing nothing), status, cancel and
-retry.
+and reminder (what is written, and every refusal writing nothing, the team's cap on
+unfinished tasks included), status, cancel and retry. Token list and revoke:
+test_cli_tokens.py.
 
 The commands run ``cli.main.main`` in-process; the ``settings`` fixture points it at the
 test's database."""
@@ -16,8 +17,11 @@ import pytest
 import sqlalchemy as sa
 
 from ledger import service
+from ledger.errors import MSG_TEAM_FULL
 from ledger.tokens import user_for_token
-from tests.support.api_helpers import count_tasks
+from teamdesk import config
+from teamdesk.config import Settings
+from tests.support.api_helpers import count_tasks, task_in_state
 from tests.support.cli_runner import email_of, scalar
 from tests.support.factories import World, add_ticket, task_row
 
@@ -126,6 +130,31 @@ def test_submit_refusals_say_why_and_write_nothing(
     unknown = cli("submit", "export", "--user", "ghost@example.test", "--team", team)
     assert (unknown.code, unknown.err) == (1, "teamdesk-tasks submit export: User not found.\n")
     assert count_tasks(engine) == 0
+
+
+def test_submit_and_retry_refuse_past_the_team_cap_like_the_api(
+    cli: Any, engine: sa.Engine, world: World, settings: Settings
+) -> None:
+    config.set_settings(settings.with_overrides(team_max_unfinished=2))
+    with engine.begin() as conn:
+        ticket = add_ticket(conn, world.team_id, world.customer_id, assignee_id=world.staff_id)
+    failed = task_in_state(engine, world, "FAILED")  # finished: not counted
+    staff = email_of(engine, world.staff_id)
+    export = ["submit", "export", "--user", staff, "--team", str(world.team_id)]
+    reminder = ["submit", "reminder", "--user", staff, "--team", str(world.team_id)]
+    assert cli(*export).code == 0
+    assert cli(*reminder, "--ticket", str(ticket)).code == 0
+    before = task_row(engine, failed)
+    for args, command in (
+        (export, "submit export"),
+        ([*reminder, "--ticket", str(ticket)], "submit reminder"),
+        (["retry", str(failed), "--user", staff], "retry"),
+    ):
+        refused = cli(*args)
+        assert (refused.code, refused.out) == (1, "")
+        assert refused.err == f"teamdesk-tasks {command}: {MSG_TEAM_FULL}\n"
+    assert count_tasks(engine) == 3
+    assert task_row(engine, failed) == before
 
 
 def test_submit_reminder_writes_a_scheduled_row(cli: Any, engine: sa.Engine, world: World) -> None:

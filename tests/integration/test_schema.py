@@ -58,7 +58,7 @@ SPEC_COLUMNS = {
     },
     "notifications": {"id", "user_id", "ticket_id", "task_id", "kind", "created_at"},
     "system_events": {"id", "team_id", "ticket_id", "type", "payload", "created_at"},
-    "api_tokens": {"user_id"},
+    "api_tokens": {"user_id", "expires_at", "last_used_at", "revoked_at"},
     "task_audit": {"task_id", "run", "event", "execution_id"},
 }
 

@@ -5,6 +5,7 @@ and no token hash - while still printing at trace."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import urllib.error
@@ -80,14 +81,14 @@ def test_trace_logs_print_no_sql_body_ticket_text_csv_or_token(
             base, "POST", f"{team}/reminders", token, {"ticket_id": str(ticket)}
         )
         assert status == 201, reminder
-        for task in (export, reminder):
-            wait_for(
-                lambda t=task: (
-                    call(base, "GET", f"/api/tasks/{t['id']}", token)[1]["status"] == "COMPLETED"
-                ),
-                timeout=60,
-                what="the tasks to complete",
+
+        def completed(task_id: str) -> bool:
+            return bool(
+                call(base, "GET", f"/api/tasks/{task_id}", token)[1]["status"] == "COMPLETED"
             )
+
+        for task in (export, reminder):
+            wait_for(functools.partial(completed, task["id"]), timeout=60, what="completion")
         status, csv_text = call(base, "GET", f"/api/tasks/{export['id']}/csv", token)
         assert status == 200 and TICKET_TEXT in csv_text
         assert call(base, "GET", f"{team}/tasks", token)[0] == 200
