@@ -2,24 +2,45 @@
 
 Every process that can take work keeps one member ``<scope>/<uuid4>`` in two sorted
 sets, ``<prefix>:worker-heartbeat:active`` (all processes) and
-``<prefix>:worker-heartbeat:active:<scope>`` (one scope, ``WORKER_INSTANCE_ID``). A
-member's score is Redis ``TIME`` + ``HEARTBEAT_TTL_S``: it is live while its score is
-later than Redis's clock. Only Redis's clock is used, so hosts with skewed clocks agree.
+``<prefix>:worker-heartbeat:active:<scope>`` (one scope, ``WORKER_INSTANCE_ID``), and in
+the *holders* set ``<prefix>:worker-heartbeat:holders`` (every process whose leases are
+alive: the active ones and the draining ones). A member's score is Redis ``TIME`` +
+``HEARTBEAT_TTL_S``: it is live while its score is later than Redis's clock. Only Redis's
+clock is used, so hosts with skewed clocks agree. The active sets say who takes work (the
+window, the health checks); the holders set says whose leases the dispatcher must leave
+alone (it reads the global active set too: every active member is a holder as well).
 
-Renewal is one Lua script: read ``TIME``, drop expired members from both sets, add the
-member to both, set both keys' TTL to 2 x ttl (an abandoned set disappears on its own).
+Renewal is one Lua script: read ``TIME``, drop expired members, add the member to the
+three sets and set their keys' TTL to 2 x ttl (an abandoned set disappears on its own).
+
+**Draining.** On SIGTERM a process leaves the active sets but stays a holder while its
+in-flight work ends. The drain's renewal is the same script as its start (leave the
+active sets, be a holder, extend the holders key): it adds the member rather than only
+extending it, so a drain outlives the key's TTL, a Redis restart during the drain, and a
+removal at SIGTERM that Redis refused. :meth:`Heartbeat.finish` ends it for good.
+
+**The record's epoch.** The dispatcher may read "absent" as "dead" only while the holders
+set is the unbroken record of every live process. A FLUSHALL, an eviction (every key here
+carries a TTL, so ``volatile-*`` policies take them first), a restart, or a failover to a
+replica that lags behind all leave a set that misses live processes. So the holders set
+carries its own epoch: a member ``~epoch/<run_id>/<since>`` scored ``+inf`` (never expired
+by score), written by the first renewal that finds none from this server (``run_id``
+changes at every Redis start and differs on a replica). Whatever empties or replaces the
+set removes the epoch with it; the record is trusted only once its epoch is older than one
+TTL, by which time every live process renewed into it (docs/decisions.md, "Workers").
 
 Why a tombstone: shutdown removes the member, but a renewal may already be on its way
 to Redis when the stop begins (sent from the worker's timer a moment before, or delayed
 in a socket buffer). If that renewal ran after the removal it would put the member
 back, and the stopped process would look alive for one more TTL, so the dispatcher
 would wait that long before taking its runs back. A Python flag alone cannot stop a
-command that has already left the process. So :meth:`Heartbeat.remove` first sets
-``<prefix>:worker-heartbeat:stopped:<member>`` (TTL at least 2 x ttl) and removes the
-member in the same script, and the renewal script refuses to add a member whose
-tombstone exists. Both scripts are atomic in Redis, so a renewal runs either before the
-removal (and is undone by it) or after it (and is refused). The ``stopping`` flag keeps
-this process from sending new renewals at all.
+command that has already left the process. So the removal sets
+``<prefix>:worker-heartbeat:stopped:<member>`` (TTL at least 2 x ttl) in the same script,
+and the renewal script refuses a member whose tombstone exists. Its value says how far the
+stop went: ``draining`` refuses active renewals only, ``done`` (set when the drain ended,
+or by a stop without one) refuses a late drain renewal too. Every script is atomic in
+Redis, so a late renewal runs either before the removal (and is undone by it) or after it
+(and is refused). The ``stopping`` flag keeps this process from sending new renewals.
 """
 
 from __future__ import annotations
@@ -36,6 +57,7 @@ from teamdesk import hooks
 
 # A tombstone outlives any renewal that could still be in flight when the process stopped.
 TOMBSTONE_MIN_S = 60.0
+EPOCH_TAG = "~epoch/"  # the holders set's epoch member: ~epoch/<run_id>/<since>
 
 _REDIS_NOW = """
 local clock = redis.call('TIME')
@@ -43,21 +65,54 @@ local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
 local now_text = string.format('%.6f', now)
 """
 
-# KEYS: global set, scope set, tombstone, info. ARGV: member, ttl (s), info (JSON: the
-# queues the process consumes and its pool size; the dispatcher sizes each queue's window
-# from them). Returns 1, or 0 if stopped.
+# This server's run_id (a new one at every start; a replica has its own). pcall: where
+# INFO is not allowed, every server looks the same and only the other guards remain.
+_SERVER = f"""
+local ok, info = pcall(redis.call, 'INFO', 'server')
+local server = ok and string.match(info, 'run_id:(%w+)') or 'unknown'
+local epoch_tag = '{EPOCH_TAG}'
+local epoch_head = epoch_tag .. server .. '/'
+"""
+
+# Holder: be a live holder until now + ttl, extend the set's key, keep its epoch.
+# Needs: now, now_text, server, epoch_head; holders (key), member, ttl (s).
+_HOLD = """
+local function hold(holders, member, ttl)
+  local keep_ms = string.format('%d', math.ceil(ttl * 2000))
+  redis.call('ZREMRANGEBYSCORE', holders, '-inf', now_text)
+  redis.call('ZADD', holders, string.format('%.6f', now + ttl), member)
+  local current = false
+  for _, seen in ipairs(redis.call('ZRANGEBYSCORE', holders, '+inf', '+inf')) do
+    if string.sub(seen, 1, #epoch_head) == epoch_head then
+      current = true
+    else
+      redis.call('ZREM', holders, seen)
+    end
+  end
+  if not current then
+    redis.call('ZADD', holders, '+inf', epoch_head .. now_text)
+  end
+  redis.call('PEXPIRE', holders, keep_ms)
+  return keep_ms
+end
+"""
+
+# KEYS: global set, scope set, tombstone, info, holders. ARGV: member, ttl (s), info (JSON:
+# the queues the process consumes and its pool size; the dispatcher sizes each queue's
+# window from them). Returns 1, or 0 if stopped.
 _RENEW = (
     _REDIS_NOW
+    + _SERVER
+    + _HOLD
     + """
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return 0
 end
 local ttl = tonumber(ARGV[2])
-local score = string.format('%.6f', now + ttl)
-local keep_ms = string.format('%d', math.ceil(ttl * 2000))
+local keep_ms = hold(KEYS[5], ARGV[1], ttl)
 for i = 1, 2 do
   redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now_text)
-  redis.call('ZADD', KEYS[i], score, ARGV[1])
+  redis.call('ZADD', KEYS[i], string.format('%.6f', now + ttl), ARGV[1])
   redis.call('PEXPIRE', KEYS[i], keep_ms)
 end
 redis.call('SET', KEYS[4], ARGV[3], 'PX', keep_ms)
@@ -65,33 +120,37 @@ return 1
 """
 )
 
-# KEYS: global set, scope set, tombstone, info, draining set. ARGV: member, tombstone TTL
-# (ms), ttl (s), "1" to keep the member as draining.
-_REMOVE = (
+# Start or renew a drain. KEYS: global set, scope set, tombstone, info, holders. ARGV:
+# member, tombstone TTL (ms), ttl (s). Leaves the active sets, stays a holder. Returns 1,
+# or 0 once the drain ended.
+_DRAIN = (
     _REDIS_NOW
+    + _SERVER
+    + _HOLD
     + """
-redis.call('SET', KEYS[3], '1', 'PX', ARGV[2])
+if redis.call('GET', KEYS[3]) == 'done' then
+  return 0
+end
+redis.call('SET', KEYS[3], 'draining', 'PX', ARGV[2])
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('DEL', KEYS[4])
-if ARGV[4] == '1' then
-  local ttl = tonumber(ARGV[3])
-  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now_text)
-  redis.call('ZADD', KEYS[5], string.format('%.6f', now + ttl), ARGV[1])
-  redis.call('PEXPIRE', KEYS[5], string.format('%d', math.ceil(ttl * 2000)))
-end
+hold(KEYS[5], ARGV[1], tonumber(ARGV[3]))
 return 1
 """
 )
 
-# KEYS: draining set. ARGV: member, ttl (s). Extends a draining member (never adds one).
-_RENEW_DRAINING = (
-    _REDIS_NOW
-    + """
-local ttl = tonumber(ARGV[2])
-return redis.call('ZADD', KEYS[1], 'XX', 'CH', string.format('%.6f', now + ttl), ARGV[1])
+# Stop for good. KEYS: global set, scope set, tombstone, info, holders. ARGV: member,
+# tombstone TTL (ms).
+_REMOVE = """
+redis.call('SET', KEYS[3], 'done', 'PX', ARGV[2])
+for i = 1, 2 do
+  redis.call('ZREM', KEYS[i], ARGV[1])
+end
+redis.call('ZREM', KEYS[5], ARGV[1])
+redis.call('DEL', KEYS[4])
+return 1
 """
-)
 
 # KEYS: one set. Returns how many members are live after dropping the expired ones.
 _DROP_EXPIRED_AND_COUNT = (
@@ -105,6 +164,28 @@ return redis.call('ZCARD', KEYS[1])
 # KEYS: one set. Returns the live members; writes nothing.
 _LIVE_MEMBERS = _REDIS_NOW + "return redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now_text, '+inf')"
 
+# KEYS: holders, global active set. Returns {age of this server's epoch in s, or '' if
+# there is none; then the live members of both}; writes nothing. Every active member is a
+# holder too; reading the active set as well keeps a worker that predates the holders set
+# (a rolling upgrade) from being taken for dead.
+_LEASE_HOLDERS = (
+    _REDIS_NOW
+    + _SERVER
+    + """
+local found = {''}
+for _, key in ipairs(KEYS) do
+  for _, seen in ipairs(redis.call('ZRANGEBYSCORE', key, '(' .. now_text, '+inf')) do
+    if string.sub(seen, 1, #epoch_head) == epoch_head then
+      found[1] = string.format('%.6f', now - tonumber(string.sub(seen, #epoch_head + 1)))
+    elseif string.sub(seen, 1, #epoch_tag) ~= epoch_tag then
+      table.insert(found, seen)
+    end
+  end
+end
+return found
+"""
+)
+
 
 def active_key(prefix: str, scope: str | None = None) -> str:
     """The set of every live process, or of one scope's processes."""
@@ -112,10 +193,10 @@ def active_key(prefix: str, scope: str | None = None) -> str:
     return base if scope is None else f"{base}:{scope}"
 
 
-def draining_key(prefix: str) -> str:
-    """Processes that stopped taking work but still finish what they hold: their leases
-    are alive, so the dispatcher must not take those runs back (they are not "active")."""
-    return f"{prefix}:worker-heartbeat:draining"
+def holders_key(prefix: str) -> str:
+    """Processes whose leases are alive - active or draining - plus the record's epoch:
+    what the dispatcher reads before taking a run back."""
+    return f"{prefix}:worker-heartbeat:holders"
 
 
 def info_key(prefix: str, member: str) -> str:
@@ -150,6 +231,15 @@ class WorkerSlots:
             return None
 
 
+@dataclass(frozen=True)
+class LeaseHolders:
+    """The live lease holders, and how long the record they were read from has been kept
+    unbroken (None: it has no epoch from this server - emptied, restarted, failed over)."""
+
+    members: frozenset[str]
+    record_age_s: float | None
+
+
 class Heartbeat:
     """This process's heartbeat member. Give ``client`` short socket timeouts: renewal
     runs on the worker's timer and must not block it."""
@@ -174,6 +264,7 @@ class Heartbeat:
             active_key(prefix, scope),
             tombstone_key(prefix, self.member),
             info_key(prefix, self.member),
+            holders_key(prefix),
         ]
 
     @property
@@ -198,31 +289,39 @@ class Heartbeat:
         ping_db()
         return self.renew()
 
-    def remove(self, draining: bool = False) -> None:
-        """Stop renewing and remove this process's member (only its own) from both active
-        sets; with ``draining``, keep it in the draining set while in-flight work ends."""
+    def remove(self, draining: bool = False) -> bool:
+        """Stop renewing and remove this process's member (only its own) from the active
+        sets; with ``draining``, keep it a lease holder while in-flight work ends (renew
+        that with :meth:`renew_draining`), else remove it as a holder too. False: the
+        drain had ended already."""
         self._stopping.set()
-        tombstone_ms = round(max(2 * self.ttl_s, TOMBSTONE_MIN_S) * 1000)
-        script = self.client.register_script(_REMOVE)
-        script(
-            keys=[*self._keys, draining_key(self.prefix)],
-            args=[self.member, tombstone_ms, repr(float(self.ttl_s)), "1" if draining else "0"],
-        )
+        if draining:
+            return self.renew_draining()
+        return self._script(_REMOVE, self._tombstone_ms()) == 1
 
-    def renew_draining(self) -> None:
-        """Extend the draining member; a process that froze while draining still expires."""
-        script = self.client.register_script(_RENEW_DRAINING)
-        script(keys=[draining_key(self.prefix)], args=[self.member, repr(float(self.ttl_s))])
+    def renew_draining(self) -> bool:
+        """Start or extend the drain: out of the active sets, a holder until now + ttl. It
+        adds the member (a restart may have lost it; the removal at SIGTERM may have
+        failed); False once :meth:`finish` ended the drain. A process that froze while
+        draining stops renewing and expires like any other."""
+        self._stopping.set()
+        return self._script(_DRAIN, self._tombstone_ms(), repr(float(self.ttl_s))) == 1
 
     def finish(self) -> None:
-        """The drain ended: drop the draining member too."""
-        self.client.zrem(draining_key(self.prefix), self.member)
+        """The drain ended: nothing of this process is alive any more, and a drain renewal
+        still on its way is refused."""
+        self._script(_REMOVE, self._tombstone_ms())
 
     def _run_renewal(self) -> bool:
         """The renewal script alone, without the ``stopping`` check (tests replay a late one)."""
-        script = self.client.register_script(_RENEW)
-        args = [self.member, repr(float(self.ttl_s)), self.consumes.as_json()]
-        return int(script(keys=self._keys, args=args)) == 1
+        return self._script(_RENEW, repr(float(self.ttl_s)), self.consumes.as_json()) == 1
+
+    def _script(self, source: str, *args: str | int) -> int:
+        script = self.client.register_script(source)
+        return int(script(keys=self._keys, args=[self.member, *args]))
+
+    def _tombstone_ms(self) -> int:
+        return round(max(2 * self.ttl_s, TOMBSTONE_MIN_S) * 1000)
 
 
 def has_heartbeat(client: redis.Redis, prefix: str, scope: str | None = None) -> bool:
@@ -234,8 +333,7 @@ def has_heartbeat(client: redis.Redis, prefix: str, scope: str | None = None) ->
 def live_members(client: redis.Redis, prefix: str, scope: str | None = None) -> set[str]:
     """Active members whose score is later than Redis time (read-only)."""
     script = client.register_script(_LIVE_MEMBERS)
-    members = script(keys=[active_key(prefix, scope)])
-    return {m.decode() if isinstance(m, bytes) else str(m) for m in members}
+    return {_text(m) for m in script(keys=[active_key(prefix, scope)])}
 
 
 def slots_by_queue(client: redis.Redis, prefix: str) -> dict[str, int]:
@@ -253,14 +351,18 @@ def slots_by_queue(client: redis.Redis, prefix: str) -> dict[str, int]:
     return slots
 
 
+def read_lease_holders(client: redis.Redis, prefix: str) -> LeaseHolders:
+    """The live holders and the record's age, in one read-only script (one instant)."""
+    script = client.register_script(_LEASE_HOLDERS)
+    keys = [holders_key(prefix), active_key(prefix)]
+    age, *members = [_text(m) for m in script(keys=keys)]
+    return LeaseHolders(frozenset(members), float(age) if age else None)
+
+
 def lease_holders_alive(client: redis.Redis, prefix: str) -> set[str]:
     """Members whose leases are alive: active ones and draining ones (read-only)."""
-    script = client.register_script(_LIVE_MEMBERS)
-    members = [*script(keys=[active_key(prefix)]), *script(keys=[draining_key(prefix)])]
-    return {m.decode() if isinstance(m, bytes) else str(m) for m in members}
+    return set(read_lease_holders(client, prefix).members)
 
 
-def redis_uptime_s(client: redis.Redis) -> float:
-    """Seconds since the Redis server started; heartbeats are trusted only past one TTL."""
-    info = client.info("server")
-    return float(info["uptime_in_seconds"])
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

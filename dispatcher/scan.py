@@ -8,8 +8,9 @@ needs none of them:
    the dispatcher's statements choose their indexes from them.
 1. **Recover**: RUNNING rows silent for ``STALE_AFTER_S`` by the database's clock, or held
    by a process whose heartbeat member is gone, go back to WAITING (FAILED past
-   ``MAX_RECOVERIES``). The heartbeat rule applies only when the members were read and
-   Redis has been up longer than one ``HEARTBEAT_TTL_S``: "cannot tell" is never "dead".
+   ``MAX_RECOVERIES``). The heartbeat rule applies only when the holders were read and
+   their record has been kept unbroken for more than one ``HEARTBEAT_TTL_S`` (its epoch,
+   docs/design.md "Heartbeats"): "cannot tell" is never "dead".
 2. **Re-publish lost messages**: a published run still WAITING whose queued marker is
    missing or carries another publish's stamp (tasks/queueing.py) lost its message - a
    Redis restart, a dispatcher killed between its stamp and its send, a refused batch. It
@@ -37,7 +38,7 @@ from celery import Celery
 
 from dispatcher.context import DATABASE_ERRORS, Cluster, error_class, transaction
 from dispatcher.errors import ScanUnavailable
-from dispatcher.heartbeat import lease_holders_alive, redis_uptime_s
+from dispatcher.heartbeat import read_lease_holders
 from dispatcher.window import Published, Window, fill, publish
 from ledger import dispatch
 from ledger.dispatch import RunRef
@@ -111,23 +112,25 @@ Uptime = Callable[[redis.Redis], float]
 
 
 def read_heartbeats(
-    client: redis.Redis, prefix: str, ttl_s: float, uptime: Uptime = redis_uptime_s
+    client: redis.Redis, prefix: str, ttl_s: float, uptime: Uptime | None = None
 ) -> HeartbeatView:
-    """Trusted only when the read worked and Redis has been up for more than one TTL
-    (after a restart, live workers need one TTL to register again). Never raises."""
+    """Trusted only when the read worked and the holders' record has been kept unbroken
+    for more than one TTL: after a flush, an eviction, a restart or a failover it has a
+    new epoch, and live workers need one TTL to renew into it. ``uptime`` stands in for
+    the record's age (tests inject one); it is read after the holders. Never raises."""
     try:
-        live = lease_holders_alive(client, prefix)
-        up_s = uptime(client)
+        holders = read_lease_holders(client, prefix)
+        age_s = holders.record_age_s if uptime is None else uptime(client)
     except redis.RedisError as exc:
         return HeartbeatView(frozenset(), trusted=False, error=type(exc).__name__)
-    return HeartbeatView(frozenset(live), trusted=up_s > ttl_s)
+    return HeartbeatView(holders.members, trusted=age_s is not None and age_s > ttl_s)
 
 
 def scan(
-    cluster: Cluster, window: Window, *, purge: bool = False, uptime: Uptime = redis_uptime_s
+    cluster: Cluster, window: Window, *, purge: bool = False, uptime: Uptime | None = None
 ) -> ScanCounts:
     """One scan. Raises :class:`ScanUnavailable` when PostgreSQL cannot be reached.
-    ``uptime`` reads Redis's uptime (tests inject one)."""
+    ``uptime`` stands in for the heartbeat record's age (tests inject one)."""
     counts = ScanCounts()
     try:
         with transaction(cluster.engine) as conn:
@@ -143,7 +146,7 @@ def scan(
 
 
 def run_once(
-    app: Celery, settings: Settings | None = None, uptime: Uptime = redis_uptime_s
+    app: Celery, settings: Settings | None = None, uptime: Uptime | None = None
 ) -> ScanCounts:
     """One scan with purge, on handles of its own (the ``scan`` command, tests)."""
     cluster = Cluster(app, settings or get_settings())
@@ -153,7 +156,7 @@ def run_once(
         cluster.close()
 
 
-def _recover(cluster: Cluster, counts: ScanCounts, uptime: Uptime) -> None:
+def _recover(cluster: Cluster, counts: ScanCounts, uptime: Uptime | None) -> None:
     """Step 1. The members are read inside the transaction, after the database clock was
     read, so a process that registers and claims later is not taken for dead."""
     settings = cluster.settings

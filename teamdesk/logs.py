@@ -29,6 +29,8 @@ EVENTS = frozenset(
         "worker.stopping",
         "worker.stopped",
         "worker.shutdown_timeout",
+        "worker.consuming_paused",
+        "worker.consuming_resumed",
         "worker.fatal",
         "task.started",
         "task.attempt_failed",

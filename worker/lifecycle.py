@@ -15,12 +15,14 @@ Added here, on ``worker_shutting_down`` (Celery sends it from the MainProcess si
 handler, before the shutdown proceeds):
 
 1. log ``worker.stopping`` and remove this process's heartbeat member from the active
-   sets first (it takes no more work; the health probe fails at once), keeping it in
-   the *draining* set: its leases are still alive, so the dispatcher must not take its
+   sets first (it takes no more work; the health probe fails at once), keeping it as a
+   lease *holder*: its leases are still alive, so the dispatcher must not take its
    in-flight runs back;
-2. keep renewing the draining member and the visibility of the messages still running
-   (the worker's own timer stops with the consumer), so no other worker and no scan
-   takes a draining task over - and a process that freezes mid-drain still expires;
+2. keep renewing the holder and the visibility of the messages still running (the
+   worker's own timer stops with the consumer), so no other worker and no scan takes a
+   draining task over however long the drain lasts - each renewal registers the holder
+   afresh, so it also survives a Redis restart and redoes a removal Redis refused at
+   SIGTERM - and a process that freezes mid-drain still expires;
 3. arm the ``SHUTDOWN_TIMEOUT_S`` budget: past it, log ``worker.shutdown_timeout`` and
    send ourselves SIGQUIT (Celery's cold path), which cancels the tasks without writing
    the ledger and restores their messages; the new holder's lease makes any late commit
@@ -84,19 +86,9 @@ class Drain:
         self._arm(settings.shutdown_timeout_s, self._escalate)
 
     def _keep_alive(self, liveness: Any) -> None:
-
         interval = renew_interval_s(liveness.settings)
         while not self.finished.wait(interval):
-            try:
-                liveness.drain_tick()
-            except Exception as exc:  # keep trying until the drain ends
-                log_event(
-                    log,
-                    "heartbeat.failed",
-                    logging.WARNING,
-                    error=type(exc).__name__,
-                    stage="drain",
-                )
+            liveness.drain_tick()  # logs its failures itself and keeps trying
 
     def _arm(self, delay: float, action: Any) -> None:
         timer = threading.Timer(delay, action)

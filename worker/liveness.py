@@ -8,17 +8,21 @@ about the workers. A timer in each worker's own main process renews exactly that
 process's member, needs neither beat nor the broker, and is stopped by the worker's own
 shutdown.
 
-Two things are renewed on every tick (about a quarter of ``HEARTBEAT_TTL_S``):
+Two things are renewed on every tick (about a quarter of ``HEARTBEAT_TTL_S``), each on
+its own, so a failure of one never stops the other (the broker may be another Redis, or
+RabbitMQ, than the heartbeats):
 
 - the heartbeat member (``dispatcher.heartbeat``), only after proving PostgreSQL answers
-  (the renewal itself proves Redis) and never once shutdown began;
+  with a new connection (the renewal itself proves Redis) and never once shutdown began.
+  :attr:`Liveness.registered` says whether the last renewal succeeded; the worker takes
+  messages only while it did (worker/steps.py), since every claim names this member;
 - the visibility of this process's in-flight messages (Redis broker only). kombu keeps a
   delivered, unacknowledged message in ``unacked_index`` scored by its delivery time and
-  hands it to another consumer once that is older than ``visibility_timeout``. We set the
-  visibility timeout to ``STALE_AFTER_S`` and move the score of every message this process
-  holds to "now" on each tick, like a lock renewal: a live worker keeps its messages for
-  as long as it works on them, a dead or frozen one loses them after ``STALE_AFTER_S``
-  and another worker takes the run over under a new lease.
+  hands it to another consumer once that is older than ``visibility_timeout`` (an hour,
+  tasks/celery_app.py). Moving the score of every message this process holds to "now"
+  on each tick keeps a task that runs longer than that from being handed out twice.
+
+Each kind of failure is logged once per outage (``heartbeat.failed`` with its ``stage``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg2
 from celery.worker import state
@@ -42,6 +46,8 @@ log = logging.getLogger("teamdesk.worker")
 UNACKED_INDEX = "unacked_index"  # kombu's default transport option unacked_index_key
 PING_TIMEOUT_S = 2
 RENEW_TIMEOUT_S = 1.0  # fail fast: the renewal runs on the worker's timer
+
+T = TypeVar("T")
 
 
 def renew_interval_s(settings: Settings) -> float:
@@ -88,8 +94,10 @@ class Liveness:
             else None
         )
         self.renew_visibility = renew_visibility and self.broker is not None
-        self._failing = False
+        self.registered = False  # the last heartbeat renewal succeeded
+        self._failing: set[str] = set()  # stages failing now (each logged once per outage)
         self._removed = False
+        self._draining = False
         # Re-entrant: stop() may run in a signal handler that interrupted tick() on the
         # same (main) thread; the tombstone keeps that interleaving correct.
         self._lock = threading.RLock()
@@ -98,21 +106,34 @@ class Liveness:
     def member(self) -> str:
         return self.heartbeat.member
 
+    @property
+    def stopping(self) -> bool:
+        return self.heartbeat.stopping
+
     def tick(self) -> None:
-        """One renewal; errors are logged (once per outage) and never raised to the timer."""
+        """One renewal of each kind; errors are logged and never raised to the timer."""
         with self._lock:
-            try:
-                self.keep_messages()
-                if not self.heartbeat.stopping:
-                    self.heartbeat.renew_if_healthy(
-                        lambda: ping_database(self.settings.database_url)
-                    )
-            except Exception as exc:
-                if not self._failing:
-                    log_event(log, "heartbeat.failed", logging.WARNING, error=type(exc).__name__)
-                self._failing = True
-            else:
-                self._failing = False
+            self._attempt("visibility", self.keep_messages)
+            if not self.heartbeat.stopping:
+                self.registered = self._attempt("renew", self._renew) is True
+
+    def _renew(self) -> bool:
+        return self.heartbeat.renew_if_healthy(lambda: ping_database(self.settings.database_url))
+
+    def _attempt(self, stage: str, action: Callable[[], T]) -> T | None:
+        """``action``'s result, or None when it raised; a failure is logged once per outage
+        of that ``stage`` (which renewal or removal it was)."""
+        try:
+            result = action()
+        except Exception as exc:
+            if stage not in self._failing:
+                log_event(
+                    log, "heartbeat.failed", logging.WARNING, error=type(exc).__name__, stage=stage
+                )
+            self._failing.add(stage)
+            return None
+        self._failing.discard(stage)
+        return result
 
     def keep_messages(self) -> None:
         """Move this process's unacknowledged messages' delivery time to now."""
@@ -127,36 +148,26 @@ class Liveness:
     def stop(self, draining: bool = False) -> None:
         """Remove only this process's member from the active sets, once; later renewals
         cannot re-register it (the heartbeat's tombstone refuses them). With
-        ``draining`` the member stays in the draining set, so the dispatcher keeps
-        treating this process's leases as alive while its in-flight tasks finish."""
+        ``draining`` the member stays a lease holder, so the dispatcher keeps treating
+        this process's leases as alive while its in-flight tasks finish. Once a drain
+        began, a plain stop (the bootstep's, during the drain) leaves it alone: should
+        the removal at SIGTERM have failed, the drain's next renewal does it."""
         with self._lock:
-            if self._removed:
+            self._draining = self._draining or draining
+            if self._removed or (self._draining and not draining):
                 return
-            try:
-                self.heartbeat.remove(draining=draining)
-                self._removed = True
-            except Exception as exc:
-                log_event(
-                    log,
-                    "heartbeat.failed",
-                    logging.WARNING,
-                    error=type(exc).__name__,
-                    stage="remove",
-                )
+            removed = self._attempt("remove", lambda: self.heartbeat.remove(draining=draining))
+            self._removed = removed is not None
 
     def drain_tick(self) -> None:
-        """While draining: keep the in-flight messages and the draining member alive."""
-        self.keep_messages()
-        self.heartbeat.renew_draining()
+        """While draining: keep the in-flight messages and the lease holder alive (each on
+        its own; never raises)."""
+        self._attempt("visibility", self.keep_messages)
+        self._attempt("drain", self.heartbeat.renew_draining)
 
     def finish(self) -> None:
         """The drain is over: nothing of this process is alive any more."""
-        try:
-            self.heartbeat.finish()
-        except Exception as exc:
-            log_event(
-                log, "heartbeat.failed", logging.WARNING, error=type(exc).__name__, stage="finish"
-            )
+        self._attempt("finish", self.heartbeat.finish)
 
 
 def held_delivery_tags() -> list[str]:

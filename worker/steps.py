@@ -1,14 +1,20 @@
-"""The worker bootstep that keeps a worker process's liveness in Redis (see liveness.py)."""
+"""The worker bootstep that keeps a worker process's liveness in Redis (see liveness.py),
+and takes messages only while that liveness is registered."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
 from celery import bootsteps
 
 from dispatcher.heartbeat import WorkerSlots
 from teamdesk.config import get_settings
+from teamdesk.logs import log_event
 from worker.liveness import Liveness, held_delivery_tags, renew_interval_s
+
+log = logging.getLogger("teamdesk.worker")
 
 _current: Liveness | None = None
 _holder: str | None = None
@@ -41,8 +47,89 @@ def _consumes(worker: Any) -> WorkerSlots:
     return WorkerSlots(queues, int(getattr(worker, "concurrency", 0) or 0))
 
 
+class Intake:
+    """Whether this worker takes messages: only while its heartbeat is registered.
+
+    Every claim records this process's member as the lease holder, and the dispatcher
+    takes back a run whose holder it cannot find (docs/design.md, "Heartbeats"). A worker
+    that cannot renew - PostgreSQL refuses new connections while pooled ones still work,
+    Redis refuses writes - would otherwise claim runs only to have each one recovered,
+    until ``MAX_RECOVERIES`` failed it. So a failed renewal stops consumption, a
+    successful one resumes it, each logged once (``worker.consuming_paused`` /
+    ``worker.consuming_resumed``). The in-flight tasks go on; only new messages wait.
+
+    How, in Celery's terms: what Celery's own ``cancel_consumer`` / ``add_consumer``
+    remote-control commands do - ``Consumer.cancel_task_queue`` / ``add_task_queue``,
+    scheduled with ``Consumer.call_soon`` so they run on the consumer's own thread (the
+    event loop). The queues are also deselected from the app's queue list, so a consumer
+    restarted after a broker reconnect stays paused. A message a pending read returns
+    after the cancel is handed back to the broker by kombu. Warm shutdown: nothing here
+    acts once the stop began (the consumer is cancelled by Celery itself then), and a
+    resume already scheduled checks again when it runs.
+    """
+
+    def __init__(self, worker: Any, liveness: Liveness, queues: tuple[str, ...]) -> None:
+        self.worker = worker
+        self.liveness = liveness
+        self.queues = queues
+        self.paused = False
+
+    def follow(self, at_once: bool = False) -> None:
+        """After a tick: pause when the heartbeat is not registered, resume once it is.
+        ``at_once``: the consumer has not started yet (the worker's own thread)."""
+        if self.liveness.stopping:
+            return
+        registered, consuming = self.liveness.registered, not self.paused
+        if registered == consuming:
+            return
+        self.paused = not registered
+        if self.paused:
+            log_event(log, "worker.consuming_paused", logging.WARNING, member=self.liveness.member)
+        else:
+            log_event(log, "worker.consuming_resumed", member=self.liveness.member)
+        action = self._pause if self.paused else self._resume
+        if at_once:
+            action()
+        else:
+            self._soon(action)
+
+    def _soon(self, action: Callable[[], None]) -> None:
+        consumer = getattr(self.worker, "consumer", None)
+        if consumer is not None:
+            consumer.call_soon(action)
+
+    def _pause(self) -> None:
+        """Stop consuming every task queue (on the consumer's thread)."""
+        consumer = self.worker.consumer
+        if not self.paused or consumer is None:
+            return
+        queues = consumer.app.amqp.queues
+        if queues.consume_from is queues:  # nothing selected means "all": say which
+            queues.select(list(queues))
+        for name in self.queues:
+            if consumer.task_consumer is None:
+                queues.deselect(name)
+            else:
+                consumer.cancel_task_queue(name)
+
+    def _resume(self) -> None:
+        """Consume the task queues again (on the consumer's thread), unless stopping."""
+        consumer = self.worker.consumer
+        if self.paused or self.liveness.stopping or consumer is None:
+            return
+        if consumer.blueprint.state in (bootsteps.CLOSE, bootsteps.TERMINATE):
+            return  # Celery is stopping the consumer
+        queues = consumer.app.amqp.queues
+        for name in self.queues:
+            if consumer.task_consumer is None:
+                queues.select_add(queues[name])
+            else:
+                consumer.add_task_queue(name)
+
+
 class LivenessStep(bootsteps.StartStopStep):
-    """Renews the heartbeat member and message visibility on the worker's timer.
+    """Renews the heartbeat member and message visibility on the worker's timer, and
+    lets the worker take messages only while the member is registered (:class:`Intake`).
 
     The member is chosen when the worker is built, before the pool forks, so the pool's
     children record it in every claim (``lease_holder``) and the dispatcher can tell
@@ -54,25 +141,34 @@ class LivenessStep(bootsteps.StartStopStep):
     def __init__(self, parent: Any, teamdesk_renew_visibility: bool = True, **kwargs: Any) -> None:
         global _current, _holder
         super().__init__(parent, **kwargs)
+        consumes = _consumes(parent)
         self.liveness = Liveness(
             get_settings(),
             held_delivery_tags,
             renew_visibility=teamdesk_renew_visibility,
-            consumes=_consumes(parent),
+            consumes=consumes,
         )
+        self.intake = Intake(parent, self.liveness, consumes.queues)
         self.tref: Any = None
         self.wake: Any = None
         _current = self.liveness
         _holder = self.liveness.member  # chosen before the pool forks: children inherit it
 
     def start(self, parent: Any) -> None:
+        # The consumer starts after this step: a worker whose first renewal failed starts
+        # without consuming, and no message reaches it before its member is registered.
         self.liveness.tick()
+        self.intake.follow(at_once=True)
         interval = renew_interval_s(self.liveness.settings)
-        self.tref = parent.timer.call_repeatedly(interval, self.liveness.tick, priority=10)
+        self.tref = parent.timer.call_repeatedly(interval, self.tick, priority=10)
         # The worker's event loop sleeps until its next timer, up to 1 s, and a signal
         # does not cut that sleep short; a no-op timer every WAKE_S makes a SIGTERM start
         # the drain within WAKE_S instead (an idle worker then exits about 0.8 s sooner).
         self.wake = parent.timer.call_repeatedly(WAKE_S, _noop, priority=0)
+
+    def tick(self) -> None:
+        self.liveness.tick()
+        self.intake.follow()
 
     def stop(self, parent: Any) -> None:
         global _holder

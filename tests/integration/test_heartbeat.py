@@ -10,16 +10,18 @@ import pytest
 import redis
 
 from dispatcher.heartbeat import (
+    EPOCH_TAG,
     TOMBSTONE_MIN_S,
     Heartbeat,
     active_key,
-    draining_key,
     has_heartbeat,
+    holders_key,
     lease_holders_alive,
     live_members,
-    redis_uptime_s,
+    read_lease_holders,
     tombstone_key,
 )
+from dispatcher.scan import read_heartbeats
 
 SCOPE = "host-a"
 TTL_S = 20.0
@@ -190,13 +192,60 @@ def test_live_members_only_reads_while_has_heartbeat_prunes(
     assert redis_client.zrange(key, 0, -1) == ["host-a/new"]
 
 
-def test_redis_uptime_matches_server_info(redis_client: redis.Redis) -> None:
-    reported = float(redis_client.info("server")["uptime_in_seconds"])
+def test_the_record_carries_an_epoch_that_ages_by_redis_time(
+    redis_client: redis.Redis, queue_prefix: str
+) -> None:
+    assert read_lease_holders(redis_client, queue_prefix).record_age_s is None  # no record
+    beat = Heartbeat(redis_client, queue_prefix, SCOPE, 0.3)
+    assert beat.renew()
+    first = read_lease_holders(redis_client, queue_prefix)
+    assert first.members == {beat.member} and first.record_age_s is not None
+    assert 0 <= first.record_age_s < 0.3
+    assert read_heartbeats(redis_client, queue_prefix, 0.3).trusted is False
 
-    uptime = redis_uptime_s(redis_client)
+    assert wait_for(lambda: read_heartbeats(redis_client, queue_prefix, 0.3).trusted)
+    assert beat.renew()  # renewals keep the epoch
+    later = read_lease_holders(redis_client, queue_prefix)
+    assert later.record_age_s is not None and later.record_age_s > 0.3
+    [epoch] = redis_client.zrangebyscore(holders_key(queue_prefix), "+inf", "+inf")
+    assert str(epoch).startswith(EPOCH_TAG)
 
-    assert uptime >= reported >= 0
-    assert uptime - reported < 5
+
+def test_a_lost_record_is_not_trusted_until_a_new_one_is_a_ttl_old(
+    redis_client: redis.Redis, queue_prefix: str
+) -> None:
+    """The holders set deleted (FLUSHDB, an eviction) takes its epoch with it; the next
+    renewal starts a new one, trusted only one TTL later."""
+    beat = Heartbeat(redis_client, queue_prefix, SCOPE, 0.3)
+    assert beat.renew()
+    assert wait_for(lambda: read_heartbeats(redis_client, queue_prefix, 0.3).trusted)
+
+    redis_client.delete(holders_key(queue_prefix))
+
+    view = read_heartbeats(redis_client, queue_prefix, 0.3)
+    assert (view.live, view.trusted, view.error) == (frozenset(), False, None)
+    assert beat.renew()
+    assert read_heartbeats(redis_client, queue_prefix, 0.3).trusted is False
+    assert wait_for(lambda: read_heartbeats(redis_client, queue_prefix, 0.3).trusted)
+    assert beat.renew()
+    assert read_heartbeats(redis_client, queue_prefix, 0.3).live == {beat.member}
+
+
+def test_an_epoch_of_another_server_is_replaced_and_never_trusted(
+    redis_client: redis.Redis, queue_prefix: str
+) -> None:
+    """A replica promoted after a failover holds the old primary's epoch (its run_id)."""
+    key = holders_key(queue_prefix)
+    redis_client.zadd(key, {f"{EPOCH_TAG}{'0' * 40}/1.000000": float("inf")})
+    assert read_lease_holders(redis_client, queue_prefix).record_age_s is None
+    assert read_heartbeats(redis_client, queue_prefix, 0.3).live == frozenset()
+
+    beat = Heartbeat(redis_client, queue_prefix, SCOPE, 0.3)
+    assert beat.renew()
+
+    [epoch] = redis_client.zrangebyscore(key, "+inf", "+inf")
+    assert not str(epoch).startswith(f"{EPOCH_TAG}{'0' * 40}/")
+    assert read_heartbeats(redis_client, queue_prefix, 0.3).trusted is False
 
 
 def test_draining_member_keeps_leases_alive_but_takes_no_work(
@@ -209,12 +258,54 @@ def test_draining_member_keeps_leases_alive_but_takes_no_work(
     assert live_members(redis_client, queue_prefix) == {other.member}
     assert lease_holders_alive(redis_client, queue_prefix) == {beat.member, other.member}
     assert beat.renew() is False and beat._run_renewal() is False
-    first = redis_client.zscore(draining_key(queue_prefix), beat.member)
+    first = redis_client.zscore(holders_key(queue_prefix), beat.member)
     assert wait_for(lambda: redis_now(redis_client) > (first or 0) - 0.4)
-    beat.renew_draining()
-    assert (redis_client.zscore(draining_key(queue_prefix), beat.member) or 0) > (first or 0)
+    assert beat.renew_draining() is True
+    assert (redis_client.zscore(holders_key(queue_prefix), beat.member) or 0) > (first or 0)
     # A process that froze while draining stops renewing and expires like any other.
     assert wait_for(lambda: beat.member not in lease_holders_alive(redis_client, queue_prefix))
     beat.finish()
-    assert redis_client.zscore(draining_key(queue_prefix), beat.member) is None
+    assert redis_client.zscore(holders_key(queue_prefix), beat.member) is None
     assert lease_holders_alive(redis_client, queue_prefix) == {other.member}
+
+
+def test_a_drain_outlives_its_keys_and_their_loss_and_ends_for_good(
+    redis_client: redis.Redis, queue_prefix: str
+) -> None:
+    """Each drain renewal registers the holder afresh and extends the holders key: past
+    the key's own TTL, after the key was lost (a restart), and when the removal at SIGTERM
+    never ran. Once finished, a drain renewal still on its way is refused."""
+    beat = Heartbeat(redis_client, queue_prefix, SCOPE, TTL_S)
+    assert beat.renew()
+    key = holders_key(queue_prefix)
+    redis_client.pexpire(key, 50)  # as if the key's 2 x TTL were almost up
+    assert beat.renew_draining() is True  # the removal at SIGTERM, or its retry
+    assert redis_client.pttl(key) > 2 * TTL_S * 1000 - 1000
+    assert live_members(redis_client, queue_prefix) == set()
+    assert redis_client.get(tombstone_key(queue_prefix, beat.member)) == "draining"
+
+    redis_client.delete(key, tombstone_key(queue_prefix, beat.member))  # Redis restarted
+    assert beat.renew_draining() is True
+    assert lease_holders_alive(redis_client, queue_prefix) == {beat.member}
+    assert beat._run_renewal() is False  # still no active renewal: the tombstone is back
+
+    beat.finish()
+    assert beat.renew_draining() is False  # a late drain renewal
+    assert lease_holders_alive(redis_client, queue_prefix) == set()
+    assert redis_client.get(tombstone_key(queue_prefix, beat.member)) == "done"
+
+
+def test_an_active_member_missing_from_the_holders_still_holds_its_leases(
+    redis_client: redis.Redis, queue_prefix: str
+) -> None:
+    """A worker from before the holders set (a rolling upgrade) renews the active sets only;
+    the dispatcher's read counts it alive all the same."""
+    newer = Heartbeat(redis_client, queue_prefix, SCOPE, TTL_S)
+    assert newer.renew()
+    older = f"{SCOPE}/{uuid.uuid4()}"
+    redis_client.zadd(active_key(queue_prefix), {older: redis_now(redis_client) + TTL_S})
+
+    holders = read_lease_holders(redis_client, queue_prefix)
+
+    assert holders.members == {newer.member, older}
+    assert redis_client.zscore(holders_key(queue_prefix), older) is None

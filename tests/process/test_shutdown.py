@@ -15,7 +15,7 @@ import redis
 import sqlalchemy as sa
 
 from dispatcher.heartbeat import active_key, lease_holders_alive, live_members, tombstone_key
-from dispatcher.scan import run_once
+from dispatcher.scan import read_heartbeats, run_once
 from ledger import lease, service
 from ledger.errors import LeaseLost
 from tasks.celery_app import create_app
@@ -83,6 +83,12 @@ def test_sigterm_drains_in_flight_export_with_its_lease(
         procs.append(w1)
         member = w1.wait_event("worker.started")["member"]
         assert member in live_members(redis_client, s.queue_prefix, s.worker_instance_id)
+        # The scan below must apply the heartbeat rule: the record is one TTL old (and
+        # the run, claimed after, is not yet stale by STALE_AFTER_S when it runs).
+        wait_for(
+            lambda: read_heartbeats(redis_client, s.queue_prefix, s.heartbeat_ttl_s).trusted,
+            what="the heartbeat record to be trusted",
+        )
         send_message(app, task_id, 0, "EXPORT")
         parked = gate.wait_reached()
         first_score = unacked_scores(redis_client, s.queue_prefix)[0]

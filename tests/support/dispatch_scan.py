@@ -1,6 +1,6 @@
 """Helpers for the dispatcher scan tests (tests/integration/test_dispatch_{window,stamping,
 recovery}.py): WAITING and RUNNING rows made through the ledger, the messages each queue's
-Redis list holds, and an injected Redis uptime that trusts the heartbeats. The worker
+Redis list holds, and an injected age of the heartbeat record that trusts it. The worker
 window those scans fill is the ``offer`` fixture (tests/integration/conftest.py)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ledger import lease
 from tests.support.factories import World, insert_task
 from tests.support.queues import all_task_messages, message_ids
 
-LONG_UP = 3600.0  # an injected Redis uptime well past HEARTBEAT_TTL_S
+LONG_UP = 3600.0  # an injected heartbeat-record age well past HEARTBEAT_TTL_S
 
 
 def long_up(_client: redis.Redis) -> float:

@@ -1,0 +1,134 @@
+"""A worker takes messages only while its heartbeat is registered (docs/design.md,
+"Heartbeats"): a claim records the worker's heartbeat member as the lease holder, and a
+holder the dispatcher cannot find is taken for dead - so a worker that cannot renew would
+have every claim recovered, again and again, until MAX_RECOVERIES failed the run.
+
+w1 reaches PostgreSQL through a TCP proxy the test controls. When the proxy refuses new
+connections, w1's pooled connection still works but its renewal (which proves PostgreSQL
+with a new connection) fails: its member lapses and it must stop consuming, while a
+healthy worker takes the message. When the proxy accepts again, w1 renews and consumes
+again; a w1 started while the proxy refuses does not consume at all until then; paused
+once more, a SIGTERM still stops it cleanly.
+"""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+from dispatcher.heartbeat import live_members
+from ledger import service
+from tasks.celery_app import create_app
+from teamdesk.config import Settings
+from tests.support.factories import World, add_tickets, task_row
+from tests.support.processes import Proc, cluster, settings_env, worker_argv
+from tests.support.queues import queued_ids, send_message
+from tests.support.tcp_proxy import tcp_proxy
+from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.slow
+
+TTL_S = 1.0
+
+
+def through(url: str, port: int) -> str:
+    """``url`` with its port replaced (the proxy listens on 127.0.0.1)."""
+    parts = urlsplit(url)
+    user = f"{parts.username}@" if parts.username else ""
+    return urlunsplit(parts._replace(netloc=f"{user}127.0.0.1:{port}"))
+
+
+def export(engine: sa.Engine, world: World) -> uuid.UUID:
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 3)
+        return service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+
+
+def started(proc: Proc, task_id: uuid.UUID) -> list[str]:
+    return [e["execution"] for e in proc.events("task.started") if e["task_id"] == str(task_id)]
+
+
+def audit(engine: sa.Engine, task_id: uuid.UUID) -> list[str]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT event FROM task_audit WHERE task_id = :t ORDER BY id"), {"t": task_id}
+        )
+        return [r.event for r in rows]
+
+
+def completed(engine: sa.Engine, task_id: uuid.UUID) -> bool:
+    return bool(task_row(engine, task_id)["status"] == "COMPLETED")
+
+
+def test_a_worker_takes_messages_only_while_its_heartbeat_is_registered(
+    engine: sa.Engine, world: World, settings: Settings, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    s = settings.with_overrides(heartbeat_ttl_s=TTL_S)
+    first, second, third = export(engine, world), export(engine, world), export(engine, world)
+    app = create_app(s)
+    target = urlsplit(s.database_url)
+    with tcp_proxy(target.hostname or "127.0.0.1", target.port or 5432) as proxy:
+        w1_env = settings_env(s, DATABASE_URL=through(s.database_url, proxy.port))
+        with cluster(tmp_path) as procs:
+            # Never registered: w1 starts without consuming. Two more renewal attempts
+            # (each a refused connection) pass on its event loop and the message waits.
+            proxy.refuse_new()
+            w1 = Proc("w1", worker_argv("w1", concurrency=1), w1_env, tmp_path).start()
+            procs.append(w1)
+            m1 = w1.wait_event("worker.started")["member"]
+            send_message(app, first, 0, "EXPORT")
+            attempts = proxy.refused
+            wait_for(lambda: proxy.refused >= attempts + 2, what="two more renewal attempts")
+            assert queued_ids(redis_client, s.queue_prefix, "exports") == [f"{first}-0"]
+            assert audit(engine, first) == []
+
+            # Registered: it takes the message (its pool child keeps that connection).
+            proxy.accept_new()
+            w1.wait_event("worker.consuming_resumed")
+            wait_for(lambda: completed(engine, first), what="w1 to complete the first export")
+
+            # New connections refused: the renewal cannot prove PostgreSQL, the member
+            # lapses, and the message goes to a healthy worker.
+            proxy.refuse_new()
+            w1.wait_event("heartbeat.failed", count=2)
+            wait_for(lambda: m1 not in live_members(redis_client, s.queue_prefix), what="lapse")
+            send_message(app, second, 0, "EXPORT")
+            w2 = Proc("w2", worker_argv("w2", concurrency=1), settings_env(s), tmp_path).start()
+            procs.append(w2)
+            wait_for(lambda: completed(engine, second), what="a healthy worker to take it")
+            assert started(w1, second) == [] and len(started(w2, second)) == 1
+            w2.send(signal.SIGTERM)
+            assert w2.wait(timeout=30) == 0
+
+            # The renewal succeeds again: w1 consumes again.
+            proxy.accept_new()
+            w1.wait_event("worker.consuming_resumed", count=2)
+            wait_for(lambda: m1 in live_members(redis_client, s.queue_prefix), what="renewal")
+            send_message(app, third, 0, "EXPORT")
+            wait_for(lambda: completed(engine, third), what="w1 to take messages again")
+            assert len(started(w1, third)) == 1
+
+            # Paused once more, a SIGTERM stops it cleanly, and it never resumes on the way.
+            proxy.refuse_new()
+            w1.wait_event("worker.consuming_paused", count=3)
+            w1.send(signal.SIGTERM)
+            assert w1.wait(timeout=30) == 0
+            proxy.accept_new()
+    consuming = [e["event"] for e in w1.lines() if e["event"].startswith("worker.consuming")]
+    assert consuming == ["worker.consuming_paused", "worker.consuming_resumed"] * 2 + [
+        "worker.consuming_paused"
+    ]
+    assert [e.get("stage") for e in w1.events("heartbeat.failed")] == ["renew"] * 3
+    assert w1.events("worker.stopped")[-1]["exit_code"] == 0
+    assert len(started(w1, first)) == 1
+    for task_id in (first, second, third):
+        assert audit(engine, task_id) == ["CLAIM", "COMPLETE"]
+        row = task_row(engine, task_id)
+        assert (row["status"], row["attempts"], row["recoveries"]) == ("COMPLETED", 1, 0)
+    app.close()
