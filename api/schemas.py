@@ -99,7 +99,9 @@ class TaskOut(BaseModel):
     scope: Literal["TEAM", "MINE"]
     filters: dict[str, Any]
     status: Literal["WAITING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"]
-    run: int = Field(description='0 at creation, +1 at each manual retry; shown as "run run+1"')
+    run: int = Field(
+        description="0 at creation, +1 at each manual retry (as the CLI and message ids show it)"
+    )
     attempts: int = Field(description="attempt number inside the current run")
     progress: int = Field(ge=0, le=100)
     last_error: str | None

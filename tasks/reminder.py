@@ -78,13 +78,13 @@ def _ticket_id(ctx: Context) -> uuid.UUID:
 def _why_not(conn: Connection, ctx: Context, ticket: Row[object] | None) -> str | None:
     """The reason to complete without side effects, or None to send the reminder."""
     if ticket is None:
-        return "cancelled: the ticket no longer exists"
+        return "skipped: the ticket no longer exists"
     if ticket.status in ("RESOLVED", "CLOSED"):
-        return f"cancelled: the ticket is {ticket.status.lower()}"
+        return f"skipped: the ticket is {ticket.status.lower()}"
     if ticket.assignee_id is None:
-        return "cancelled: the ticket has no assignee"
+        return "skipped: the ticket has no assignee"
     if role_of(conn, ctx.claim.team_id, ticket.assignee_id) is None:
-        return "cancelled: the assignee left the team"
+        return "skipped: the assignee left the team"
     return None
 
 

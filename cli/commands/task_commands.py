@@ -106,7 +106,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
     with get_engine().begin() as conn:
         run = service.retry(conn, args.id, _user(conn, args.user), max_unfinished=_team_cap())
-    print(f"{args.id}: run {run + 1} is WAITING; the dispatcher will publish it")
+    print(f"{args.id}: run {run} is WAITING; the dispatcher will publish it")
     return EXIT_OK
 
 
@@ -270,7 +270,7 @@ def _register_task_ops(sub: Any) -> None:
         sub,
         "retry",
         "start a new run of a FAILED or CANCELLED task",
-        "Open a new run (run+1, WAITING) of a FAILED or CANCELLED task, as --user. " + PUBLISH_NOTE,
+        "Open the next run (WAITING) of a FAILED or CANCELLED task, as --user. " + PUBLISH_NOTE,
     )
     retry.add_argument("id", metavar="ID", type=uuid_arg, help="task id")
     _add_user(retry)

@@ -1,6 +1,6 @@
 """``teamdesk-tasks watch ID``: follow a task until it ends.
 
-On a terminal one line is redrawn in place (``[#####.....] 50% RUNNING run 1 attempt 1``);
+On a terminal one line is redrawn in place (``[#####.....] 50% RUNNING run 0 attempt 1``);
 otherwise one line is printed per change. Exit 0 when the task ends COMPLETED, 1 when
 it ends FAILED or CANCELLED (its last_error on stderr), 3 when ``--timeout`` passes
 first. The ledger is the truth shown: it is read every ``--interval`` seconds.
@@ -30,11 +30,12 @@ View = dict[str, Any]
 
 
 def progress_line(view: View) -> str:
-    """``[#####.....] 50% RUNNING run 1 attempt 1`` (run shown as run+1, as in the UI)."""
+    """``[#####.....] 50% RUNNING run 0 attempt 1``: the ledger's run number, as the API,
+    the CLI's JSON and Flower's message id (``<task>-<run>``) show it."""
     percent = max(0, min(100, int(view["progress"])))
     filled = percent * BAR_WIDTH // 100
     line = f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {percent}% {view['status']}"
-    line += f" run {int(view['run']) + 1}"
+    line += f" run {int(view['run'])}"
     if view.get("attempts"):
         line += f" attempt {view['attempts']}"
     return line

@@ -39,7 +39,7 @@ def test_watch_a_completed_task_exits_0_at_100_percent(
         lease.complete_export(conn, held, "id,title\n", "3 rows")
     result = cli("watch", str(held.task_id), "--interval", "0.05", "--timeout", "10")
     assert result.code == 0, result.err
-    assert result.out == "[##########] 100% COMPLETED run 1 attempt 1\nresult: 3 rows\n"
+    assert result.out == "[##########] 100% COMPLETED run 0 attempt 1\nresult: 3 rows\n"
 
 
 def test_watch_a_failed_task_exits_1_with_its_last_error(
@@ -52,7 +52,7 @@ def test_watch_a_failed_task_exits_1_with_its_last_error(
     staff = email_of(engine, world.staff_id)
     result = cli("watch", str(held.task_id), "--user", staff, "--interval", "0.05")
     assert result.code == 1
-    assert result.out == "[######....] 60% FAILED run 1 attempt 1\n"
+    assert result.out == "[######....] 60% FAILED run 0 attempt 1\n"
     assert result.err == "task FAILED: the export failed; try again\n"
 
 
@@ -61,7 +61,7 @@ def test_watch_gives_up_at_its_timeout(cli: Any, engine: sa.Engine, world: World
         task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
     result = cli("watch", str(task_id), "--interval", "0.05", "--timeout", "0.2")
     assert result.code == 3
-    assert result.out == "[..........] 0% WAITING run 1\n"
+    assert result.out == "[..........] 0% WAITING run 0\n"
     assert result.err == "timed out after 0.2 s; the task is still WAITING\n"
 
 
@@ -103,18 +103,18 @@ def test_watch_prints_one_line_per_change_and_redraws_on_a_terminal() -> None:
     code, out, err = _replay(list(views), tty=False)
     assert code == 0 and err == ""
     assert out.splitlines() == [
-        "[..........] 0% WAITING run 2",
-        "[..........] 0% RUNNING run 2 attempt 1",
-        "[#####.....] 50% RUNNING run 2 attempt 1",
-        "[##########] 100% COMPLETED run 2 attempt 1",
+        "[..........] 0% WAITING run 1",
+        "[..........] 0% RUNNING run 1 attempt 1",
+        "[#####.....] 50% RUNNING run 1 attempt 1",
+        "[##########] 100% COMPLETED run 1 attempt 1",
         "result: 9 rows",
     ]
     code, out, _ = _replay(list(views), tty=True)
     assert code == 0
     assert out.count("\r") == 4 and "\n" not in out.split("result:")[0][:-1]
-    assert out.endswith("\r[##########] 100% COMPLETED run 2 attempt 1\x1b[K\nresult: 9 rows\n")
+    assert out.endswith("\r[##########] 100% COMPLETED run 1 attempt 1\x1b[K\nresult: 9 rows\n")
 
 
 def test_progress_line_bounds() -> None:
     line = progress_line({"status": "RUNNING", "progress": 99, "run": 0, "attempts": 3})
-    assert line == "[#########.] 99% RUNNING run 1 attempt 3"
+    assert line == "[#########.] 99% RUNNING run 0 attempt 3"

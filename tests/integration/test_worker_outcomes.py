@@ -359,10 +359,10 @@ def test_over_the_row_limit_fails_with_the_fixed_message(
 @pytest.mark.parametrize(
     ("case", "summary"),
     [
-        ("resolved", "cancelled: the ticket is resolved"),
-        ("closed", "cancelled: the ticket is closed"),
-        ("unassigned", "cancelled: the ticket has no assignee"),
-        ("assignee_left", "cancelled: the assignee left the team"),
+        ("resolved", "skipped: the ticket is resolved"),
+        ("closed", "skipped: the ticket is closed"),
+        ("unassigned", "skipped: the ticket has no assignee"),
+        ("assignee_left", "skipped: the assignee left the team"),
     ],
 )
 def test_reminder_with_nothing_to_do_completes_without_side_effects(
