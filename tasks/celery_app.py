@@ -40,6 +40,14 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_url": settings.broker_url,
         "broker_transport_options": broker_options,
         "broker_connection_retry_on_startup": True,
+        # An error answer from the broker (Redis at maxmemory refusing an acknowledgement,
+        # a RabbitMQ channel error) restarts the consumer, as a lost connection does,
+        # instead of stopping the worker; the ledger decides what runs again.
+        "broker_channel_error_retry": True,
+        # A lost broker connection leaves in-flight tasks running (their ledger writes go
+        # to PostgreSQL; the message redelivered meanwhile is refused by the claim), as
+        # Celery 5 does by default; said explicitly, since Celery 6 flips the default.
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         "result_backend": settings.redis_url,
         "result_backend_transport_options": {"global_keyprefix": prefix},
         "result_expires": RESULT_EXPIRES,

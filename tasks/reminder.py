@@ -22,6 +22,7 @@ from ledger.permissions import reminder_refusal
 from ledger.service import role_of
 from tasks.execution import Context
 from teamdesk import hooks
+from teamdesk.config import Settings
 
 EVENT_TYPE = "ticket.reminder_sent"
 NOTIFICATION_KIND = "TICKET_REMINDER"
@@ -30,11 +31,19 @@ MSG_BAD_TICKET = "The reminder does not name a ticket."
 
 # Every bound of the reminder's transaction. A process frozen inside it (SIGSTOP, a VM
 # pause, a half-open connection) would otherwise hold its team's lock for as long as it
-# stays frozen: the server ends that session after TX_BUDGET_S idle in the transaction,
+# stays frozen: the server ends that session after the budget idle in the transaction,
 # which releases the lock, and a reminder waiting for the lock gives up after the same
 # time (a failed attempt, retried after the backoff, when the lock is free again). Other
 # teams never wait: the lock is per team.
 TX_BUDGET_S = 15
+
+
+def tx_budget_s(settings: Settings) -> float:
+    """TX_BUDGET_S, or half of STALE_AFTER_S if that is less: a reminder waiting for its
+    team's lock writes nothing to its row, and must give up (a failed attempt) before the
+    dispatcher takes that silence for a stalled execution and revokes a live lease."""
+    return min(TX_BUDGET_S, settings.stale_after_s / 2)
+
 
 # The bounds (in ms), then the team's lock, in one round trip.
 TEAM_LOCK = text(
@@ -97,7 +106,10 @@ def run_reminder(ctx: Context) -> str:
     with ctx.engine.begin() as conn:
         conn.execute(
             TEAM_LOCK,
-            {"team_id": str(claim.team_id), "budget_ms": str(round(TX_BUDGET_S * 1000))},
+            {
+                "team_id": str(claim.team_id),
+                "budget_ms": str(max(1, round(tx_budget_s(ctx.settings) * 1000))),
+            },
         )
         lease.check_lease(conn, claim.lease)
         hooks.fire("reminder.after_lease_read", claim=claim)

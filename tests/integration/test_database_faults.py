@@ -160,3 +160,40 @@ def test_a_reminder_frozen_in_its_transaction_holds_its_team_back_only_briefly(
     for ticket in (a_ticket, b_ticket, c_ticket):
         sent = side_effects(engine, ticket)
         assert (sent.notifications, sent.events) == (1, 1)
+
+
+def test_a_reminder_waiting_for_its_teams_lock_is_never_taken_for_stalled(
+    engine: sa.Engine,
+    world: World,
+    make_app: Callable[..., Celery],
+) -> None:
+    """Reminder A stops inside its transaction, holding its team's lock; reminder B of the
+    same team waits for the lock and writes nothing to its row meanwhile. With
+    ``STALE_AFTER_S`` shorter than the transaction's 15 s budget, B used to stay silent
+    past it and the dispatcher revoked B's live lease (RECOVER; found by the soak). The
+    budget is at most half of ``STALE_AFTER_S``: B gives up first (a failed attempt) and
+    is never recovered; A, frozen, may be."""
+    app = make_app(stale_after_s=2.0, retry_base_delay_s=0.2, max_task_attempts=5)
+    a_id, a_ticket = reminder(engine, world)
+    frozen = Gate("A inside its transaction")
+    with (
+        hooks.installed(
+            "reminder.after_lease_read",
+            frozen.hook(when=lambda claim, **_: claim.lease.task_id == a_id),
+        ),
+        running_cluster(app, concurrency=3),
+    ):
+        try:
+            frozen.wait_reached()
+            b_id, b_ticket = reminder(engine, world)
+            wait_for(lambda: task_row(engine, b_id)["status"] == "COMPLETED", what="B")
+        finally:
+            frozen.release()
+        wait_for(lambda: task_row(engine, a_id)["status"] == "COMPLETED", what="A")
+    b = task_row(engine, b_id)
+    assert (b["recoveries"], b["attempts"] <= 2) == (0, True), b
+    assert "RECOVER" not in audit_events(engine, b_id)
+    assert audit_events(engine, b_id)[-1] == "COMPLETE"
+    for ticket in (a_ticket, b_ticket):
+        sent = side_effects(engine, ticket)
+        assert (sent.notifications, sent.events) == (1, 1)

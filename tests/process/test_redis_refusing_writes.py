@@ -1,0 +1,112 @@
+"""A Redis that refuses writes (``maxmemory`` reached with ``noeviction``) must not stop a
+worker: it keeps running and takes work again once Redis accepts writes.
+
+A real ``celery worker`` subprocess whose broker, result backend and heartbeats are a
+dedicated ``redis-server``. An export is parked at a gate (kept on the shared Redis, which
+is never squeezed), Redis is made to refuse every write, the gate is released: the run
+completes in the ledger, then storing its result and acknowledging its message are refused.
+Before ``broker_channel_error_retry`` Celery took the refused acknowledgement for an
+unrecoverable error and the worker exited 1 (found by the soak's memory squeeze).
+"""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+from ledger import service
+from tasks.celery_app import create_app
+from teamdesk.config import Settings
+from tests.support.factories import World, add_tickets, task_row
+from tests.support.processes import Proc, cluster, settings_env, worker_argv
+from tests.support.queues import send_message
+from tests.support.redis_server import dedicated_redis
+from tests.support.remote_gates import RemoteGate
+from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.slow
+
+GATE = "export.after_read"
+
+
+def audit(engine: sa.Engine, task_id: uuid.UUID) -> list[str]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT event FROM task_audit WHERE task_id = :t ORDER BY id"), {"t": task_id}
+        )
+        return [r.event for r in rows]
+
+
+def refused_write_logged(w1: Proc) -> bool:
+    """The worker met the refused acknowledgement (kombu removes the message from its
+    ``unacked_index``): its consumer reconnects, or (before the fix) the worker stops."""
+    out = w1.output()
+    return "Trying to reconnect" in out or "ZREM" in out or not alive(w1)
+
+
+def alive(proc: Proc) -> bool:
+    return proc.popen is not None and proc.popen.poll() is None
+
+
+def test_a_worker_outlives_a_redis_that_refuses_writes(
+    engine: sa.Engine, world: World, settings: Settings, tmp_path: Path
+) -> None:
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 5)
+        first = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+        second = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+    with dedicated_redis() as server:
+        s = settings.with_overrides(redis_url=server.url, broker_url=server.url)
+        client = server.client()
+        gate_client = redis.Redis.from_url(settings.redis_url)
+        gate = RemoteGate(gate_client, s.queue_prefix, GATE)
+        env = settings_env(
+            s,
+            TEAMDESK_TEST_HOOKS="tests.support.steady_gates",
+            TEAMDESK_STEADY_GATES=GATE,
+            TEAMDESK_STEADY_GATE_REDIS_URL=settings.redis_url,
+            TEAMDESK_TEST_GATE_TIMEOUT_S="120",
+        )
+        app = create_app(s)
+        with cluster(tmp_path) as procs:
+            w1 = Proc("w1", worker_argv("w1", concurrency=1), env, tmp_path)
+            procs.append(w1.start())
+            w1.wait_event("worker.started")
+            send_message(app, first, 0, "EXPORT")
+            gate.wait_reached()
+            try:
+                client.config_set("maxmemory", 1)  # noeviction: every write is refused
+                gate.release()
+                w1.wait_event("task.completed")
+                wait_for(lambda: refused_write_logged(w1), what="the refused acknowledgement")
+            finally:
+                client.config_set("maxmemory", 0)
+                gate.release(times=5)
+
+            assert alive(w1), w1.output()[-4000:]
+            assert "Unrecoverable error" not in w1.output()
+            send_message(app, second, 0, "EXPORT")
+            gate.wait_reached()
+            gate.release()
+            wait_for(lambda: task_row(engine, second)["status"] == "COMPLETED", timeout=60)
+
+            w1.send(signal.SIGTERM)
+            assert w1.wait(timeout=30) == 0
+        app.close()
+        gate_client.close()
+
+    for task_id in (first, second):
+        row = task_row(engine, task_id)
+        assert (row["status"], row["attempts"], row["result_summary"]) == (
+            "COMPLETED",
+            1,
+            "5 rows",
+        )
+        assert audit(engine, task_id) == ["CLAIM", "COMPLETE"]
+    assert [e["task_id"] for e in w1.events("task.completed")] == [str(first), str(second)]
+    assert w1.events("worker.stopped")[-1]["exit_code"] == 0
