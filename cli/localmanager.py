@@ -90,10 +90,15 @@ class _ChildProcess(Process):
 
 
 class ClusterManager(Manager):
-    def __init__(self, stop_grace_s: float, output: TextIO | None = None) -> None:
+    def __init__(
+        self, stop_grace_s: float, drain_s: float | None = None, output: TextIO | None = None
+    ) -> None:
+        """``drain_s``: the workers' own drain budget (SHUTDOWN_TIMEOUT_S), as the stop
+        message says it; ``stop_grace_s``: when whatever is left is killed."""
         super().__init__(Printer(SafeOutput(output or sys.stdout)))
         self._process_ctor = _ChildProcess
         self.stop_grace_s = stop_grace_s
+        self.drain_s = stop_grace_s if drain_s is None else drain_s
         self.signals_received = 0
         self.stop_requested = False
         self.unexpected: list[str] = []
@@ -108,7 +113,7 @@ class ClusterManager(Manager):
             self.stop_requested = True
             self._system_print(
                 f"{name} received: stopping (one SIGTERM each; workers finish running tasks, "
-                f"up to {self.stop_grace_s:g} s). Send it again to kill them now.\n"
+                f"up to {self.drain_s:g} s). Send it again to kill them now.\n"
             )
             self.terminate()
         else:

@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 import sqlalchemy as sa
@@ -42,6 +43,7 @@ from teamdesk.redis_client import redis_client
 
 PROCFILE = Path(__file__).with_name("Procfile")  # the processes ``make run`` starts
 REDIS_CHECK_TIMEOUT_S = 3.0
+DEFAULT_REDIS_PORT = 6379
 KILL_GRACE_S = 15.0  # past the workers' own drain budget (75 s) and hard-exit guard (10 s)
 FLOWER_USER = "admin"
 API_PORT_ENV = "TEAMDESK_API_PORT"
@@ -131,16 +133,31 @@ def ensure_database(database_url: str) -> bool:
         admin.dispose()
 
 
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def redis_hint(redis_url: str, error: str) -> str:
+    """Why Redis could not be reached, naming REDIS_URL and its port (never its password);
+    for a local address, the command that starts a Redis on that port."""
+    parts = urlsplit(redis_url)
+    if parts.scheme == "unix":
+        return f"cannot reach Redis ({error}) at the socket REDIS_URL names; check REDIS_URL"
+    port = parts.port or DEFAULT_REDIS_PORT
+    text = f"cannot reach Redis ({error}) on port {port} (from REDIS_URL); check REDIS_URL"
+    if (parts.hostname or "127.0.0.1") not in LOCAL_HOSTS:
+        return text + " and that Redis is running there"
+    return (
+        f"{text} and start it, e.g.: redis-server --daemonize yes --bind 127.0.0.1 -::1 "
+        f"--port {port} --save '' --appendonly no"
+    )
+
+
 def check_redis(settings: Settings) -> None:
     client = redis_client(settings.redis_url, REDIS_CHECK_TIMEOUT_S)
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise RunError(
-            f"cannot reach Redis ({type(exc).__name__}); check REDIS_URL and start it, e.g.: "
-            "redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 "
-            "--save '' --appendonly no"
-        ) from None
+        raise RunError(redis_hint(settings.redis_url, type(exc).__name__)) from None
     finally:
         client.close()
 
@@ -210,14 +227,27 @@ def banner(team: DemoTeam, options: LocalOptions, processes: dict[str, str]) -> 
             f"  curl -s {auth} {api}/api/tasks/<TASK_ID>/csv   # the CSV, once COMPLETED",
             "  or follow it: .venv/bin/teamdesk-tasks watch <TASK_ID>",
             "",
+            "Can the cluster run tasks? (dispatcher, a worker per queue, PostgreSQL, Redis)",
+            f"  .venv/bin/teamdesk-tasks health --cluster      # or: curl -s {api}"
+            "/api/workers/health",
+            "  (plain `health` probes one worker host: `health --scope local-exports`)",
+            "",
             "Ctrl-C stops everything (warm shutdown: running tasks finish first).",
             "",
         ]
     )
 
 
-def _start_manager(options: LocalOptions, processes: dict[str, str], stop_grace_s: float) -> int:
-    manager = ClusterManager(stop_grace_s=stop_grace_s)
+def cluster_manager(settings: Settings) -> ClusterManager:
+    """The process manager: its stop message says the workers' drain budget
+    (SHUTDOWN_TIMEOUT_S); it kills what is left :data:`KILL_GRACE_S` after it."""
+    drain_s = settings.shutdown_timeout_s
+    return ClusterManager(stop_grace_s=drain_s + KILL_GRACE_S, drain_s=drain_s)
+
+
+def _start_manager(
+    options: LocalOptions, processes: dict[str, str], manager: ClusterManager
+) -> int:
     env = child_env(options)
     for name, command in processes.items():
         manager.add_process(name, exec_command(command), env=env)
@@ -229,7 +259,7 @@ def run_local(settings: Settings, options: LocalOptions) -> int:
     processes = read_procfile(options.procfile)
     team = prepare(settings, options)
     print(banner(team, options, processes), flush=True)
-    return _start_manager(options, processes, settings.shutdown_timeout_s + KILL_GRACE_S)
+    return _start_manager(options, processes, cluster_manager(settings))
 
 
 def _port_from_env(name: str, default: int) -> int:
