@@ -18,6 +18,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from api.bounded import CheckFailed
+from api.cluster import problems
 from api.deps import ResourcesDep
 from api.resources import Resources
 from api.schemas import HealthOut, WorkersOut
@@ -39,7 +40,11 @@ def select_one(res: Resources) -> None:
 
 def cluster_roles(res: Resources) -> dict[str, Any]:
     roles = read_roles(res.redis, res.settings.queue_prefix)
-    return {"workers": has_heartbeat(res.redis, res.settings.queue_prefix), **roles.as_dict()}
+    return {
+        "workers": has_heartbeat(res.redis, res.settings.queue_prefix),
+        **roles.as_dict(),
+        "problems": problems(roles),
+    }
 
 
 @router.get(
@@ -69,7 +74,8 @@ async def health(res: ResourcesDep) -> JSONResponse:
     "when a dispatcher (beat) holds the leader lock; `consumers` counts live worker "
     "processes per task queue; `missing` names the roles the cluster lacks (tasks of a "
     "queue nobody consumes, or any task when there is no dispatcher, wait until they "
-    "return). 503 with `workers: null` when Redis cannot be read within about 2 s. Read "
+    'return) and `problems` says the same in words ("no worker consumes exports"). 503 '
+    "with `workers: null` when Redis cannot be read within about 2 s. Read "
     "afresh for every request; concurrent requests share one read. Never cached.",
     responses={503: {"model": WorkersOut, "description": "Redis could not be read"}},
 )

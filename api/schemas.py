@@ -113,6 +113,18 @@ class TaskOut(BaseModel):
     created_at: datetime
     updated_at: datetime
     has_csv: bool = Field(description="whether GET /api/tasks/{id}/csv has a file to give")
+    waiting_s: int | None = Field(
+        default=None,
+        description="whole seconds the task has been WAITING since it became ready to run "
+        "(its run_at passed), by the database's clock; null when it is not waiting or is "
+        "scheduled for later",
+    )
+    waiting_reason: str | None = Field(
+        default=None,
+        description="once a ready task has waited 5 s or more: the missing role that holds "
+        'it back ("no worker consumes exports", "no dispatcher is running ...", "Redis does '
+        'not answer ..."); null otherwise, and when nothing is missing (it is in line)',
+    )
 
 
 class TaskListOut(BaseModel):
@@ -147,4 +159,9 @@ class WorkersOut(BaseModel):
         default=None,
         description='process roles the cluster lacks: "dispatcher", "exports worker", '
         '"reminders worker"',
+    )
+    problems: list[str] | None = Field(
+        default=None,
+        description='what is missing, in words: "no dispatcher is running (start one: '
+        'celery -A tasks beat)", "no worker consumes exports", ...; empty when nothing is',
     )

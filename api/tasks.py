@@ -17,7 +17,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Response
 
+from api.cluster import explain_waiting, roles_or_none
 from api.deps import LimitsDep, ResourcesDep, TokenDep, authenticate
+from api.resources import Resources
 from api.schemas import (
     DEFAULT_LIST_LIMIT,
     MAX_LIST_LIMIT,
@@ -63,6 +65,13 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 router = APIRouter(prefix="/api", tags=["tasks"])
 
 
+def _explained(views: list[dict[str, Any]], res: Resources) -> list[dict[str, Any]]:
+    """The views with ``waiting_reason`` (api/cluster.py): Redis is read, once, only when
+    a task has waited too long, after the transaction ended."""
+    explain_waiting(views, lambda: roles_or_none(res.redis, res.settings.queue_prefix))
+    return views
+
+
 @router.post(
     EXPORTS_PATH,
     status_code=201,
@@ -87,7 +96,7 @@ def create_export(
         )
         view = service.get_task(conn, task_id, caller.user_id).as_dict()
     response.headers["Location"] = f"/api/tasks/{task_id}"
-    return view
+    return _explained([view], res)[0]
 
 
 @router.post(
@@ -114,7 +123,7 @@ def create_reminder(
         )
         view = service.get_task(conn, task_id, caller.user_id).as_dict()
     response.headers["Location"] = f"/api/tasks/{task_id}"
-    return view
+    return _explained([view], res)[0]
 
 
 @router.get(
@@ -132,7 +141,7 @@ def list_tasks(
     with res.engine.begin() as conn:
         user_id = authenticate(conn, token).user_id
         views = service.list_tasks(conn, team_id, user_id, limit)
-    return {"tasks": [view.as_dict() for view in views]}
+    return {"tasks": _explained([view.as_dict() for view in views], res)}
 
 
 @router.get(
@@ -148,7 +157,8 @@ def get_task(
 ) -> dict[str, Any]:
     with res.engine.begin() as conn:
         user_id = authenticate(conn, token).user_id
-        return service.get_task(conn, task_id, user_id).as_dict()
+        view = service.get_task(conn, task_id, user_id).as_dict()
+    return _explained([view], res)[0]
 
 
 @router.post(

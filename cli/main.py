@@ -101,7 +101,7 @@ def _role_name(value: str) -> str:
 
 def cmd_health(args: argparse.Namespace) -> int:
     if args.cluster:
-        from dispatcher.roles import cluster_command
+        from cli.cluster_health import cluster_command
 
         return cluster_command(settings_or_exit())
     from worker.probe import health_command
@@ -167,9 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument(
         "--cluster",
         action="store_true",
-        help="check the cluster's roles instead: print {redis, dispatcher, consumers, "
-        "missing} and exit 0 only when a dispatcher leads and every task queue has a live "
-        "worker",
+        help="can this cluster run tasks? print {redis, database, dispatcher, consumers, "
+        "missing, waiting, problems} and exit 0 only when PostgreSQL and Redis answer, a "
+        "dispatcher leads and every task queue has a live worker; each problem also as one "
+        'line on stderr ("no worker consumes exports (3 tasks waiting)")',
     )
     health.set_defaults(handler=cmd_health)
     scan = sub.add_parser(

@@ -57,9 +57,13 @@ RUN_AT_IN_WINDOW = text("""
            BETWEEN now() - interval '1 day' AND now() + interval '1 year'
 """)
 
+# waiting_s: whole seconds a WAITING run has been ready (run_at passed), by the database's
+# clock; NULL when it is not waiting or is scheduled for later.
 TASK_COLUMNS = """id, kind, team_id, owner_id, scope, filters, status, run, attempts, progress,
     last_error, result_summary, run_at, dispatched_at, recoveries, expires_at, created_at,
-    updated_at, (result_csv IS NOT NULL) AS has_csv"""
+    updated_at, (result_csv IS NOT NULL) AS has_csv,
+    CASE WHEN status = 'WAITING' AND run_at <= now()
+         THEN CAST(floor(extract(epoch FROM now() - run_at)) AS integer) END AS waiting_s"""
 
 SELECT_TASK = text(f"SELECT {TASK_COLUMNS} FROM background_tasks WHERE id = :task_id")
 SELECT_TASK_FOR_UPDATE = text(

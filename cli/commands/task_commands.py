@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -26,6 +27,7 @@ from cli.commands.common import (
 
 # ledger.tokens.DEFAULT_TTL_DAYS and MAX_TTL_DAYS (not imported: keeps --help light)
 TOKEN_TTL_DAYS = 90
+ROLES_TIMEOUT_S = 1.0  # Redis, when a late task's waiting_reason is wanted
 TOKEN_MAX_TTL_DAYS = 365
 TOKEN_COLUMNS = ("id", "name", "created_at", "last_used_at", "expires_at", "state")
 
@@ -91,12 +93,38 @@ def read_view(conn: Any, task_id: uuid.UUID, email: str | None) -> dict[str, Any
     return service.read_task_as_operator(conn, task_id).as_dict()
 
 
+def read_roles_once() -> Any:
+    """The cluster's roles from Redis (None when it does not answer within 1 s)."""
+    from api.cluster import roles_or_none
+    from teamdesk.config import get_settings
+    from teamdesk.redis_client import redis_client
+
+    settings = get_settings()
+    client = redis_client(settings.redis_url, ROLES_TIMEOUT_S)
+    try:
+        return roles_or_none(client, settings.queue_prefix)
+    finally:
+        client.close()
+
+
+def explained(view: dict[str, Any]) -> dict[str, Any]:
+    """The view with ``waiting_reason``, as the API gives it (api/cluster.py)."""
+    from api.cluster import explain_waiting
+
+    explain_waiting([view], read_roles_once)
+    return view
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    from api.cluster import waiting_line
     from teamdesk.db import get_engine
 
     with get_engine().connect() as conn:
-        view = read_view(conn, args.id, args.user)
+        view = explained(read_view(conn, args.id, args.user))
     print(json.dumps(view, indent=2, sort_keys=True))
+    line = waiting_line(view)
+    if line:
+        print(line, file=sys.stderr)
     return EXIT_OK
 
 

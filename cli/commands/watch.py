@@ -25,20 +25,26 @@ from cli.commands.common import (
 EXIT_TIMEOUT = 3
 ENDS = {"COMPLETED": 0, "FAILED": 1, "CANCELLED": 1}
 BAR_WIDTH = 10
+WAITING_STEP_S = 5
 
 View = dict[str, Any]
 
 
 def progress_line(view: View) -> str:
     """``[#####.....] 50% RUNNING run 0 attempt 1``: the ledger's run number, as the API,
-    the CLI's JSON and Flower's message id (``<task>-<run>``) show it."""
+    the CLI's JSON and Flower's message id (``<task>-<run>``) show it. A task waiting too
+    long says so: ``... 0% WAITING run 0 - waiting 60 s: no worker consumes exports``
+    (seconds in steps of :data:`WAITING_STEP_S`, so a log gets a line per step)."""
     percent = max(0, min(100, int(view["progress"])))
     filled = percent * BAR_WIDTH // 100
     line = f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {percent}% {view['status']}"
     line += f" run {int(view['run'])}"
     if view.get("attempts"):
         line += f" attempt {view['attempts']}"
-    return line
+    from api.cluster import waiting_line
+
+    waiting = waiting_line(view, WAITING_STEP_S)
+    return line + (f" - {waiting}" if waiting else "")
 
 
 class Screen:
@@ -111,7 +117,7 @@ def _reader(args: argparse.Namespace) -> Callable[[], View | None]:
     retried (the task goes on without us), never a traceback."""
     from sqlalchemy import exc as sa_exc
 
-    from cli.commands.task_commands import read_view
+    from cli.commands.task_commands import explained, read_view
     from teamdesk.db import get_engine
 
     engine = get_engine()
@@ -120,7 +126,7 @@ def _reader(args: argparse.Namespace) -> Callable[[], View | None]:
     def read() -> View | None:
         try:
             with engine.connect() as conn:
-                view = read_view(conn, args.id, args.user)
+                view = explained(read_view(conn, args.id, args.user))
         except (sa_exc.OperationalError, sa_exc.InterfaceError) as exc:
             if not state["read_once"]:
                 raise

@@ -155,13 +155,17 @@ def test_a_pass_is_reused_only_while_younger_than_health_cache_s(client: TestCli
 
 
 def roles(workers: bool, dispatcher: bool, exports: int, reminders: int) -> dict[str, object]:
+    queues = (("exports", exports), ("reminders", reminders))
     missing = [] if dispatcher else ["dispatcher"]
-    missing += [f"{q} worker" for q, n in (("exports", exports), ("reminders", reminders)) if not n]
+    missing += [f"{q} worker" for q, n in queues if not n]
+    problems = [] if dispatcher else ["no dispatcher is running (start one: celery -A tasks beat)"]
+    problems += [f"no worker consumes {q}" for q, n in queues if not n]
     return {
         "workers": workers,
         "dispatcher": dispatcher,
         "consumers": {"exports": exports, "reminders": reminders},
         "missing": missing,
+        "problems": problems,
     }
 
 

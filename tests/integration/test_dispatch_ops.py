@@ -350,40 +350,91 @@ def test_scan_command_exits_1_with_a_clear_message_when_a_service_is_down(
     assert all_task_messages(redis_client, queue_prefix) == {"exports": [], "reminders": []}
 
 
-def test_health_cluster_names_the_missing_roles(
-    settings: Settings, redis_client: redis.Redis, queue_prefix: str
-) -> None:
-    def check(**env: str) -> tuple[int, dict[str, Any]]:
-        result = cli(settings, "health", "--cluster", **env)
-        return result.returncode, json.loads(result.stdout)
+NO_DISPATCHER = "no dispatcher is running (start one: celery -A tasks beat)"
 
+
+def test_health_cluster_names_the_missing_roles_and_the_tasks_they_hold_up(
+    settings: Settings,
+    engine: sa.Engine,
+    world: World,
+    redis_client: redis.Redis,
+    queue_prefix: str,
+) -> None:
+    def check(**env: str) -> tuple[int, dict[str, Any], list[str]]:
+        result = cli(settings, "health", "--cluster", **env)
+        assert "hunter2" not in result.stdout + result.stderr
+        return result.returncode, json.loads(result.stdout), result.stderr.splitlines()
+
+    with engine.begin() as conn:
+        for _ in range(3):
+            insert_task(conn, world)  # ready exports
+        later = insert_task(conn, world, kind="REMINDER")
+        conn.execute(  # scheduled: not waiting for anyone yet
+            sa.text("UPDATE background_tasks SET run_at = now() + interval '1 hour' WHERE id = :t"),
+            {"t": later},
+        )
+    everything_missing = [
+        NO_DISPATCHER,
+        "no worker consumes exports (3 tasks waiting)",
+        "no worker consumes reminders",
+    ]
     assert check() == (
         1,
         {
             "redis": True,
+            "database": True,
             "dispatcher": False,
             "consumers": {"exports": 0, "reminders": 0},
             "missing": ["dispatcher", "exports worker", "reminders worker"],
+            "waiting": {"exports": 3, "reminders": 0},
+            "problems": everything_missing,
         },
+        [f"teamdesk-tasks health --cluster: {p}" for p in everything_missing],
     )
     exporter = Heartbeat(redis_client, queue_prefix, "h", 20.0, WorkerSlots(("exports",), 2))
     reminder = Heartbeat(redis_client, queue_prefix, "h", 20.0, WorkerSlots(("reminders",), 1))
     leader = Leadership(redis_client, leader_key(queue_prefix), 15)
     try:
         assert exporter.renew() and leader.ensure()
-        code, printed = check()
-        assert (code, printed["missing"]) == (1, ["reminders worker"])
-        assert reminder.renew()
-        code, printed = check()
-        assert (code, printed["missing"], printed["consumers"]) == (
-            0,
-            [],
-            {"exports": 2, "reminders": 1},
+        code, printed, said = check()
+        assert (code, printed["missing"], printed["problems"]) == (
+            1,
+            ["reminders worker"],
+            ["no worker consumes reminders"],
         )
+        assert said == ["teamdesk-tasks health --cluster: no worker consumes reminders"]
+        assert reminder.renew()
+        code, printed, said = check()
+        assert (code, printed["missing"], printed["problems"], said) == (0, [], [], [])
+        assert printed["consumers"] == {"exports": 2, "reminders": 1}
+        port = closed_port()
+        code, printed, said = check(DATABASE_URL=f"postgresql://u:hunter2@127.0.0.1:{port}/x")
+        assert (code, printed["database"], printed["waiting"], printed["missing"]) == (
+            1,
+            False,
+            None,
+            [],
+        )
+        assert said == ["teamdesk-tasks health --cluster: PostgreSQL does not answer"]
+        assert str(port) not in json.dumps(printed)
     finally:
         exporter.remove()
         reminder.remove()
         leader.release()
     port = closed_port()
-    code, printed = check(REDIS_URL=f"redis://:hunter2@127.0.0.1:{port}/0")
-    assert (code, printed["redis"], printed["missing"]) == (1, False, None)
+    code, printed, said = check(REDIS_URL=f"redis://:hunter2@127.0.0.1:{port}/0")
+    assert (code, printed) == (
+        1,
+        {
+            "redis": False,
+            "database": True,
+            "dispatcher": None,
+            "consumers": None,
+            "missing": None,
+            "waiting": {"exports": 3, "reminders": 0},
+            "problems": ["Redis does not answer: nothing can be published or run"],
+        },
+    )
+    assert said == [
+        "teamdesk-tasks health --cluster: Redis does not answer: nothing can be published or run"
+    ]

@@ -1,0 +1,95 @@
+"""``teamdesk-tasks health --cluster``: can this cluster run my tasks? (docs/design.md,
+"Dispatch": loud when a role is missing).
+
+Yes when PostgreSQL and Redis answer, a dispatcher leads (its leader lock in Redis) and
+every task queue has a live worker (a heartbeat that says it consumes the queue). Every
+queue, not only those with work waiting: a task created a second from now must be able to
+start. ``waiting`` (ready runs not yet published, per queue, counted by the database's
+clock and capped) says which missing worker is already holding tasks up.
+
+Prints one JSON line on stdout and, for each problem, one sentence on stderr (the texts
+of api/cluster.py, which /api/workers/health and task views use too); exit 0 or 1.
+Bounded: Redis 1 s per operation, PostgreSQL 2 s to connect and 2 s per statement. The
+output never holds addresses or driver messages. The per-host probe (plain ``health``,
+worker/probe.py) is the container liveness check; this one looks at the whole cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, TextIO
+
+import redis
+import sqlalchemy as sa
+
+from api.cluster import MSG_NO_DATABASE, MSG_NO_REDIS, problems
+from dispatcher.roles import Roles, read_roles
+from ledger.waiting import READY_COUNT_CAP, ready_by_kind
+from tasks.names import QUEUE_OF_KIND
+from teamdesk.config import Settings
+from teamdesk.db import sqlalchemy_url
+from teamdesk.redis_client import redis_client
+
+REDIS_TIMEOUT_S = 1.0
+DB_CONNECT_TIMEOUT_S = 2  # libpq takes whole seconds
+DB_STATEMENT_TIMEOUT_MS = 2000
+
+
+def read_cluster_roles(settings: Settings) -> Roles | None:
+    client = redis_client(settings.redis_url, REDIS_TIMEOUT_S)
+    try:
+        return read_roles(client, settings.queue_prefix)
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()
+
+
+def read_waiting(database_url: str) -> dict[str, int] | None:
+    """Ready, unpublished runs per task queue; None when PostgreSQL does not answer."""
+    engine = sa.create_engine(
+        sqlalchemy_url(database_url),
+        poolclass=sa.pool.NullPool,
+        connect_args={
+            "connect_timeout": DB_CONNECT_TIMEOUT_S,
+            "options": f"-c statement_timeout={DB_STATEMENT_TIMEOUT_MS}",
+            "application_name": "teamdesk-health-cluster",
+        },
+    )
+    try:
+        with engine.connect() as conn:
+            by_kind = ready_by_kind(conn)
+    except sa.exc.SQLAlchemyError:
+        return None
+    finally:
+        engine.dispose()
+    return {QUEUE_OF_KIND[kind]: count for kind, count in by_kind.items()}
+
+
+def cluster_report(roles: Roles | None, waiting: dict[str, int] | None) -> dict[str, Any]:
+    found = ([] if roles is not None else [MSG_NO_REDIS]) + (
+        [] if waiting is not None else [MSG_NO_DATABASE]
+    )
+    fields: dict[str, Any] = {"redis": roles is not None, "database": waiting is not None}
+    if roles is None:
+        fields.update(dispatcher=None, consumers=None, missing=None)
+    else:
+        fields.update(roles.as_dict())
+        found += problems(roles, waiting, READY_COUNT_CAP)
+    return {**fields, "waiting": waiting, "problems": found}
+
+
+def is_able(report: dict[str, Any]) -> bool:
+    return bool(report["redis"] and report["database"] and not report["missing"])
+
+
+def cluster_command(
+    settings: Settings, out: TextIO | None = None, err: TextIO | None = None
+) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
+    report = cluster_report(read_cluster_roles(settings), read_waiting(settings.database_url))
+    out.write(json.dumps(report) + "\n")
+    for problem in report["problems"]:
+        err.write(f"teamdesk-tasks health --cluster: {problem}\n")
+    return 0 if is_able(report) else 1
