@@ -36,9 +36,11 @@ from sqlalchemy import exc as sa_exc
 from cli import demo
 from cli.demo import DemoTeam
 from cli.localmanager import ClusterManager
+from cli.slow_exports import HOOKS_MODULE, SLOW_EXPORT_ENV, delay_from_env
 from ledger.migrate import upgrade
 from teamdesk.config import Settings
 from teamdesk.db import make_engine, sqlalchemy_url
+from teamdesk.hooks import TEST_HOOKS_ENV
 from teamdesk.redis_client import redis_client
 
 PROCFILE = Path(__file__).with_name("Procfile")  # the processes ``make run`` starts
@@ -63,6 +65,7 @@ class LocalOptions:
     password_from_env: bool
     procfile: Path
     tickets: int
+    slow_exports_s: float = 0.0  # demo only: cli/slow_exports.py
 
 
 def read_procfile(path: Path) -> dict[str, str]:
@@ -93,6 +96,10 @@ def child_env(options: LocalOptions, base: dict[str, str] | None = None) -> dict
     env[FLOWER_PORT_ENV] = str(options.flower_port)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.pop(SLOW_EXPORT_ENV, None)
+    if options.slow_exports_s > 0:  # demo only: the workers load cli/slow_exports.py
+        env[SLOW_EXPORT_ENV] = f"{options.slow_exports_s:g}"
+        env[TEST_HOOKS_ENV] = HOOKS_MODULE
     return env
 
 
@@ -216,6 +223,7 @@ def banner(team: DemoTeam, options: LocalOptions, processes: dict[str, str]) -> 
             f"  Flower   http://127.0.0.1:{options.flower_port}   user {FLOWER_USER}, "
             f"password {password}",
             f"  Demo     team {team.team_id} ({state}, {team.tickets} tickets)",
+            *_slow_line(options),
             f"           staff {team.staff.email}, token {token}"
             + (f" (earlier {TOKEN_NAME!r} tokens revoked)" if team.revoked_tokens else ""),
             "",
@@ -236,6 +244,15 @@ def banner(team: DemoTeam, options: LocalOptions, processes: dict[str, str]) -> 
             "",
         ]
     )
+
+
+def _slow_line(options: LocalOptions) -> list[str]:
+    if options.slow_exports_s <= 0:
+        return ["           exports too quick to watch? --slow-exports 2 (demo only)"]
+    return [
+        f"  DEMO     exports pause {options.slow_exports_s:g} s after each batch "
+        "(EXPORT_BATCH_SIZE rows): watch the bar and Flower's task page move"
+    ]
 
 
 def cluster_manager(settings: Settings) -> ClusterManager:
@@ -283,4 +300,15 @@ def options_from(args: Any) -> LocalOptions:
         password_from_env=bool(from_env),
         procfile=Path(args.procfile) if args.procfile else PROCFILE,
         tickets=args.tickets,
+        slow_exports_s=_slow_exports(args),
     )
+
+
+def _slow_exports(args: Any) -> float:
+    """``--slow-exports`` wins over TEAMDESK_DEMO_SLOW_EXPORT_S; 0 (off) by default."""
+    if getattr(args, "slow_exports", None) is not None:
+        return float(args.slow_exports)
+    try:
+        return delay_from_env()
+    except ValueError as exc:
+        raise RunError(str(exc)) from None

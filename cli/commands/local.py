@@ -22,6 +22,15 @@ def _count(text: str) -> int:
     return value
 
 
+def _slow_seconds(text: str) -> float:
+    from cli.slow_exports import parse_delay
+
+    try:
+        return parse_delay(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a number of seconds within 0..5") from None
+
+
 def cmd_demo_seed(args: argparse.Namespace) -> int:
     from cli import demo
     from teamdesk.db import get_engine
@@ -91,5 +100,12 @@ def register(sub: Any) -> None:
         default=DEFAULT_TICKETS,
         metavar="N",
         help=f"demo tickets, the first time (default: {DEFAULT_TICKETS})",
+    )
+    run.add_argument(
+        "--slow-exports",
+        type=_slow_seconds,
+        metavar="S",
+        help="DEMO ONLY: every export pauses S seconds (0..5) after each batch, so watch's "
+        "bar and Flower's percent move (default: TEAMDESK_DEMO_SLOW_EXPORT_S, else 0 = off)",
     )
     run.set_defaults(handler=guarded(cmd_run_local))

@@ -1,0 +1,80 @@
+"""Demo only: exports slow enough to watch (``make run`` / ``run-local --slow-exports S``).
+
+The demo's 3,000-ticket export takes a fraction of a second, so ``watch`` jumps to 100 %
+and Flower never shows PROGRESS. With ``TEAMDESK_DEMO_SLOW_EXPORT_S=S`` (at most
+:data:`MAX_DELAY_S`), ``run-local`` has its workers load ``cli/slow_exports_hook.py``
+through the hook-point seam (``TEAMDESK_TEST_HOOKS``, teamdesk/hooks.py), which calls
+:func:`install_from_env`; every export then
+pauses ``S`` seconds after reading each batch, before reporting its progress. The pauses
+of one export are capped at :data:`TOTAL_BUDGET_S` altogether (shorter per batch when
+there are many batches), under the export's 60 s read transaction (tasks/export.py), so
+the export still completes.
+
+Never in production: nothing but ``run-local`` sets the variable, a worker that loads
+this prints a warning at start, and the deploy checks refuse either variable in
+deploy/ (tests/unit/test_deploy_demo_knobs.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from teamdesk import hooks
+from teamdesk.config import get_settings
+
+SLOW_EXPORT_ENV = "TEAMDESK_DEMO_SLOW_EXPORT_S"
+HOOKS_MODULE = "cli.slow_exports_hook"  # what run-local puts in TEAMDESK_TEST_HOOKS
+MAX_DELAY_S = 5.0
+TOTAL_BUDGET_S = 40.0  # all pauses of one export; its read transaction is bounded to 60 s
+
+
+def parse_delay(text: str) -> float:
+    """Seconds per batch, 0 (off) to :data:`MAX_DELAY_S`; ValueError with a fixed text."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{SLOW_EXPORT_ENV} must be a number of seconds") from None
+    if not 0 <= value <= MAX_DELAY_S:
+        raise ValueError(f"{SLOW_EXPORT_ENV} must be within 0..{MAX_DELAY_S:g} seconds")
+    return value
+
+
+def pause_per_batch(delay_s: float, total_rows: int, batch_size: int) -> float:
+    """``delay_s``, shortened so an export's pauses add up to at most the budget."""
+    batches = max(1, math.ceil(total_rows / batch_size))
+    return min(delay_s, TOTAL_BUDGET_S / batches)
+
+
+def pauser(
+    delay_s: float, batch_size: int, sleep: Callable[[float], None] = time.sleep
+) -> Callable[..., None]:
+    """The ``export.after_read`` hook: pause after each batch read."""
+
+    def pause(total: int, **_: Any) -> None:
+        sleep(pause_per_batch(delay_s, total, batch_size))
+
+    return pause
+
+
+def delay_from_env(env: dict[str, str] | None = None) -> float:
+    raw = (os.environ if env is None else env).get(SLOW_EXPORT_ENV, "").strip()
+    return parse_delay(raw or "0")
+
+
+def install_from_env() -> None:
+    """Install the pause when the variable says so (a worker's start), with a warning."""
+    delay_s = delay_from_env()
+    if delay_s <= 0:
+        return
+    hooks.install("export.after_read", pauser(delay_s, get_settings().export_batch_size))
+    print(
+        f"DEMO ONLY: {SLOW_EXPORT_ENV}={delay_s:g}: every export pauses {delay_s:g} s per "
+        "batch (run-local --slow-exports); never set it in production",
+        file=sys.stderr,
+        flush=True,
+    )
