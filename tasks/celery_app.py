@@ -10,6 +10,7 @@ from celery import Celery, signals
 from kombu import Queue
 
 from dispatcher.beat_host import beat_config
+from tasks.broker_transport import use_for_redis_urls
 from tasks.definitions import register
 from tasks.names import EXPORTS_QUEUE, QUEUE_OF, REMINDERS_QUEUE
 from teamdesk.config import Settings, get_settings, is_redis_url
@@ -83,6 +84,7 @@ def create_app(settings: Settings | None = None) -> Celery:
     """The composition root: the app with its tasks, the worker's liveness step and
     lifecycle receivers, and beat configured to run the dispatcher."""
     settings = settings or get_settings()
+    use_for_redis_urls()
     app = Celery("teamdesk", set_as_current=False)
     app.conf.update(celery_config(settings))
     app.conf.update(beat_config(settings))
