@@ -213,7 +213,6 @@ def _trace_steps() -> None:
         "complete_export",
         "complete_in_transaction",
         "check_lease",
-        "run_completed",
     ):
         _wrap(lease, fn, f"lease.{fn}")
     for fn in ("message_started", "report_progress"):

@@ -24,7 +24,6 @@ import psycopg2
 from sqlalchemy.engine import Connection
 
 from ledger.errors import LeaseLost
-from ledger.states import COMPLETED
 from ledger.wake import WAKE_SQL
 
 # The lease condition every write of a running execution carries.
@@ -144,8 +143,6 @@ REPORT_FAILURE = (
     )
 )
 
-READ_STATE = "SELECT status, run FROM background_tasks WHERE id = %(task_id)s"
-
 
 @dataclass(frozen=True)
 class Lease:
@@ -252,16 +249,6 @@ def report_failure(
         "delay_s": float(retry_in_s),
     }
     return bool(_execute(conn, REPORT_FAILURE, params).rowcount == 1)
-
-
-def read_state(conn: Connection, task_id: uuid.UUID) -> tuple[str, int] | None:
-    row = _execute(conn, READ_STATE, {"task_id": str(task_id)}).fetchone()
-    return None if row is None else (str(row[0]), int(row[1]))
-
-
-def run_completed(conn: Connection, task_id: uuid.UUID, run: int) -> bool:
-    """Whether ``run`` of the task is COMPLETED: decides task.completed vs task.skipped."""
-    return read_state(conn, task_id) == (COMPLETED, run)
 
 
 def _write_or_lose(conn: Connection, sql: str, lease: Lease, **values: Any) -> None:

@@ -24,6 +24,12 @@ def register(app: Celery, settings: Settings) -> None:
         # Unbounded reject-and-requeue would let a task that kills its process loop forever.
         "retry_on_worker_lost": True,
         "max_retries": settings.max_task_attempts - 1,
+        # The ledger is the truth (the API, the CLI and the dispatcher read it) and Flower
+        # builds its view from events (task-succeeded carries the return value): a success
+        # or a retry is not written to the result backend, a Redis round trip per task.
+        # A message that ends FAILURE is (tasks/execution.py, _store_failure). A RETRY
+        # stored there would outlive the later attempt's unstored success.
+        "ignore_result": True,
         # Expected outcomes: Celery logs them without a traceback.
         "throws": (TaskRejected, TaskFailed),
     }

@@ -1,8 +1,9 @@
 """The one execution wrapper both task kinds share: claim (or skip) -> run -> classify.
 
 Outcomes (docs/design.md, "Lifecycle"):
-- success: the body committed under the lease; ``task.completed`` / ``task.skipped`` is
-  decided by re-reading the ledger afterwards.
+- success: the body committed its completion under the lease. A completion statement
+  that matches no row raises :class:`LeaseLost`, so a body that returns has completed:
+  ``task.completed`` needs no re-read of the ledger.
 - :class:`LeaseLost`: a newer execution (or a cancel, or the dispatcher) owns the row. Log
   ``task.lease_lost`` and return quietly: no progress 100, no failure, no retry.
 - :class:`TaskRejected`: write FAILED now and end the queue message failed, no retry.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NoReturn
 
+import redis
 from celery import Task
 from celery.exceptions import Retry
 from sqlalchemy.engine import Connection, Engine
@@ -123,12 +125,12 @@ def execute(
         except LeaseLost:
             return _lease_lost(held, fields)
         except TaskRejected as exc:
-            return _rejected(held, exc, fields)
+            return _rejected(task, held, exc, fields)
         except Exception as exc:
-            return _failed_attempt(held, exc, settings, fields)
-        completed = lease.run_completed(conn, task_id, run)
-        log_event(log, "task.completed" if completed else "task.skipped", **fields)
-        return _outcome(task_id, run, "completed" if completed else "skipped", summary=summary)
+            return _failed_attempt(task, held, exc, settings, fields)
+        # The completion matched its row (else LeaseLost above): no re-read needed.
+        log_event(log, "task.completed", **fields)
+        return _outcome(task_id, run, "completed", summary=summary)
 
 
 def _claim_failed(task_id: uuid.UUID, run: int, stamp: str | None, exc: Exception) -> NoReturn:
@@ -154,7 +156,22 @@ def _lease_lost(held: lease.Lease, fields: dict[str, Any]) -> dict[str, Any]:
     return _outcome(held.task_id, held.run, "lease_lost")
 
 
-def _rejected(held: lease.Lease, exc: TaskRejected, fields: dict[str, Any]) -> dict[str, Any]:
+def _store_failure(task: Task, exc: Exception) -> None:
+    """The one outcome the result backend keeps: a message that ended FAILURE (the tasks
+    are ``ignore_result``: successes come to Flower as task-succeeded events, retries as
+    task-retried, and the ledger is the truth for everything else). Best effort: the
+    ledger already says FAILED."""
+    if task.request.called_directly:
+        return
+    try:
+        task.backend.mark_as_failure(task.request.id, exc, request=task.request)
+    except (redis.RedisError, OSError) as store_exc:
+        log.warning("failure not stored in the result backend: %s", type(store_exc).__name__)
+
+
+def _rejected(
+    task: Task, held: lease.Lease, exc: TaskRejected, fields: dict[str, Any]
+) -> dict[str, Any]:
     with get_engine().begin() as conn:
         written = lease.report_failure(conn, held, final=True, message=exc.message)
     if not written:
@@ -168,11 +185,12 @@ def _rejected(held: lease.Lease, exc: TaskRejected, fields: dict[str, Any]) -> d
         reason=exc.message,
         **fields,
     )
+    _store_failure(task, exc)
     raise exc
 
 
 def _failed_attempt(
-    held: lease.Lease, exc: Exception, settings: Settings, fields: dict[str, Any]
+    task: Task, held: lease.Lease, exc: Exception, settings: Settings, fields: dict[str, Any]
 ) -> dict[str, Any]:
     """Record the failed attempt in the ledger: FAILED on the last one, else WAITING until
     the backoff has passed. If the ledger cannot be told, the row stays RUNNING under this
@@ -196,7 +214,9 @@ def _failed_attempt(
         log_event(
             log, "task.failed", logging.ERROR, exhausted=True, error=error, **report_error, **fields
         )
-        raise TaskFailed(message) from None
+        failure = TaskFailed(message)
+        _store_failure(task, failure)
+        raise failure from None
     log_event(
         log,
         "task.attempt_failed",

@@ -141,6 +141,9 @@ def _send(amqp: object, producer: object, run: RunRef) -> None:
         argsrepr=repr(args),
         kwargsrepr="{}",
         create_sent_event=False,
+        # The message's header overrides the task's option: say it, or the worker stores
+        # every success in the result backend (tasks/definitions.py, ignore_result).
+        ignore_result=True,
     )
     amqp.send_task_message(producer, name, message, queue=QUEUE_OF[name], declare=[])  # type: ignore[attr-defined]
 

@@ -189,19 +189,6 @@ def test_lease_lost_in_a_transaction_rolls_back_its_side_effects(
     assert task_row(engine, task_id) == snapshot
 
 
-def test_run_completed_tells_completed_from_skipped(engine: sa.Engine, world: World) -> None:
-    task_id = insert_task_committed(engine, world)
-    held = claimed(engine, task_id)
-    with engine.connect() as conn:
-        assert not lease.run_completed(conn, task_id, 0)
-    with engine.begin() as conn:
-        lease.complete_in_transaction(conn, held, "ok")
-    with engine.connect() as conn:
-        assert lease.run_completed(conn, task_id, 0)
-        assert not lease.run_completed(conn, task_id, 1)
-        assert not lease.run_completed(conn, uuid.uuid4(), 0)
-
-
 def test_two_claims_gated_between_read_and_commit_leave_one_lease(
     engine: sa.Engine, world: World
 ) -> None:
