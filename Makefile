@@ -12,12 +12,19 @@ help: ## list the targets
 $(PY):
 	python3 -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(PY)
+# constraints.txt pins every dependency (pip-compile from pyproject.toml): the same
+# versions here, in CI and in the image (deploy/Dockerfile). `make constraints` renews it.
+$(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP) ## create .venv and install the project with its dev tools
+install: $(STAMP) ## create .venv and install the project with its dev tools (pinned: constraints.txt)
+
+constraints: | $(PY) ## regenerate constraints.txt from pyproject.toml (pip-compile, newest allowed versions)
+	$(PY) -m pip install --quiet pip-tools
+	$(VENV)/bin/pip-compile --quiet --upgrade --all-extras --strip-extras --no-emit-index-url \
+		--no-emit-find-links --output-file constraints.txt pyproject.toml
 
 services: $(STAMP) ## check that PostgreSQL and Redis answer
 	$(PY) scripts/check_services.py
@@ -53,7 +60,7 @@ bench: install services ## side-by-side performance ratios (~8 min): bench/RESUL
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	$(PY) -m bench.run
 
-soak: install ## chaos run, own Redis + database (SEED=1 TASKS=2000 FAULTS=50; SOAK_ARGS="--short --keep ...")
+soak: install ## chaos run (~10 min), own PostgreSQL + Redis, 11 fault kinds (SEED=1 TASKS=3000 FAULTS=110; SOAK_ARGS="--short --keep ...")
 	$(PY) -m soak.run $(if $(SEED),--seed $(SEED)) $(if $(TASKS),--tasks $(TASKS)) $(if $(FAULTS),--faults $(FAULTS)) $(SOAK_ARGS)
 
-.PHONY: help install services test lint format migrate run soak bench
+.PHONY: help install constraints services test lint format migrate run soak bench

@@ -5,8 +5,15 @@ the reminder side effects (exactly one notification, one ``ticket.reminder_sent`
 and one version bump for a COMPLETED reminder, none otherwise) and the export CSV
 (equal to ``tests.support.csv_reference.expected_csv``, computed independently from the
 tickets table). Globally: nothing WAITING or RUNNING, no commit by a replaced execution
-(``ledger.audit``), no task completed twice, no side effect without its task, and the
-exported tickets unchanged.
+(``ledger.audit``), no task completed twice, no side effect without its task, the
+exported tickets unchanged, no lease taken from a live execution (soak/leases.py), and no
+process exit the soak did not cause.
+
+A run that ends FAILED after its last attempt where each failed attempt (its CLAIM ..
+WAIT/FAIL in the audit trail) spans a fault that cut the workers' database connections
+(``pgkill``, ``pgrestart``) did what the attempt budget is for: it is counted, not a
+violation. Any other failed end of a case that expects COMPLETED is (a run FAILED with
+"stopped responding too many times" included: its recoveries were false ones).
 """
 
 from __future__ import annotations
@@ -19,6 +26,10 @@ from typing import Any
 import sqlalchemy as sa
 
 from ledger import audit
+from ledger.dispatch import MSG_TOO_MANY_RECOVERIES
+from soak import leases
+from soak.cluster import Incarnation
+from soak.leases import LeaseJudge
 from soak.workload import TaskPlan
 from tasks.execution import MSG_EXHAUSTED
 from tasks.reminder import EVENT_TYPE
@@ -45,6 +56,15 @@ AUDIT_TRAIL = sa.text("""
     SELECT id, run, event, execution_id, at FROM task_audit WHERE task_id = :task_id ORDER BY id
 """)
 AUDIT_COUNTS = sa.text("SELECT event, count(*) AS n FROM task_audit GROUP BY event")
+# Each failed attempt of a run: from its execution's CLAIM to its WAIT or FAIL.
+FAILED_ATTEMPTS = sa.text("""
+    SELECT extract(epoch FROM c.at) AS claimed, extract(epoch FROM e.at) AS ended
+      FROM task_audit e
+      JOIN task_audit c ON c.task_id = e.task_id AND c.execution_id = e.execution_id
+                       AND c.event = 'CLAIM'
+     WHERE e.task_id = :task_id AND e.run = :run AND e.event IN ('WAIT', 'FAIL')
+""")
+DATABASE_FAULTS = ("pgkill", "pgrestart")
 
 
 @dataclass(frozen=True)
@@ -55,7 +75,8 @@ class Violation:
     task_id: uuid.UUID | None = None
 
     def line(self) -> str:
-        return f"  VIOLATION {self.what}: {self.task} {self.detail}".rstrip()
+        task = "" if self.task == "-" else f"{self.task} "
+        return f"  VIOLATION {self.what}: {task}{self.detail}".rstrip()
 
 
 def fingerprint(engine: sa.Engine, teams: list[uuid.UUID]) -> tuple[int, str]:
@@ -82,12 +103,16 @@ class Verifier:
         plans: list[TaskPlan],
         reminder_teams: list[uuid.UUID],
         max_attempts: int,
+        judge: LeaseJudge,
     ) -> None:
         self.engine, self.plans = engine, plans
         self.reminder_teams = reminder_teams
         self.max_attempts = max_attempts
+        self.judge = judge
         self.violations: list[Violation] = []
         self.rows: dict[uuid.UUID, Any] = {}
+        self.verdicts: list[leases.Verdict] = []
+        self.excused: list[str] = []  # runs whose attempts database faults used up
 
     def add(
         self, what: str, plan: TaskPlan | None, detail: str, task_id: uuid.UUID | None = None
@@ -97,11 +122,16 @@ class Verifier:
         self.violations.append(Violation(what, described, detail, task_id))
 
     def run(
-        self, tickets_before: tuple[int, str], export_teams: list[uuid.UUID]
+        self,
+        tickets_before: tuple[int, str],
+        export_teams: list[uuid.UUID],
+        incarnations: list[Incarnation],
     ) -> list[Violation]:
         with self.engine.connect() as conn:
             self.rows = {r.id: r for r in conn.execute(TASKS)}
             self._global(conn)
+            self._leases(conn)
+        self._exits(incarnations)
         self._tasks()
         self._reminders()
         if fingerprint(self.engine, export_teams) != tickets_before:
@@ -132,8 +162,38 @@ class Verifier:
     def _plan_of(self, task_id: uuid.UUID) -> TaskPlan | None:
         return next((p for p in self.plans if p.task_id == task_id), None)
 
+    def _leases(self, conn: sa.Connection) -> None:
+        """No RECOVER and no takeover of a live, running execution (soak/leases.py)."""
+        for revocation in leases.revocations(conn):
+            verdict = self.judge.judge(revocation)
+            self.verdicts.append(verdict)
+            if verdict.justified:
+                continue
+            row = self.rows.get(revocation.task_id)
+            hints = self.judge.hints(revocation, row.team_id if row is not None else None, verdict)
+            self.add(
+                "live-lease-revoked",
+                self._plan_of(revocation.task_id),
+                f"{revocation.how} (audit #{revocation.audit_id}, run {revocation.run}) of "
+                f"{str(revocation.revoked)[:8]}: {verdict.why}; around it: {hints}",
+                revocation.task_id,
+            )
+
+    def _exits(self, incarnations: list[Incarnation]) -> None:
+        """Only the soak stops processes: a worker or beat that exits by itself is one."""
+        for inc in incarnations:
+            if inc.unexpected:
+                self.add(
+                    "unexpected-exit",
+                    None,
+                    f"{inc.name} exited by itself (rc {inc.exit_code}); last lines:\n"
+                    + "\n".join(f"      {line[:220]}" for line in last_lines(inc)),
+                )
+
     def _tasks(self) -> None:
         for plan in self.plans:
+            if plan.by_fault and plan.task_id is None and plan.create_error is None:
+                continue  # its fault was skipped before it needed the task
             if plan.create_error is not None or plan.task_id is None:
                 self.add("not-created", plan, plan.create_error or "never submitted")
                 continue
@@ -142,19 +202,41 @@ class Verifier:
                 self.add("missing", plan, "no ledger row")
                 continue
             status, run = expected_end(plan)
-            if (row.status, row.run) != (status, run):
+            if (row.status, row.run) != (status, run) and not self._exhausted_by_faults(
+                plan, row, status
+            ):
+                false_recoveries = row.last_error == MSG_TOO_MANY_RECOVERIES
                 self.add(
                     "end-state",
                     plan,
                     f"is {row.status} run {row.run} (attempts {row.attempts}, recoveries "
                     f"{row.recoveries}, last_error {row.last_error!r}), expected {status} run {run}"
-                    f"; cancel: {plan.cancel_outcome}",
+                    f"; cancel: {plan.cancel_outcome}"
+                    + ("; FAILED by recoveries: were they false ones?" if false_recoveries else ""),
                 )
             if row.filters != plan.filters:
                 self.add("filters", plan, f"stored filters {row.filters!r} differ from the request")
             self._case(plan, row)
             if plan.kind == "EXPORT":
                 self._export(plan, row)
+
+    def _exhausted_by_faults(self, plan: TaskPlan, row: Any, expected: str) -> bool:
+        """A run FAILED on its last attempt where every failed attempt spans a database
+        fault: the attempt budget did its job (counted in the report, not a violation)."""
+        exhausted = MSG_EXHAUSTED.format(n=self.max_attempts)
+        if (row.status, row.last_error, expected) != ("FAILED", exhausted, "COMPLETED"):
+            return False
+        with self.engine.connect() as conn:
+            spans = list(conn.execute(FAILED_ATTEMPTS, {"task_id": row.id, "run": row.run}))
+        faults = [(e.start, e.end) for e in self.judge.timeline.events if e.kind in DATABASE_FAULTS]
+        explained = all(
+            any(start <= float(s.ended) and end >= float(s.claimed) for start, end in faults)
+            for s in spans
+        )
+        if spans and explained:
+            self.excused.append(f"{plan.describe()}: {len(spans)} attempts, each cut by a fault")
+            return True
+        return False
 
     def _case(self, plan: TaskPlan, row: Any) -> None:
         if plan.case == "invalid" and (row.attempts, row.last_error) != (1, plan.error):
@@ -264,6 +346,15 @@ class Verifier:
                 f"    audit #{r.id} run {r.run} {r.event:9} {r.execution_id} {r.at.isoformat()}"
                 for r in rows
             ]
+
+
+def last_lines(inc: Incarnation, limit: int = 4) -> list[str]:
+    """An incarnation's last output lines (its own words about why it exited)."""
+    try:
+        lines = inc.log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return lines[-limit:]
 
 
 def stats(engine: sa.Engine) -> dict[str, Any]:

@@ -2,8 +2,12 @@
 
 The soak plays the orchestrator: it starts every process, restarts the ones a fault
 stopped, and (like Compose's ``restart: unless-stopped``) restarts any process that
-exits on its own, recording that exit for the report. Every process writes its output
-to its own file per incarnation (``w2.3.log`` = the third start of worker w2).
+exits on its own. Every exit is counted: the ones the soak caused (a kill, a SIGTERM)
+and the others, which are violations (a worker or beat must ride out Redis and
+PostgreSQL outages). Every process writes its output to its own file per incarnation
+(``w2.3.log`` = the third start of worker w2). A member may run under Debian's
+``faketime`` (the ``skew`` fault): its incarnations remember the offset, so their log
+times can be read on the real clock.
 """
 
 from __future__ import annotations
@@ -21,12 +25,22 @@ from pathlib import Path
 
 import redis
 
+from soak.timeline import DRAINING, Timeline
 from tests.support.processes import Proc, celery_argv, free_port, worker_argv
 
 REDIS_START_TIMEOUT_S = 10.0
-STOP_TIMEOUT_S = 30.0  # a SIGTERM'd worker: drain budget + hard-exit guard + margin
+SHUTDOWN_TIMEOUT_S = 75.0  # the workers' drain budget: a long export finishes inside it
+HARD_EXIT_AFTER_S = 10.0  # worker/lifecycle.py: the last guard after the budget
+STOP_TIMEOUT_S = SHUTDOWN_TIMEOUT_S + HARD_EXIT_AFTER_S + 15.0  # a SIGTERM'd worker's exit
 RESTART_BACKOFF_S = 1.0  # before restarting a process that exited on its own
+SUPERVISE_EVERY_S = 0.5
+KILL_WAIT_S = 10.0
 WORKER_QUEUES = "exports,reminders"
+# libfaketime fakes the wall clock only: sleeps, timeouts and Celery's timers keep real
+# time, as on a host whose clock is simply set wrong; soak/faketime_fix works around
+# libfaketime's broken time.sleep in that mode (its docstring says how).
+FAKETIME_FIX = Path(__file__).resolve().parent / "faketime_fix"
+FAKETIME_ENV = {"FAKETIME_DONT_FAKE_MONOTONIC": "1"}
 
 
 class SoakRedis:
@@ -89,31 +103,73 @@ class SoakRedis:
 
 
 @dataclass
+class Incarnation:
+    """One start of a member: ``w2.3`` is the third start of worker w2."""
+
+    name: str
+    member: str
+    proc: Proc
+    skew_s: int = 0  # the faketime offset it ran under (0: the real clock)
+    cause: str | None = None  # set before the soak signals it: kill, term, longterm, skew, final
+    exit_code: int | None = None
+    exited: bool = False
+    unexpected: bool = False
+
+    @property
+    def log(self) -> Path:
+        return self.proc.log_path
+
+
+@dataclass
 class Member:
     """One logical process of the cluster (``w1``..``w3``, ``beat``) and its incarnations."""
 
     name: str
     argv: Callable[[int], list[str]]
-    incarnation: int = 0
-    proc: Proc | None = None
+    incarnations: list[Incarnation] = field(default_factory=list)
     held: bool = False  # a fault owns it now: the supervisor leaves it alone
-    unexpected_exits: list[tuple[int, int]] = field(default_factory=list)  # (incarnation, rc)
-    logs: list[Path] = field(default_factory=list)
+    skew_s: int = 0  # the next start runs under faketime with this offset
+
+    @property
+    def current(self) -> Incarnation | None:
+        return self.incarnations[-1] if self.incarnations else None
+
+    @property
+    def proc(self) -> Proc | None:
+        current = self.current
+        return current.proc if current is not None else None
 
     @property
     def running(self) -> bool:
-        return (
-            self.proc is not None
-            and self.proc.popen is not None
-            and (self.proc.popen.poll() is None)
-        )
+        proc = self.proc
+        return proc is not None and proc.popen is not None and proc.popen.poll() is None
+
+    @property
+    def logs(self) -> list[Path]:
+        return [inc.log for inc in self.incarnations]
+
+
+def skewed(argv: list[str], skew_s: int) -> list[str]:
+    return ["faketime", "-f", f"{skew_s:+d}s", *argv] if skew_s else argv
+
+
+def skewed_env(env: dict[str, str]) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(FAKETIME_FIX), env.get("PYTHONPATH", "")) if p)
+    return {**env, **FAKETIME_ENV, "PYTHONPATH": path}
 
 
 class Cluster:
-    """Starts, restarts and supervises the workers and beat."""
+    """Starts, signals, restarts and supervises the workers and beat."""
 
-    def __init__(self, env: dict[str, str], logdir: Path, workers: int, concurrency: int) -> None:
-        self.env, self.logdir = env, logdir
+    def __init__(
+        self,
+        env: dict[str, str],
+        logdir: Path,
+        workers: int,
+        concurrency: int,
+        timeline: Timeline,
+    ) -> None:
+        self.env, self.logdir, self.timeline = env, logdir, timeline
         self.lock = threading.RLock()
         self.members: dict[str, Member] = {}
         for i in range(1, workers + 1):
@@ -135,19 +191,19 @@ class Cluster:
     def worker_names(self) -> list[str]:
         return [name for name in self.members if name != "beat"]
 
+    def incarnations(self) -> list[Incarnation]:
+        with self.lock:
+            return [inc for m in self.members.values() for inc in m.incarnations]
+
     def start(self, name: str) -> Proc:
         with self.lock:
             member = self.members[name]
-            member.incarnation += 1
-            proc = Proc(
-                f"{name}.{member.incarnation}",
-                member.argv(member.incarnation),
-                self.env,
-                self.logdir,
-            )
-            member.proc = proc.start()
-            member.logs.append(proc.log_path)
-            return proc
+            number = len(member.incarnations) + 1
+            env = skewed_env(self.env) if member.skew_s else self.env
+            argv = skewed(member.argv(number), member.skew_s)
+            proc = Proc(f"{name}.{number}", argv, env, self.logdir)
+            member.incarnations.append(Incarnation(proc.name, name, proc, member.skew_s))
+            return proc.start()
 
     def start_all(self) -> None:
         for name in self.members:
@@ -170,13 +226,71 @@ class Cluster:
                 self.start(name)
             member.held = False
 
+    def owner_of(self, pid: int) -> str | None:
+        """The member whose process group holds ``pid`` (a pool child or the main process)."""
+        try:
+            group = os.getpgid(pid)
+        except ProcessLookupError:
+            return None
+        with self.lock:
+            for name, member in self.members.items():
+                if member.running and member.proc is not None and member.proc.pid == group:
+                    return name
+        return None
+
+    # ---- signals sent by faults (the member is held) ---------------------------------------
+    def kill(self, name: str, cause: str) -> Incarnation:
+        """SIGKILL the member's whole process group and wait for the exit."""
+        inc = self._expect(name, cause)
+        self.timeline.dead(inc.name, cause)
+        with suppress(ProcessLookupError):
+            os.killpg(inc.proc.pid, signal.SIGKILL)
+        self._wait_exit(inc, KILL_WAIT_S)
+        return inc
+
+    def terminate(self, name: str, cause: str) -> Incarnation:
+        """SIGTERM the member's main process (a warm shutdown: its leases must stay alive
+        while it drains) and wait for the exit."""
+        inc = self._expect(name, cause)
+        draining = self.timeline.open(inc.name, DRAINING, cause)
+        with suppress(ProcessLookupError):
+            os.kill(inc.proc.pid, signal.SIGTERM)
+        self._wait_exit(inc, STOP_TIMEOUT_S)
+        self.timeline.close(draining)
+        return inc
+
+    def _expect(self, name: str, cause: str) -> Incarnation:
+        with self.lock:
+            inc = self.members[name].current
+            assert inc is not None
+            inc.cause = inc.cause or cause
+            return inc
+
+    def _wait_exit(self, inc: Incarnation, timeout_s: float) -> None:
+        popen = inc.proc.popen
+        assert popen is not None
+        try:
+            popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            inc.proc.kill()
+        self._exited(inc, inc.cause or "exit")
+
+    def _exited(self, inc: Incarnation, cause: str) -> None:
+        popen = inc.proc.popen
+        inc.exit_code = popen.returncode if popen is not None else None
+        inc.exited = True
+        self.timeline.dead(inc.name, cause)
+
+    # ---- the process manager ----------------------------------------------------------------
     def _supervise(self) -> None:
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(SUPERVISE_EVERY_S):
             with self.lock:
                 exited = [m for m in self.members.values() if not m.held and not m.running]
                 for member in exited:
-                    rc = member.proc.popen.returncode if member.proc and member.proc.popen else -1
-                    member.unexpected_exits.append((member.incarnation, rc))
+                    inc = member.current
+                    assert inc is not None
+                    inc.unexpected = inc.cause is None
+                    self._exited(inc, inc.cause or "exit")
                     member.held = True
             for member in exited:
                 threading.Thread(
@@ -194,27 +308,31 @@ class Cluster:
         self._thread.join(timeout=5)
         codes: dict[str, int | None] = {}
         with self.lock:
-            procs = [(n, m.proc) for n, m in self.members.items() if m.proc is not None]
-        for _name, proc in procs:
-            if proc.popen is not None and proc.popen.poll() is None:
-                with suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGCONT)
-                    os.kill(proc.pid, signal.SIGTERM)
-        for name, proc in procs:
+            current = [(n, m.current) for n, m in self.members.items() if m.running]
+        for _name, inc in current:
+            assert inc is not None
+            inc.cause = inc.cause or "final"
+            with suppress(ProcessLookupError):
+                os.killpg(inc.proc.pid, signal.SIGCONT)
+                os.kill(inc.proc.pid, signal.SIGTERM)
+        for name, inc in current:
+            assert inc is not None
             try:
-                codes[name] = proc.wait(timeout=STOP_TIMEOUT_S)
+                codes[name] = inc.proc.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 codes[name] = None
-            proc.kill()
+            inc.proc.kill()
+            self._exited(inc, "final")
         return codes
 
     def kill_all(self) -> None:
         """Last-resort cleanup: SIGKILL every process group this cluster started."""
         self._stop.set()
         with self.lock:
-            for member in self.members.values():
-                if member.proc is not None:
-                    with suppress(Exception):
-                        os.killpg(member.proc.pid, signal.SIGCONT)
-                    with suppress(Exception):
-                        member.proc.kill()
+            procs = [inc.proc for inc in self.incarnations()]
+        for proc in procs:
+            if proc.popen is not None and proc.popen.poll() is None:
+                with suppress(Exception):
+                    os.killpg(proc.pid, signal.SIGCONT)
+                with suppress(Exception):
+                    proc.kill()

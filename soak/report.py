@@ -9,12 +9,14 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import sqlalchemy as sa
 
-from soak import checks, faults, workload
-from soak.cluster import Cluster
+from soak import checks, logscan, workload
+from soak.chaos import KINDS, Chaos, Record
+from soak.cluster import Cluster, Incarnation
 
 REPORT_LIMIT = 40  # violations printed with their details (all of them go to report.txt)
 LOGGED_EVENTS = (
@@ -37,29 +39,48 @@ class Report:
     def counts(
         self,
         plans: list[workload.TaskPlan],
-        injector: faults.Injector,
+        records: list[Record],
+        chaos: Chaos,
         operator: workload.Operator,
     ) -> None:
-        cases = Counter(p.case for p in plans)
-        kinds = Counter(r.kind for r in injector.records if not r.detail.startswith("skipped"))
+        cases = Counter(p.case for p in plans if p.task_id is not None)
         cancels = Counter(p.cancel_outcome for p in plans if p.case.startswith("cancel_"))
-        self.say(f"soak: cases {dict(sorted(cases.items()))}")
-        self.say(f"soak: faults {dict(sorted(kinds.items()))}; cancels {dict(cancels)}")
-        self.say(f"soak: SIGTERM exit codes {dict(Counter(injector.term_exit_codes))}")
+        self.say(f"soak: cases {dict(sorted(cases.items()))}; cancels {dict(cancels)}")
+        self.say(f"soak: faults {fault_counts(records)}")
+        skipped = Counter(r.kind for r in records if not r.injected)
+        if skipped:
+            self.say(f"soak: faults skipped {dict(sorted(skipped.items()))} (see faults.txt)")
+        self.say(f"soak: SIGTERM exit codes {dict(Counter(chaos.term_exit_codes))}")
+        self.say(f"soak: process exits {exit_counts(self.cluster)}")
         self.say(f"soak: ledger {checks.stats(self.engine)}")
         self.say(f"soak: worker logs {log_counts(self.cluster)}")
-        for member in self.cluster.members.values():
-            if member.unexpected_exits:
-                self.say(
-                    f"soak: note: {member.name} exited on its own {len(member.unexpected_exits)} "
-                    f"times (incarnation, rc) {member.unexpected_exits}; restarted like a "
-                    f"process manager would"
-                )
         for error in operator.errors[:5]:
             self.say(f"soak: note: user action error {error}")
-        (self.workdir / "faults.txt").write_text(
-            "\n".join(r.line() for r in injector.records) + "\n"
+        lines = [r.line() for r in records] + ["", "timeline (database clock):"]
+        (self.workdir / "faults.txt").write_text("\n".join(lines + chaos.timeline.lines()) + "\n")
+
+    def leases(self, verifier: checks.Verifier) -> None:
+        """How every revocation in the audit trail was judged."""
+        verdicts = verifier.verdicts
+        why = Counter(v.reason for v in verdicts if v.justified)
+        unknown = why.get("unknown", 0)
+        self.say(
+            f"soak: revocations {len(verdicts)} (RECOVER "
+            f"{sum(1 for v in verdicts if v.revocation.how == 'RECOVER')}, TAKEOVER "
+            f"{sum(1 for v in verdicts if v.revocation.how == 'TAKEOVER')}); justified by "
+            f"{dict(sorted(why.items()))}, of a live execution "
+            f"{sum(1 for v in verdicts if not v.justified)}"
         )
+        for verdict in [v for v in verdicts if v.reason == "unknown"][:5]:
+            rev = verdict.revocation
+            self.say(
+                f"soak: note: {rev.how} of {str(rev.revoked)[:8]} (task {rev.task_id}, audit "
+                f"#{rev.audit_id}) not judged: {verdict.why}"
+            )
+        if unknown > 5:
+            self.say(f"soak: note: {unknown - 5} more revocations not judged")
+        for line in verifier.excused[:10]:
+            self.say(f"soak: note: attempts used up by database faults: {line}")
 
     def violations(self, found: list[checks.Violation], verifier: checks.Verifier) -> list[str]:
         """Print the first REPORT_LIMIT violations with their details; return the lines of
@@ -80,34 +101,54 @@ class Report:
         return unprinted
 
 
+def fault_counts(records: list[Record]) -> str:
+    """Injected faults per kind, every kind named (0 when none was injected)."""
+    injected = Counter(r.kind for r in records if r.injected)
+    return ", ".join(f"{kind} {injected.get(kind, 0)}" for kind in KINDS)
+
+
+def exit_counts(cluster: Cluster) -> str:
+    """Every process exit during the soak: caused by the soak (by fault) or not."""
+    exits = [inc for inc in cluster.incarnations() if inc.exited and inc.cause != "final"]
+    caused = Counter(inc.cause for inc in exits if not inc.unexpected)
+    unexpected = [inc.name for inc in exits if inc.unexpected]
+    return (
+        f"{len(exits)}: caused by the soak {dict(sorted(caused.items()))}, "
+        f"unexpected {len(unexpected)} {unexpected}"
+    )
+
+
 def log_counts(cluster: Cluster) -> dict[str, int]:
     counts: Counter[str] = Counter()
-    for member in cluster.members.values():
-        for path in member.logs:
-            with suppress(OSError):
-                text = path.read_text(errors="replace")
-                for event in LOGGED_EVENTS:
-                    counts[event] += text.count(f'"event": "{event}"')
-                counts["fatal"] += text.count('"level": "fatal"')
+    for inc in cluster.incarnations():
+        with suppress(OSError):
+            text = inc.log.read_text(errors="replace")
+            for event in LOGGED_EVENTS:
+                counts[event] += text.count(f'"event": "{event}"')
+            counts["fatal"] += text.count('"level": "fatal"')
     return dict(counts)
 
 
 def log_lines(cluster: Cluster, task_id: uuid.UUID, limit: int = 8) -> list[str]:
-    """The last worker log lines naming the task (file name, time, pid, event, message)."""
-    found: list[tuple[str, str]] = []
-    for member in cluster.members.values():
-        for path in member.logs:
-            with suppress(OSError):
-                for line in path.read_text(errors="replace").splitlines():
-                    if str(task_id) in line:
-                        found.append(_brief(line, path.name))
-    return [f"    {name}: {text}" for text, name in sorted(found)[-limit:]]
+    """The last log lines naming the task (file, real time, pid, event, message), in
+    real-time order: a skewed incarnation's times are shown with its offset undone."""
+    found: list[tuple[float, str]] = []
+    needle = str(task_id)
+    for inc in cluster.incarnations():
+        name = inc.log.name + (f" (clock {inc.skew_s:+d}s)" if inc.skew_s else "")
+        with suppress(OSError):
+            for line in inc.log.read_text(errors="replace").splitlines():
+                if needle in line:
+                    found.append(_brief(line, name, inc))
+    return [f"    {text}" for _at, text in sorted(found)[-limit:]]
 
 
-def _brief(line: str, name: str) -> tuple[str, str]:
+def _brief(line: str, name: str, inc: Incarnation) -> tuple[float, str]:
     try:
         record = json.loads(line)
-    except ValueError:
-        return line[:200], name
+        at = logscan.real_time(record, inc, 0.0)
+    except (ValueError, KeyError, TypeError):
+        return 0.0, f"{name}: {line[:200]}"
     message = str(record.get("message") or record.get("error") or "")[:160]
-    return f"{record.get('time')} pid {record.get('pid')} {record.get('event')} {message}", name
+    shown = datetime.fromtimestamp(at, UTC).isoformat(timespec="milliseconds")
+    return at, f"{name}: {shown} pid {record.get('pid')} {record.get('event')} {message}"

@@ -1,16 +1,18 @@
 """``make soak``: ``python -m soak.run [--seed N] [--tasks N] [--faults N] [--short] [--keep]``.
 
-1. A fresh database (created and migrated from ``ledger/migrations``), a fresh key
-   prefix, and a dedicated ``redis-server`` on a free 127.0.0.1 port.
-2. The seeded world (soak/world.py) and one plan per task (soak/workload.py).
+1. Its own PostgreSQL server (initdb, a free port, soak/postgres.py) with a fresh database
+   migrated from ``ledger/migrations``, a fresh key prefix, and a dedicated
+   ``redis-server`` on a free 127.0.0.1 port.
+2. The seeded world (soak/world.py), one plan per task (soak/workload.py) and the fault
+   schedule (soak/chaos.py).
 3. Three ``celery -A tasks worker -Q exports,reminders`` processes (prefork) and one
    ``celery -A tasks beat`` (the dispatcher), all configured through the configuration
-   variables (docs/design.md, "Configuration")
-   only.
+   variables (docs/design.md, "Configuration") only.
 4. During the chaos window: tasks are created at their planned times, the soak's users
    cancel and retry, and faults land at seeded random times (soak/faults.py).
-5. Wait (bounded) until nothing is WAITING or RUNNING, then check from PostgreSQL alone
-   (soak/checks.py) and print ``soak: N tasks, F faults, V violations``.
+5. Wait (bounded) until nothing is WAITING or RUNNING, then check from PostgreSQL, the
+   timeline of faults and the workers' logs (soak/checks.py, soak/leases.py) and print
+   ``soak: N tasks, F faults, V violations``.
 
 Exit status: 0 when there is no violation; 1 on a violation or a quiescence timeout;
 2 when the soak itself could not run.
@@ -18,7 +20,6 @@ Exit status: 0 when there is no violation; 1 on a violation or a quiescence time
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shutil
@@ -28,7 +29,7 @@ import tempfile
 import threading
 import time
 import uuid
-from contextlib import suppress
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,24 +37,36 @@ import redis
 import sqlalchemy as sa
 
 from ledger.migrate import upgrade
-from soak import checks, faults, hooks, workload
+from soak import beacons, checks, hooks, logscan, workload
 from soak import world as W
+from soak.chaos import Chaos, Planned, Timings, plan
 from soak.cluster import Cluster, SoakRedis
-from soak.faults import KINDS as FAULT_KINDS
+from soak.faults import Injector
+from soak.gate import DbGate
+from soak.leases import LeaseJudge
+from soak.options import (
+    EXPORT_BATCH_SIZE,
+    EXPORT_MAX_ROWS,
+    LONG_EXPORT_S,
+    Options,
+    parse,
+    soak_settings,
+)
+from soak.postgres import SoakPostgres
 from soak.report import Report
+from soak.timeline import Timeline
 from teamdesk.config import Settings
 from teamdesk.db import make_engine
-from tests.support import databases
 from tests.support.processes import settings_env
 
 HOOKS_MODULE = "soak.hooks"
 SOAK_APPLICATION = "teamdesk-soak"  # the soak's own connections; pgkill spares them
 WORKERS, CONCURRENCY = 3, 2
-EXPORT_MAX_ROWS = 300  # below a whole export team (400 tickets): "too many rows" cases
-EXPORT_PAUSE_S = 0.2  # per batch of 50 rows (soak/hooks.py): exports take 0.2-0.8 s
+EXPORT_PAUSE_S = 0.1  # per batch of 20 rows (soak/hooks.py): exports take 0.1-1 s
 REMINDER_PAUSE_S = 0.05  # inside the reminder's transaction, after its side effects
 SUBMIT_SHARE = 0.8  # tasks are created during the first 80 % of the chaos window
 WORKER_START_TIMEOUT_S = 60.0
+SETTLE_TIMEOUT_S = 240.0  # a longterm fault: its export starts, runs, drains (< 2 min)
 
 ACTIVE = sa.text("""
     SELECT id, status, run, attempts, recoveries, dispatched_at, updated_at, lease_holder
@@ -61,77 +74,12 @@ ACTIVE = sa.text("""
 """)
 
 
-@dataclass(frozen=True)
-class Options:
-    seed: int
-    tasks: int
-    faults: int
-    fault_gap_s: float
-    quiesce_timeout_s: float
-    keep: bool
-    short: bool
-    kinds: tuple[str, ...] = FAULT_KINDS
-
-    @property
-    def window_s(self) -> float:
-        return self.faults * self.fault_gap_s
-
-
-def parse(argv: list[str] | None) -> Options:
-    parser = argparse.ArgumentParser(prog="soak", description=__doc__.split("\n")[0])
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--tasks", type=int, help="tasks to submit (default 2000; --short 200)")
-    parser.add_argument("--faults", type=int, help="faults to inject (default 50; --short 10)")
-    parser.add_argument("--short", action="store_true", help="the quick variant for make test")
-    parser.add_argument("--keep", action="store_true", help="keep the database and the logs")
-    parser.add_argument("--fault-gap", type=float, help="mean seconds between faults")
-    parser.add_argument("--quiesce-timeout", type=float, help="seconds to wait for quiet")
-    parser.add_argument(
-        "--kinds",
-        default=",".join(faults.KINDS),
-        help=f"comma-separated fault kinds to inject (default: all of {','.join(faults.KINDS)})",
-    )
-    args = parser.parse_args(argv)
-    short = bool(args.short)
-    return Options(
-        seed=args.seed,
-        tasks=args.tasks or (200 if short else 2000),
-        faults=args.faults if args.faults is not None else (12 if short else 50),
-        fault_gap_s=args.fault_gap or 4.0,
-        quiesce_timeout_s=args.quiesce_timeout or (60.0 if short else 180.0),
-        keep=bool(args.keep),
-        short=short,
-        kinds=_kinds(parser, args.kinds),
-    )
-
-
-def _kinds(parser: argparse.ArgumentParser, text: str) -> tuple[str, ...]:
-    kinds = tuple(k for k in text.split(",") if k)
-    unknown = set(kinds) - set(faults.KINDS)
-    if unknown or not kinds:
-        parser.error(f"--kinds: choose from {','.join(faults.KINDS)}")
-    return kinds
-
-
-def soak_settings(database_url: str, redis_url: str, prefix: str) -> Settings:
-    """Shortened timings, through configuration variables only (see soak/README.md for why)."""
-    return Settings(
-        database_url=database_url,
-        redis_url=redis_url,
-        broker_url=redis_url,
-        queue_prefix=prefix,
-        log_level="info",
-        worker_instance_id="soak",
-        max_task_attempts=3,
-        retry_base_delay_s=1.0,  # attempts >= 1 s apart: one pgkill burst (< 1 s) hits one
-        stale_after_s=6.0,
-        scan_interval_s=1.0,
-        heartbeat_ttl_s=3.0,
-        max_recoveries=10,
-        export_max_rows=EXPORT_MAX_ROWS,
-        export_batch_size=50,
-        shutdown_timeout_s=5.0,
-    )
+@dataclass
+class Prepared:
+    world: W.World
+    plans: list[workload.TaskPlan]
+    schedule: list[Planned]
+    tickets_before: tuple[int, str]
 
 
 class Soak:
@@ -140,12 +88,13 @@ class Soak:
         self.rng = random.Random(opts.seed)
         self.workdir = Path(tempfile.mkdtemp(prefix=f"teamdesk-soak-{opts.seed}-"))
         self.run_id = f"soak_{opts.seed}_{uuid.uuid4().hex[:8]}"
-        self.db_name: str | None = None
-        self.database_url = ""
+        self.postgres: SoakPostgres | None = None
         self.settings = Settings()
         self.engine: sa.Engine | None = None
         self.redis: SoakRedis | None = None
         self.cluster: Cluster | None = None
+        self.timeline = Timeline()
+        self.gate = DbGate()
         self.out: list[str] = []
 
     def say(self, line: str) -> None:
@@ -154,25 +103,35 @@ class Soak:
 
     # ---- setup -------------------------------------------------------------------------
     def database(self) -> sa.Engine:
-        self.db_name, url = databases.empty_database(self.run_id)
-        self.database_url = url
+        """Its own PostgreSQL server, a fresh database in it, migrated, plus soak_marks."""
+        self.postgres = SoakPostgres(self.workdir)
+        self.postgres.create()
+        url = self.postgres.create_database(self.run_id)
         upgrade(url)
         self.engine = make_engine(
             url, connect_args={"connect_timeout": 5, "application_name": SOAK_APPLICATION}
         )
         with self.engine.begin() as conn:
             conn.execute(workload.CREATE_MARKS)
+        self.timeline.measure(self.engine)
         return self.engine
 
     def start_cluster(self, settings: Settings) -> Cluster:
+        beacon_dir = self.workdir / "beacons"
+        beacon_dir.mkdir()
         env = settings_env(
             settings,
             TEAMDESK_TEST_HOOKS=HOOKS_MODULE,
-            **{hooks.EXPORT_PAUSE_ENV: EXPORT_PAUSE_S, hooks.REMINDER_PAUSE_ENV: REMINDER_PAUSE_S},
+            **{
+                hooks.EXPORT_PAUSE_ENV: EXPORT_PAUSE_S,
+                hooks.REMINDER_PAUSE_ENV: REMINDER_PAUSE_S,
+                hooks.LONG_EXPORT_ENV: LONG_EXPORT_S,
+                beacons.BEACON_DIR_ENV: beacon_dir,
+            },
         )
         logdir = self.workdir / "logs"
         logdir.mkdir()
-        self.cluster = Cluster(env, logdir, WORKERS, CONCURRENCY)
+        self.cluster = Cluster(env, logdir, WORKERS, CONCURRENCY, self.timeline)
         self.cluster.start_all()
         for name in self.cluster.worker_names:
             proc = self.cluster.members[name].proc
@@ -183,23 +142,18 @@ class Soak:
     # ---- the run -----------------------------------------------------------------------
     def run(self) -> int:
         started = time.monotonic()
-        world, plans, tickets_before = self.prepare()
+        prepared = self.prepare()
         cluster = self.start_cluster(self.settings)
-        injector, operator, settled = self.chaos(plans)
+        injector, chaos, operator, settled = self.chaos(prepared)
         chaos_done = time.monotonic()
         quiet, waited = self.quiesce(operator)
         operator.stop.set()
-        verifier = checks.Verifier(
-            self.engine_(),
-            plans,
-            [t.id for t in world.reminder_teams],
-            self.settings.max_task_attempts,
-        )
-        found = verifier.run(tickets_before, [t.id for t in world.export_teams])
         self.say(f"soak: final stop exit codes {cluster.stop_all()}")
+        verifier = self.verify(prepared)
         report = Report(self.say, self.workdir, self.engine_(), cluster)
-        report.counts(plans, injector, operator)
-        unprinted = report.violations(found, verifier)
+        report.counts(prepared.plans, injector.records, chaos, operator)
+        report.leases(verifier)
+        unprinted = report.violations(verifier.violations, verifier)
         self.say(
             f"soak: chaos {chaos_done - started:.0f} s, quiet after {waited:.0f} s more, "
             f"total {time.monotonic() - started:.0f} s"
@@ -208,59 +162,95 @@ class Soak:
             self.say(f"soak: TIMEOUT: still not quiet after {self.opts.quiesce_timeout_s:.0f} s")
         if not settled:
             self.say("soak: TIMEOUT: a fault's recovery (restart, SIGCONT, Redis) did not finish")
-        created = sum(1 for p in plans if p.task_id is not None)
-        injected = sum(1 for r in injector.records if not r.detail.startswith("skipped"))
+        found = verifier.violations
+        created = sum(1 for p in prepared.plans if p.task_id is not None)
+        injected = sum(1 for r in injector.records if r.injected)
         self.say(f"soak: {created} tasks, {injected} faults, {len(found)} violations")
         (self.workdir / "report.txt").write_text("\n".join([*self.out, *unprinted]) + "\n")
         return 1 if found or not quiet or not settled else 0
+
+    def verify(self, prepared: Prepared) -> checks.Verifier:
+        assert self.cluster is not None
+        incarnations = self.cluster.incarnations()
+        logs = logscan.scan(incarnations, self.timeline.offset_s)
+        grace_s = self.settings.heartbeat_ttl_s + self.settings.scan_interval_s
+        verifier = checks.Verifier(
+            self.engine_(),
+            prepared.plans,
+            [t.id for t in prepared.world.reminder_teams],
+            self.settings.max_task_attempts,
+            LeaseJudge(logs, self.timeline, grace_s),
+        )
+        verifier.run(
+            prepared.tickets_before, [t.id for t in prepared.world.export_teams], incarnations
+        )
+        return verifier
 
     def engine_(self) -> sa.Engine:
         assert self.engine is not None
         return self.engine
 
-    def prepare(self) -> tuple[W.World, list[workload.TaskPlan], tuple[int, str]]:
-        """Database, world, plans and Redis; returns the exported tickets' checksum too."""
+    def prepare(self) -> Prepared:
+        """Database, schedule, world, plans and Redis; the exported tickets' checksum too."""
         opts = self.opts
         engine = self.database()
-        world, plans = workload.build(
-            self.rng, opts.tasks, opts.window_s * SUBMIT_SHARE, EXPORT_MAX_ROWS
+        schedule = plan(self.rng, opts.faults, opts.window_s, opts.kinds)
+        kinds = Counter(p.kind for p in schedule)
+        sizes = workload.Sizes(
+            opts.tasks,
+            long=kinds["longterm"],
+            frozen=kinds["txfreeze"],
+            max_rows=EXPORT_MAX_ROWS,
+            batch_size=EXPORT_BATCH_SIZE,
         )
+        world, plans = workload.build(self.rng, sizes, opts.window_s * SUBMIT_SHARE)
         with engine.begin() as conn:
             W.insert(conn, world)
         tickets_before = checks.fingerprint(engine, [t.id for t in world.export_teams])
         self.redis = SoakRedis(self.workdir)
         self.redis.start()
-        self.settings = soak_settings(self.database_url, self.redis.url, self.run_id)
+        assert self.postgres is not None
+        self.settings = soak_settings(self.postgres.url(self.run_id), self.redis.url, self.run_id)
         self.say(
             f"soak: seed {opts.seed}, {opts.tasks} tasks, {opts.faults} faults over "
-            f"{opts.window_s:.0f} s; database {self.db_name}, redis port {self.redis.port}, "
-            f"logs {self.workdir}"
+            f"{opts.window_s:.0f} s; database {self.run_id} on its own PostgreSQL (port "
+            f"{self.postgres.port}), redis port {self.redis.port}, logs {self.workdir}"
         )
-        return world, plans, tickets_before
+        return Prepared(world, plans, schedule, tickets_before)
 
-    def chaos(
-        self, plans: list[workload.TaskPlan]
-    ) -> tuple[faults.Injector, workload.Operator, bool]:
+    def chaos(self, prepared: Prepared) -> tuple[Injector, Chaos, workload.Operator, bool]:
         """Submit the tasks and inject the faults; the users keep acting until stopped.
         Returns once every fault's recovery finished (or its bound passed: False)."""
-        assert self.cluster is not None and self.redis is not None
+        assert self.cluster is not None and self.redis is not None and self.postgres is not None
         engine, settings = self.engine_(), self.settings
-        schedule = faults.plan(self.rng, self.opts.faults, self.opts.window_s, self.opts.kinds)
-        timings = faults.Timings(settings.heartbeat_ttl_s, settings.stale_after_s)
-        injector = faults.Injector(self.cluster, self.redis, engine, self.rng, timings)
-        submitter = workload.Submitter(engine, plans)
-        operator = workload.Operator(engine, plans)
+        chaos = Chaos(
+            self.cluster,
+            self.redis,
+            self.postgres,
+            engine,
+            self.gate,
+            self.timeline,
+            self.rng,
+            Timings(settings.heartbeat_ttl_s, settings.stale_after_s),
+            self.workdir / "beacons",
+        )
+        for case in workload.FAULT_CASES:
+            chaos.supply[case] = [p for p in prepared.plans if p.case == case]
+        injector = Injector(chaos)
+        submitter = workload.Submitter(engine, self.gate, prepared.plans)
+        operator = workload.Operator(engine, self.gate, prepared.plans)
         stop = threading.Event()
         threads = [
             threading.Thread(target=submitter.run, args=(stop,), daemon=True),
-            threading.Thread(target=injector.run, args=(schedule, stop), daemon=True),
+            threading.Thread(target=injector.run, args=(prepared.schedule, stop), daemon=True),
         ]
         threading.Thread(target=operator.run, daemon=True).start()
+        self.timeline.origin = self.timeline.now()
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        return injector, operator, injector.settle()
+        return injector, chaos, operator, chaos.settle(SETTLE_TIMEOUT_S)
 
     def quiesce(self, operator: workload.Operator) -> tuple[bool, float]:
         """Wait until no task is WAITING or RUNNING and the users have nothing left to do."""
@@ -307,14 +297,18 @@ class Soak:
             self.redis.stop()
         if self.engine is not None:
             self.engine.dispose()
-        if self.db_name is not None and not self.opts.keep:
-            with suppress(Exception):
-                databases.drop_database(self.db_name)
+        if self.postgres is not None:
+            if self.opts.keep:
+                self.postgres.stop("fast")
+            else:
+                self.postgres.destroy()
         if passed and not self.opts.keep:
             shutil.rmtree(self.workdir, ignore_errors=True)
-        elif self.db_name is not None:
-            kept = f"database {self.db_name} kept, " if self.opts.keep else ""
-            print(f"soak: {kept}logs kept in {self.workdir}", flush=True)
+            return
+        kept = ""
+        if self.opts.keep and self.postgres is not None:
+            kept = f"PostgreSQL data kept in {self.postgres.data} (port {self.postgres.port}), "
+        print(f"soak: {kept}logs kept in {self.workdir}", flush=True)
 
 
 def _interrupt(signum: int, _frame: object) -> None:
@@ -322,8 +316,8 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    opts = parse(argv)
-    # SIGTERM (a CI timeout) cleans up like Ctrl-C: every process, the Redis, the database.
+    opts = parse(argv, (__doc__ or "").split("\n")[0])
+    # SIGTERM (a CI timeout) cleans up like Ctrl-C: every process, Redis, PostgreSQL.
     signal.signal(signal.SIGTERM, _interrupt)
     soak = Soak(opts)
     code = 2

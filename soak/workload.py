@@ -14,9 +14,19 @@ Cases (shares of ``--tasks``):
 - ``fail_retry``      marked ``fail``: run 0 fails on every attempt, ends FAILED, is then
                       retried by hand (``ledger.service.retry``) and run 1 must complete.
 
+Cases a fault creates at its own time (``by_fault``), each expected COMPLETED:
+
+- ``long``            marked ``long``: an export of 281..300 rows that takes >= 50 s
+                      (``longterm`` SIGTERMs its worker while it runs);
+- ``frozen``          marked ``freeze``: a reminder whose first execution is SIGSTOPped
+                      inside its transaction (``txfreeze``);
+- ``behind``          two reminders of the frozen one's team, created while it is frozen:
+                      they queue for the team's lock it holds.
+
 Every task is created through :mod:`ledger.service` (except the old-style invalid rows);
 the beat-driven dispatcher publishes them. Cancels and retries go through the service
-too, as the task's owner.
+too, as the task's owner, and, like every transaction of the soak's own, hold the
+database gate shared (soak/gate.py) so a ``pgrestart`` never cuts one in half.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from ledger import filters as F
 from ledger import service
 from ledger.errors import InvalidState
 from soak import world as W
+from soak.gate import DbGate
 from tasks.export import MSG_TOO_MANY
 
 CASE_SHARES = (
@@ -48,6 +59,10 @@ CASE_SHARES = (
     ("cancel_running", 0.05),
     ("fail_retry", 0.06),
 )
+
+FAULT_CASES = ("long", "frozen", "behind")
+BEHIND_PER_FROZEN = 2
+LONG_MIN_BATCHES = 15  # a long export's pause per batch stays well under STALE_AFTER_S
 
 # Tasks arrive in waves (at most WAVES, at least MIN_WAVE tasks each), so the queues hold
 # a backlog at times: a Redis restart then loses queued messages, not just idle workers.
@@ -68,7 +83,7 @@ INVALID_ROWS: tuple[tuple[Any, str], ...] = (
 CREATE_MARKS = sa.text("""
     CREATE TABLE soak_marks (
         task_id uuid PRIMARY KEY REFERENCES background_tasks (id),
-        mode text NOT NULL CHECK (mode IN ('fail', 'slow'))
+        mode text NOT NULL CHECK (mode IN ('fail', 'slow', 'freeze', 'long'))
     )
 """)
 INSERT_MARK = sa.text("INSERT INTO soak_marks (task_id, mode) VALUES (:task_id, :mode)")
@@ -100,6 +115,7 @@ class TaskPlan:
     error: str | None = None  # invalid: the fixed message expected
     cancel_after_s: float | None = None  # cancel_waiting
     submit_at_s: float = 0.0
+    by_fault: bool = False  # created by a fault at its own time, not by the submitter
     # What happened to it (written by the submitter and the operator).
     task_id: uuid.UUID | None = None
     created_at: float | None = None  # time.monotonic() at creation
@@ -126,16 +142,28 @@ def _kind(case: str, n: int) -> str:
     return "EXPORT" if n % 2 == 0 else "REMINDER"
 
 
-def build(
-    rng: random.Random, total: int, window_s: float, max_rows: int
-) -> tuple[W.World, list[TaskPlan]]:
-    """The world and one plan per task, shuffled, submitted in waves over ``window_s``."""
-    cases = [(case, n) for case, count in _case_counts(total).items() for n in range(count)]
+@dataclass(frozen=True)
+class Sizes:
+    tasks: int  # submitted in waves
+    long: int = 0  # one per longterm fault
+    frozen: int = 0  # one per txfreeze fault (and BEHIND_PER_FROZEN behind each)
+    max_rows: int = 300  # EXPORT_MAX_ROWS
+    batch_size: int = 20  # EXPORT_BATCH_SIZE
+
+
+def build(rng: random.Random, sizes: Sizes, window_s: float) -> tuple[W.World, list[TaskPlan]]:
+    """The world and one plan per task: the submitter's shuffled, in waves over
+    ``window_s``; then the faults' own (``by_fault``)."""
+    cases = [(case, n) for case, count in _case_counts(sizes.tasks).items() for n in range(count)]
     kinds = [_kind(case, n) for case, n in cases]
-    world = W.build(rng, kinds.count("EXPORT"), kinds.count("REMINDER"))
+    world = W.build(
+        rng,
+        kinds.count("EXPORT") + sizes.long,
+        kinds.count("REMINDER") + sizes.frozen * (1 + BEHIND_PER_FROZEN),
+    )
     seen: set[str] = set()
     plans = [
-        _plan(rng, world, i, case, n, kind, seen, max_rows)
+        _plan(rng, world, i, case, n, kind, seen, sizes.max_rows)
         for i, ((case, n), kind) in enumerate(zip(cases, kinds, strict=True))
     ]
     rng.shuffle(plans)
@@ -143,7 +171,41 @@ def build(
     for i, plan in enumerate(plans):
         plan.index = i
         plan.submit_at_s = window_s * (i * waves // len(plans)) / waves
+    plans += _fault_plans(rng, world, sizes, seen, len(plans))
     return world, plans
+
+
+def _fault_plans(
+    rng: random.Random, world: W.World, sizes: Sizes, seen: set[str], first: int
+) -> list[TaskPlan]:
+    plans: list[TaskPlan] = []
+    min_rows = sizes.batch_size * (LONG_MIN_BATCHES - 1) + 1
+    for n in range(sizes.long):
+        team = world.export_teams[n % len(world.export_teams)]
+        plan = TaskPlan(first + len(plans), "long", "EXPORT", team.id, team.staff[0], mark="long")
+        plan.owner_id, plan.scope, plan.filters, plan.rows = W.long_filters(
+            rng, team, seen, min_rows, sizes.max_rows
+        )
+        plans.append(plan)
+    for n in range(sizes.frozen):
+        team = world.reminder_teams[n % len(world.reminder_teams)]
+        plans.append(_reminder(rng, team, first + len(plans), "frozen", mark="freeze"))
+        for _ in range(BEHIND_PER_FROZEN):
+            plans.append(_reminder(rng, team, first + len(plans), "behind"))
+    for plan in plans:
+        plan.by_fault = True
+    return plans
+
+
+def _reminder(
+    rng: random.Random, team: W.Team, index: int, case: str, mark: str | None = None
+) -> TaskPlan:
+    """A reminder due now on a fresh ticket of ``team``."""
+    ticket = W.reminder_ticket(rng, team)
+    team.tickets.append(ticket)
+    plan = TaskPlan(index, case, "REMINDER", team.id, rng.choice(team.staff), ticket_id=ticket.id)
+    plan.filters, plan.mark = {"ticket_id": str(ticket.id)}, mark
+    return plan
 
 
 def _plan(
@@ -209,11 +271,22 @@ def create(conn: Connection, plan: TaskPlan) -> uuid.UUID:
     return task_id
 
 
-class Submitter:
-    """Creates the tasks at their planned times."""
+def submit(engine: sa.Engine, gate: DbGate, plan: TaskPlan) -> None:
+    """Create the plan's task now (a failure is reported as a violation by the checks)."""
+    try:
+        with gate.shared(), engine.begin() as conn:
+            plan.task_id = create(conn, plan)
+        plan.created_at = time.monotonic()
+    except Exception as exc:
+        plan.create_error = f"{type(exc).__name__}: {exc}"
 
-    def __init__(self, engine: sa.Engine, plans: list[TaskPlan]) -> None:
-        self.engine, self.plans = engine, plans
+
+class Submitter:
+    """Creates the tasks at their planned times (a fault creates its own)."""
+
+    def __init__(self, engine: sa.Engine, gate: DbGate, plans: list[TaskPlan]) -> None:
+        self.engine, self.gate = engine, gate
+        self.plans = [p for p in plans if not p.by_fault]
 
     def run(self, stop: threading.Event) -> None:
         started = time.monotonic()
@@ -221,19 +294,14 @@ class Submitter:
             delay = plan.submit_at_s - (time.monotonic() - started)
             if delay > 0 and stop.wait(delay):
                 return
-            try:
-                with self.engine.begin() as conn:
-                    plan.task_id = create(conn, plan)
-                plan.created_at = time.monotonic()
-            except Exception as exc:  # reported as a violation by the checks
-                plan.create_error = f"{type(exc).__name__}: {exc}"
+            submit(self.engine, self.gate, plan)
 
 
 class Operator:
     """The soak's users: they cancel and retry tasks as their cases say, through the service."""
 
-    def __init__(self, engine: sa.Engine, plans: list[TaskPlan]) -> None:
-        self.engine = engine
+    def __init__(self, engine: sa.Engine, gate: DbGate, plans: list[TaskPlan]) -> None:
+        self.engine, self.gate = engine, gate
         self.cancel_waiting = [p for p in plans if p.case == "cancel_waiting"]
         self.cancel_running = [p for p in plans if p.case == "cancel_running"]
         self.fail_retry = [p for p in plans if p.case == "fail_retry"]
@@ -244,7 +312,8 @@ class Operator:
         """Act every 50 ms until :attr:`stop` is set."""
         while not self.stop.wait(0.05):
             try:
-                self.step()
+                with self.gate.shared():
+                    self.step()
             except Exception as exc:  # the soak's own connection: report, keep going
                 self.errors.append(f"{type(exc).__name__}: {exc}")
 

@@ -41,6 +41,8 @@ TITLES = (
     "{token}\nsecond line",
     "Ünïcödé {token} ✓ #{n}",
     "{token}\r\nwindows line",
+    "\t=cmd|' /C {token}'!A0",
+    '\r=HYPERLINK("{token}")',
     "plain {token} {n}",
 )
 
@@ -196,13 +198,17 @@ def _random_filters(rng: random.Random, team: Team) -> tuple[uuid.UUID, str, dic
     return owner, scope, filters
 
 
+def _key(team: Team, owner: uuid.UUID, scope: str, filters: dict[str, Any]) -> str:
+    return json.dumps([str(team.id), str(owner), scope, filters], sort_keys=True)
+
+
 def export_filters(
     rng: random.Random, team: Team, seen: set[str]
 ) -> tuple[uuid.UUID, str, dict[str, Any], int]:
     """Distinct (owner, scope, filters) for ``team`` matching MIN_ROWS..MAX_ROWS tickets."""
     for _ in range(10_000):
         owner, scope, filters = _random_filters(rng, team)
-        key = json.dumps([str(team.id), str(owner), scope, filters], sort_keys=True)
+        key = _key(team, owner, scope, filters)
         if key in seen:
             continue
         rows = sum(1 for t in team.tickets if matches(t, owner, scope, filters))
@@ -210,3 +216,24 @@ def export_filters(
             seen.add(key)
             return owner, scope, filters, rows
     raise RuntimeError("soak: could not draw export filters in range")
+
+
+def long_filters(
+    rng: random.Random, team: Team, seen: set[str], min_rows: int, max_rows: int
+) -> tuple[uuid.UUID, str, dict[str, Any], int]:
+    """A TEAM export of ``team`` over a window of days matching min_rows..max_rows tickets
+    (the ``longterm`` fault's long export needs many batches)."""
+    owner = team.staff[0]
+    windows = [(a, b) for a in range(DAYS) for b in range(a, DAYS)]
+    rng.shuffle(windows)
+    for first, last in windows:
+        filters = {
+            "created_from": (BASE_DAY + timedelta(days=first)).isoformat(),
+            "created_to": (BASE_DAY + timedelta(days=last)).isoformat(),
+        }
+        key = _key(team, owner, "TEAM", filters)
+        rows = sum(1 for t in team.tickets if matches(t, owner, "TEAM", filters))
+        if key not in seen and min_rows <= rows <= max_rows:
+            seen.add(key)
+            return owner, "TEAM", filters, rows
+    raise RuntimeError("soak: no window of days matches a long export's rows")

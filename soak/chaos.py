@@ -1,0 +1,168 @@
+"""What every fault works with: the schedule, its records and the cluster it acts on
+(soak/faults.py lists the kinds; soak/outages.py and soak/probes.py hold the Redis,
+PostgreSQL, hook and faketime faults)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from soak.cluster import Cluster, SoakRedis
+from soak.gate import DbGate
+from soak.postgres import SoakPostgres
+from soak.timeline import Timeline
+from soak.workload import TaskPlan
+
+KINDS = (
+    "kill",
+    "term",
+    "stop",
+    "pgkill",
+    "redis",
+    "flush",
+    "squeeze",
+    "skew",
+    "txfreeze",
+    "longterm",
+    "pgrestart",
+)
+FREE_WORKER_WAIT_S = 45.0  # a deferred worker fault waits this long for a free worker
+SKEW_S = 150  # faketime's offset, either way
+# A database fault waits at most this long for a long export's drain to go on unhurt
+# (Chaos.shield): long enough to show the drain keeps its lease, short enough that the
+# database faults still land through the whole window.
+SHIELD_MAX_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Planned:
+    at_s: float  # seconds after the chaos started
+    kind: str
+    target: str = ""  # skew: "worker" or "beat"
+    sign: int = 1  # skew: ahead (+1) or behind (-1)
+
+
+@dataclass
+class Record:
+    at_s: float
+    kind: str
+    target: str = ""
+    detail: str = ""
+    sign: int = 1  # skew: ahead (+1) or behind (-1)
+    # The fault's own random numbers, seeded by the schedule's: a fault that runs later in
+    # a thread (waiting for a free worker) still draws the same details for a seed.
+    rng: random.Random = field(default_factory=random.Random, repr=False)
+
+    @property
+    def injected(self) -> bool:
+        return not self.detail.startswith("skipped")
+
+    def line(self) -> str:
+        return f"{self.at_s:7.1f}s {self.kind:9} {self.target:5} {self.detail}"
+
+
+def plan(
+    rng: random.Random, count: int, window_s: float, kinds_used: tuple[str, ...] = KINDS
+) -> list[Planned]:
+    """``count`` faults over ``window_s``: kinds in equal shares, shuffled; random times.
+    Skews alternate between a worker and the dispatcher."""
+    kinds = [kinds_used[i % len(kinds_used)] for i in range(count)]
+    rng.shuffle(kinds)
+    times = sorted(rng.uniform(0.03, 0.97) * window_s for _ in range(count))
+    planned, skews = [], 0
+    for at, kind in zip(times, kinds, strict=True):
+        target, sign = "", 1
+        if kind == "skew":
+            target, skews = ("worker", "beat")[skews % 2], skews + 1
+            sign = rng.choice((1, -1))
+        planned.append(Planned(at, kind, target, sign))
+    return planned
+
+
+@dataclass
+class Timings:
+    heartbeat_ttl_s: float
+    stale_after_s: float
+
+
+@dataclass
+class Chaos:
+    """Everything a fault acts on, and the threads that bring things back."""
+
+    cluster: Cluster
+    redis_server: SoakRedis
+    postgres: SoakPostgres
+    engine: sa.Engine
+    gate: DbGate
+    timeline: Timeline
+    rng: random.Random
+    timings: Timings
+    beacon_dir: Path
+    supply: dict[str, list[TaskPlan]] = field(default_factory=dict)
+    term_exit_codes: list[int | None] = field(default_factory=list)
+    redis_lock: threading.Lock = field(default_factory=threading.Lock)
+    pg_lock: threading.Lock = field(default_factory=threading.Lock)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _shields: int = 0
+    _shield_change: threading.Condition = field(default_factory=threading.Condition)
+
+    @contextmanager
+    def shield(self) -> Iterator[None]:
+        """A long export runs and drains: database faults hold back (up to a bound).
+        Without it nearly every >= 50 s export would be cut by a pgkill or a pgrestart
+        (one every 20 s or so), and the drain would end early without having been
+        tested."""
+        with self._shield_change:
+            self._shields += 1
+        try:
+            yield
+        finally:
+            with self._shield_change:
+                self._shields -= 1
+                self._shield_change.notify_all()
+
+    def unshielded(self) -> float:
+        """Wait (at most SHIELD_MAX_WAIT_S) until no long export is shielded; seconds waited."""
+        started = time.monotonic()
+        with self._shield_change:
+            self._shield_change.wait_for(lambda: self._shields == 0, timeout=SHIELD_MAX_WAIT_S)
+        return time.monotonic() - started
+
+    def later(self, target: Callable[..., None], *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def free_worker(self, rng: random.Random, wait_s: float) -> str | None:
+        """A running worker no other fault holds, taken for a fault (waits up to
+        ``wait_s`` for one to come back)."""
+        deadline = time.monotonic() + wait_s
+        order = rng.sample(self.cluster.worker_names, len(self.cluster.worker_names))
+        while True:
+            for name in order:
+                if self.cluster.hold(name) is not None:
+                    return name
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.2)
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait for every recovery (restart, SIGCONT, Redis, PostgreSQL) to finish."""
+        deadline = time.monotonic() + timeout_s
+        while True:  # a recovery may start another (a deferred fault, then its restart)
+            alive = [t for t in list(self._threads) if t.is_alive()]
+            remaining = deadline - time.monotonic()
+            if not alive or remaining <= 0:
+                return not alive
+            alive[0].join(timeout=min(1.0, remaining))
+
+
+Fault = Callable[[Chaos, Record], None]

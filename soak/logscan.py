@@ -1,0 +1,109 @@
+"""What the workers' logs say about each execution: which process ran it and when it ended.
+
+The audit trail names executions, not processes. A worker logs ``task.started`` right
+after its claim and one closing event when the execution ends (``task.completed``,
+``task.skipped``, ``task.lease_lost``, ``task.failed``, ``task.attempt_failed``), each with
+the task id and the execution id's first 8 characters, from the pool process that runs it
+(``pid``). Every incarnation logs to its own file, unbuffered, so a process that lives logs
+both; a killed one may lose the closing line, and then it is dead anyway.
+
+Log times are the process's own clock: an incarnation started under ``faketime`` is read
+back by its offset. The result is on the database's clock (the soak's host, whose clock
+is PostgreSQL's, plus the offset measured at the start).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from soak.cluster import Incarnation
+
+END_EVENTS = frozenset(
+    {"task.completed", "task.skipped", "task.lease_lost", "task.failed", "task.attempt_failed"}
+)
+COLD_EVENTS = frozenset({"worker.shutdown_timeout"})
+RECEIPT_SLACK_S = 0.5  # a receipt line may be written a moment after the claim it led to
+
+
+@dataclass
+class Execution:
+    task_id: str
+    execution: str  # the execution id's first 8 characters
+    process: str  # the incarnation: "w2.3"
+    pid: int  # the pool process that ran it
+    started_at: float  # database clock, epoch seconds
+    ended_at: float | None = None
+    end: str | None = None  # the closing event
+
+
+@dataclass
+class Logs:
+    executions: dict[tuple[str, str], Execution]  # (task id, execution) ->
+    cold: dict[str, float]  # incarnation -> when it began to die (drain ran out, or a crash)
+    members: dict[str, str]  # heartbeat member -> incarnation
+    # message id ("<task>-<run>") -> (when, incarnation) of each delivery the worker logged
+    # on receipt, before its claim: names the process of a claim killed before it logged
+    receipts: dict[str, list[tuple[float, str]]]
+
+    def received_by(self, message: str, claimed_at: float) -> str | None:
+        """The incarnation that received ``message`` last before ``claimed_at``."""
+        before = [r for r in self.receipts.get(message, []) if r[0] <= claimed_at + RECEIPT_SLACK_S]
+        return max(before)[1] if before else None
+
+
+def records(inc: Incarnation) -> Iterator[dict[str, Any]]:
+    try:
+        text = inc.log.read_text(errors="replace")
+    except OSError:
+        return
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            yield record
+
+
+def real_time(record: dict[str, Any], inc: Incarnation, offset_s: float) -> float:
+    """The record's time on the database's clock (undoing the incarnation's faketime)."""
+    logged = datetime.fromisoformat(str(record["time"]).replace("Z", "+00:00"))
+    return logged.timestamp() - inc.skew_s + offset_s
+
+
+def scan(incarnations: list[Incarnation], offset_s: float) -> Logs:
+    logs = Logs({}, {}, {}, {})
+    for inc in incarnations:
+        for record in records(inc):
+            _read(logs, inc, record, offset_s)
+    return logs
+
+
+def _read(logs: Logs, inc: Incarnation, record: dict[str, Any], offset_s: float) -> None:
+    event = record.get("event")
+    if event == "worker.started" and record.get("member"):
+        logs.members[str(record["member"])] = inc.name
+    elif event in COLD_EVENTS or record.get("level") == "fatal":
+        # Past its drain budget, or after "Unrecoverable error": the process is going down
+        # and takes its work with it (the exit itself is judged on its own).
+        logs.cold.setdefault(inc.name, real_time(record, inc, offset_s))
+    elif event == "log" and str(record.get("message", "")).endswith("] received"):
+        message = (record.get("data") or {}).get("id")
+        if message:
+            receipt = (real_time(record, inc, offset_s), inc.name)
+            logs.receipts.setdefault(str(message), []).append(receipt)
+    execution = record.get("execution")
+    if not execution or "task_id" not in record:
+        return
+    key = (str(record["task_id"]), str(execution))
+    at = real_time(record, inc, offset_s)
+    if event == "task.started":
+        logs.executions[key] = Execution(key[0], key[1], inc.name, int(record["pid"]), at)
+    elif event in END_EVENTS and key in logs.executions:
+        found = logs.executions[key]
+        if found.ended_at is None:
+            found.ended_at, found.end = at, str(event)

@@ -1,0 +1,110 @@
+"""The soak's command line and the cluster's timings (soak/README.md says why each)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from soak.chaos import KINDS
+from soak.cluster import SHUTDOWN_TIMEOUT_S
+from teamdesk.config import Settings
+
+DEFAULT_TASKS, SHORT_TASKS = 3000, 200
+DEFAULT_FAULTS, SHORT_FAULTS = 10 * len(KINDS), 2 * len(KINDS)  # 10 (2) of each kind
+DEFAULT_FAULT_GAP_S, SHORT_FAULT_GAP_S = 4.0, 3.0
+DEFAULT_QUIESCE_S, SHORT_QUIESCE_S = 180.0, 120.0
+
+EXPORT_MAX_ROWS = 300  # below a whole export team (400 tickets): "too many rows" cases
+EXPORT_BATCH_SIZE = 20  # 1-10 batches per export; a long export 15
+STALE_AFTER_S = 6.0
+HEARTBEAT_TTL_S = 3.0
+SCAN_INTERVAL_S = 1.0
+LONG_EXPORT_S = 52.0  # >= 50 s, and under the export's 60 s read budget (tasks/export.py)
+
+
+@dataclass(frozen=True)
+class Options:
+    seed: int
+    tasks: int
+    faults: int
+    fault_gap_s: float
+    quiesce_timeout_s: float
+    keep: bool
+    short: bool
+    kinds: tuple[str, ...] = KINDS
+
+    @property
+    def window_s(self) -> float:
+        return self.faults * self.fault_gap_s
+
+
+def parse(argv: list[str] | None, description: str) -> Options:
+    parser = argparse.ArgumentParser(prog="soak", description=description)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--tasks",
+        type=int,
+        help=f"tasks to submit (default {DEFAULT_TASKS}; --short {SHORT_TASKS})",
+    )
+    parser.add_argument(
+        "--faults",
+        type=int,
+        help=f"faults to inject (default {DEFAULT_FAULTS}; --short {SHORT_FAULTS})",
+    )
+    parser.add_argument("--short", action="store_true", help="the quick variant for make test")
+    parser.add_argument("--keep", action="store_true", help="keep the database and the logs")
+    parser.add_argument(
+        "--fault-gap",
+        type=float,
+        help=f"mean seconds between faults (default {DEFAULT_FAULT_GAP_S}; --short "
+        f"{SHORT_FAULT_GAP_S})",
+    )
+    parser.add_argument("--quiesce-timeout", type=float, help="seconds to wait for quiet")
+    parser.add_argument(
+        "--kinds",
+        default=",".join(KINDS),
+        help=f"comma-separated fault kinds to inject (default: all of {','.join(KINDS)})",
+    )
+    args = parser.parse_args(argv)
+    short = bool(args.short)
+    return Options(
+        seed=args.seed,
+        tasks=args.tasks or (SHORT_TASKS if short else DEFAULT_TASKS),
+        faults=args.faults
+        if args.faults is not None
+        else (SHORT_FAULTS if short else DEFAULT_FAULTS),
+        fault_gap_s=args.fault_gap or (SHORT_FAULT_GAP_S if short else DEFAULT_FAULT_GAP_S),
+        quiesce_timeout_s=args.quiesce_timeout or (SHORT_QUIESCE_S if short else DEFAULT_QUIESCE_S),
+        keep=bool(args.keep),
+        short=short,
+        kinds=_kinds(parser, args.kinds),
+    )
+
+
+def _kinds(parser: argparse.ArgumentParser, text: str) -> tuple[str, ...]:
+    kinds = tuple(k for k in text.split(",") if k)
+    unknown = set(kinds) - set(KINDS)
+    if unknown or not kinds:
+        parser.error(f"--kinds: choose from {','.join(KINDS)}")
+    return kinds
+
+
+def soak_settings(database_url: str, redis_url: str, prefix: str) -> Settings:
+    """Shortened timings, through configuration variables only (see soak/README.md for why)."""
+    return Settings(
+        database_url=database_url,
+        redis_url=redis_url,
+        broker_url=redis_url,
+        queue_prefix=prefix,
+        log_level="info",
+        worker_instance_id="soak",
+        max_task_attempts=3,
+        retry_base_delay_s=1.0,  # attempts >= 1 s apart: one pgkill burst (< 1 s) hits one
+        stale_after_s=STALE_AFTER_S,
+        scan_interval_s=SCAN_INTERVAL_S,
+        heartbeat_ttl_s=HEARTBEAT_TTL_S,
+        max_recoveries=10,
+        export_max_rows=EXPORT_MAX_ROWS,
+        export_batch_size=EXPORT_BATCH_SIZE,
+        shutdown_timeout_s=SHUTDOWN_TIMEOUT_S,
+    )
