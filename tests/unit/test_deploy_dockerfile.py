@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from collections.abc import Callable
 
 import pytest
@@ -100,17 +101,44 @@ def dockerfile_problems(text: str) -> list[str]:
         problems.append("STOPSIGNAL SIGTERM missing")
 
     runs = " ".join(args for kw, args in instructions if kw == "RUN")
-    if not re.search(r"pip install (?:[^&;|]* )?\.(?:\s|$)", runs):
+    install = re.search(r"pip install ((?:[^&;|]* )?)\.(?:\s|$)", runs)
+    if not install:
         problems.append("the project is not installed with `pip install .`")
+    elif not re.search(r"(?:^|\s)(?:-c|--constraint)[ =]constraints\.txt(?:\s|$)", install[1]):
+        problems.append("`pip install .` does not use -c constraints.txt (the pinned versions)")
     return problems
 
 
-def dockerignore_problems(text: str) -> list[str]:
-    patterns = {
+def pinned(text: str) -> dict[str, str]:
+    """``name==version`` lines of a constraints file, by normalised name."""
+    found = re.findall(r"(?m)^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", text)
+    return {re.sub(r"[-_.]+", "-", name).lower(): version for name, version in found}
+
+
+def constraints_problems(pyproject: str, constraints: str) -> list[str]:
+    """Every dependency of pyproject.toml (with its extras) is pinned in constraints.txt."""
+    project = tomllib.loads(pyproject)["project"]
+    wanted = list(project["dependencies"])
+    for extra in project.get("optional-dependencies", {}).values():
+        wanted += extra
+    pins = pinned(constraints)
+    names = {
+        re.sub(r"[-_.]+", "-", re.split(r"[\[<>=!~; ]", req, maxsplit=1)[0]).lower()
+        for req in wanted
+    }
+    return [f"constraints.txt does not pin {name}" for name in sorted(names - pins.keys())]
+
+
+def dockerignore_patterns(text: str) -> set[str]:
+    return {
         line.strip().rstrip("/")
         for line in text.splitlines()
         if line.strip() and not line.startswith("#")
     }
+
+
+def dockerignore_problems(text: str) -> list[str]:
+    patterns = dockerignore_patterns(text)
     return [
         f".dockerignore does not exclude {p}"
         for p in (".git", ".venv", ".env")
@@ -175,8 +203,13 @@ DOCKERFILE_BREAKS: list[tuple[str, Callable[[str], str], str]] = [
     ),
     (
         "no pip install .",
-        lambda t: t.replace("pip install .", "pip install teamdesk-tasks"),
+        lambda t: t.replace("pip install -c constraints.txt .", "pip install teamdesk-tasks"),
         "pip install .",
+    ),
+    (
+        "no constraints",
+        lambda t: t.replace("pip install -c constraints.txt .", "pip install ."),
+        "does not use -c constraints.txt",
     ),
 ]
 
@@ -199,3 +232,27 @@ def test_dockerignore_check_catches_a_missing_pattern() -> None:
     broken = re.sub(r"(?m)^\.env$", "", text)
     assert broken != text
     assert dockerignore_problems(broken) == [".dockerignore does not exclude .env"]
+
+
+# --------------------------------------------------------------------------- constraints.txt
+
+
+def test_constraints_pin_every_dependency_and_the_build_context_keeps_them() -> None:
+    constraints = (ROOT / "constraints.txt").read_text()
+    assert constraints_problems((ROOT / "pyproject.toml").read_text(), constraints) == []
+    assert "constraints.txt" not in dockerignore_patterns(DOCKERIGNORE.read_text())
+    assert "pip-compile" in constraints  # generated, not edited by hand (make constraints)
+
+
+def test_constraints_check_catches_a_missing_pin() -> None:
+    constraints = (ROOT / "constraints.txt").read_text()
+    broken = re.sub(r"(?m)^celery==.*$", "", constraints)
+    assert broken != constraints
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert constraints_problems(pyproject, broken) == ["constraints.txt does not pin celery"]
+
+
+def test_make_install_uses_the_constraints_too() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    assert "$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'" in makefile
+    assert re.search(r"(?m)^\$\(STAMP\): pyproject\.toml constraints\.txt ", makefile)
