@@ -1,0 +1,48 @@
+"""A quiet dispatcher: at the default level (info) an idle beat logs its start (leader,
+listening) and nothing per pass; a scan or fill with nothing of note is at debug."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from ledger import service
+from tests.support.dispatching import running_cluster
+from tests.support.factories import World, add_tickets, task_row
+from tests.support.waiting import wait_for
+
+
+def dispatcher_records(caplog: pytest.LogCaptureFixture) -> list[tuple[str, int]]:
+    return [
+        (str(getattr(r, "event", "")), r.levelno)
+        for r in caplog.records
+        if r.name == "teamdesk.dispatcher"
+    ]
+
+
+def test_passes_with_nothing_of_note_log_at_debug(
+    engine: sa.Engine,
+    world: World,
+    make_app: Callable[..., Celery],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = make_app(scan_interval_s=0.1)
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 3)
+    caplog.set_level(logging.DEBUG, logger="teamdesk.dispatcher")
+    with running_cluster(app):
+        scans = lambda: [e for e, _ in dispatcher_records(caplog) if e == "dispatcher.scan"]  # noqa: E731
+        wait_for(lambda: len(scans()) >= 5, what="five idle scans")
+        with engine.begin() as conn:
+            task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+        wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="COMPLETED")
+        seen = len(scans())
+        wait_for(lambda: len(scans()) >= seen + 3, what="three more idle scans")
+    records = dispatcher_records(caplog)
+    at_info = [(e, level) for e, level in records if level >= logging.INFO]
+    assert at_info == [("dispatcher.leader", logging.INFO), ("dispatcher.listen", logging.INFO)]
+    assert {level for e, level in records if e == "dispatcher.scan"} == {logging.DEBUG}
