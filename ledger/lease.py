@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg2
+from psycopg2.extensions import ISQLQuote
 from sqlalchemy.engine import Connection
 
 from ledger.errors import LeaseLost
@@ -58,9 +59,14 @@ def _audited(update: str, event: str) -> str:
 # Its commit does not wait for the WAL flush: other sessions see the lease at once
 # either way, and only a PostgreSQL crash could lose it - which revokes the lease, so
 # every later write of this execution is refused; the next synchronous commit (the
-# completion, a failure report) flushes it with everything before it.
+# completion, a failure report) flushes it with everything before it. It also bounds
+# every later statement of the execution's connection (a session setting, renewed by
+# every claim on a pooled connection; NULL keeps the server's).
 CLAIM = """
-    SELECT set_config('synchronous_commit', 'off', true);
+    SELECT set_config('synchronous_commit', 'off', true),
+           set_config('statement_timeout',
+                      coalesce(%(statement_timeout)s, current_setting('statement_timeout')),
+                      false);
     WITH claimed AS (
         UPDATE background_tasks
            SET status = 'RUNNING', execution_id = %(execution_id)s, lease_holder = %(holder)s,
@@ -144,6 +150,27 @@ REPORT_FAILURE = (
 )
 
 
+class TextLiteral:
+    """A UTF-8 text parameter taken as it is: one dollar-quoted literal (no escaping, so
+    no second pass over the text) whose tag occurs nowhere inside it. psycopg2 adapts it
+    through ``__conform__``/``getquoted``; ``getquoted`` empties the buffer it was given."""
+
+    def __init__(self, data: bytearray) -> None:
+        self.data = data
+
+    def __conform__(self, protocol: object) -> TextLiteral | None:
+        return self if protocol is ISQLQuote else None
+
+    def getquoted(self) -> bytes:
+        data, self.data = self.data, bytearray()
+        tag = b"$t" + uuid.uuid4().hex.encode() + b"$"
+        while tag in data:  # never in practice: a random tag
+            tag = b"$t" + uuid.uuid4().hex.encode() + b"$"
+        quoted = b"".join((tag, data, tag))
+        data.clear()
+        return quoted
+
+
 @dataclass(frozen=True)
 class Lease:
     task_id: uuid.UUID
@@ -189,9 +216,11 @@ def claim(
     run: int,
     holder: str | None = None,
     stamp: datetime | None = None,
+    statement_timeout_s: float | None = None,
 ) -> Claim | None:
     """Take the lease for ``run`` with a fresh execution id, for the message published with
-    ``stamp`` (its row's ``dispatched_at`` then); None means skip the message."""
+    ``stamp`` (its row's ``dispatched_at`` then); None means skip the message. With
+    ``statement_timeout_s``, every later statement on ``conn`` is bounded by it."""
     execution_id = uuid.uuid4()
     params = {
         "task_id": str(task_id),
@@ -199,6 +228,9 @@ def claim(
         "execution_id": str(execution_id),
         "holder": holder,
         "stamp": stamp,
+        "statement_timeout": None
+        if statement_timeout_s is None
+        else f"{max(1, round(statement_timeout_s * 1000))}ms",
     }
     row = _execute(conn, CLAIM, params).fetchone()
     if row is None:
@@ -228,8 +260,12 @@ def report_progress(conn: Connection, lease: Lease, progress: int) -> None:
     _write_or_lose(conn, REPORT_PROGRESS, lease, progress=progress)
 
 
-def complete_export(conn: Connection, lease: Lease, csv: str, summary: str) -> None:
-    _write_or_lose(conn, COMPLETE_EXPORT, lease, csv=csv, summary=summary)
+def complete_export(conn: Connection, lease: Lease, csv: bytearray | str, summary: str) -> None:
+    """COMPLETED with ``csv`` (text, or UTF-8 bytes as COPY wrote them). A buffer is handed
+    over: it is emptied once the statement holds its bytes, so a large CSV is in memory
+    about twice at most (the statement, then the driver's send buffer), never as a string."""
+    value = TextLiteral(csv) if isinstance(csv, bytearray) else csv
+    _write_or_lose(conn, COMPLETE_EXPORT, lease, csv=value, summary=summary)
 
 
 def complete_in_transaction(conn: Connection, lease: Lease, summary: str) -> None:

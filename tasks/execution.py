@@ -45,6 +45,10 @@ from worker.steps import lease_holder
 
 log = logging.getLogger("teamdesk.task")
 
+# Every statement on an execution's own connection is bounded (set by the claim): a
+# frozen or overloaded database ends a statement, never a worker process waiting forever.
+STATEMENT_BUDGET_S = 60
+
 MSG_RETRYING = "The task hit a temporary error and will be retried."
 MSG_EXHAUSTED = "The task failed after {n} attempts."
 MSG_CLAIM_FAILED = "The task could not be started: the ledger was unreachable."
@@ -64,7 +68,7 @@ class Context:
     settings: Settings
     conn: Connection
     engine: Engine
-    report_progress: Callable[[int, int, int], None]
+    report_progress: Callable[[Connection, int, int, int], None]
 
     @property
     def lease(self) -> lease.Lease:
@@ -106,7 +110,7 @@ def execute(
                 engine.connect().execution_options(isolation_level="AUTOCOMMIT")
             )
             hooks.fire("task.before_claim", task_id=task_id, run=run)
-            claimed = lease.claim(conn, task_id, run, lease_holder(), published)
+            claimed = lease.claim(conn, task_id, run, lease_holder(), published, STATEMENT_BUDGET_S)
         except Exception as exc:
             _claim_failed(task_id, run, stamp, exc)
         # After the claim: until it committed the row still said WAITING, and a scan that
@@ -119,7 +123,7 @@ def execute(
         fields = _fields(task_id, run, held.attempt, execution=str(held.execution_id)[:8])
         log_event(log, "task.started", kind=claimed.kind, **fields)
         hooks.fire("task.claimed", claim=claimed)
-        context = Context(claimed, settings, conn, engine, _progress_reporter(task, conn, held))
+        context = Context(claimed, settings, conn, engine, _progress_reporter(task, held))
         try:
             summary = body(context)
         except LeaseLost:
@@ -231,11 +235,12 @@ def _failed_attempt(
 
 
 def _progress_reporter(
-    task: Task, conn: Connection, held: lease.Lease
-) -> Callable[[int, int, int], None]:
-    """Ledger first (the truth the API shows), then the queue (so Flower shows it too)."""
+    task: Task, held: lease.Lease
+) -> Callable[[Connection, int, int, int], None]:
+    """Ledger first (the truth the API shows), then the queue (so Flower shows it too). The
+    body says on which connection (an export's is busy streaming its COPY)."""
 
-    def report(percent: int, done: int, total: int) -> None:
+    def report(conn: Connection, percent: int, done: int, total: int) -> None:
         lease.report_progress(conn, held, percent)
         if done < total:  # after the last batch the queue's next word is the task's end
             queueing.report_progress(task, percent, done, total)

@@ -1,10 +1,12 @@
-"""Export: a CSV of a team's tickets, read in keyset batches, committed under the lease.
+"""Export: a CSV of a team's tickets, streamed by one COPY, committed under the lease.
 
-PostgreSQL renders the CSV (``COPY ... TO STDOUT WITH (FORMAT csv)``) and Python only
-concatenates text: memory holds the CSV and nothing per row. An export that fits in one
-batch is one COPY statement (a statement is its own consistent snapshot); a larger one
-is read batch by batch inside one REPEATABLE READ, READ ONLY transaction bounded to 60 s,
-so every batch sees the same snapshot.
+PostgreSQL renders the CSV (``COPY (query) TO STDOUT WITH (FORMAT csv)``): one statement
+in a REPEATABLE READ, READ ONLY transaction of its own (one snapshot), bounded to
+``READ_BUDGET_S`` by ``statement_timeout``. Python appends each record to one buffer,
+counting rows as they arrive, and reports progress every ``EXPORT_BATCH_SIZE`` rows; the
+completion sends that same buffer (ledger/lease.py, ``complete_export``), so memory holds
+the CSV and nothing per row. The statement counts the matching rows before it sends the
+first one, so an export over ``EXPORT_MAX_ROWS`` transfers no row and stores no CSV.
 
 The CSV contract (docs/design.md, "Exports"): UTF-8; header ``id,title,status,priority,requester_id,
 assignee_id,due_at,created_at,updated_at``; rows ordered by ``created_at, id``; times in
@@ -16,16 +18,11 @@ end with LF; a cell starting with ``=``, ``+``, ``-``, ``@``, TAB or CR gets a l
 
 from __future__ import annotations
 
-import io
-import itertools
-import time
-import uuid
-from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
 from datetime import time as dtime
 from typing import Any
 
-from sqlalchemy import text
+import psycopg2.errors
 from sqlalchemy.engine import Connection
 
 from ledger import lease
@@ -49,10 +46,20 @@ CSV_COLUMNS = f"""id,
     to_char(due_at AT TIME ZONE 'UTC', {_TS}),
     to_char(created_at AT TIME ZONE 'UTC', {_TS}),
     to_char(updated_at AT TIME ZONE 'UTC', {_TS})"""
+# The same cells, each as text (the same CSV: a uuid or a name prints as its text), named
+# c1..c9 so the marker row of STREAM fits beside them.
+TEXT_COLUMNS = f"""id::text AS c1,
+    CASE WHEN left(title, 1) IN ('=', '+', '-', '@', chr(9), chr(13)) THEN '''' || title
+         ELSE title END AS c2,
+    status::text AS c3, priority::text AS c4, requester_id::text AS c5,
+    assignee_id::text AS c6,
+    to_char(due_at AT TIME ZONE 'UTC', {_TS}) AS c7,
+    to_char(created_at AT TIME ZONE 'UTC', {_TS}) AS c8,
+    to_char(updated_at AT TIME ZONE 'UTC', {_TS}) AS c9"""
 
 
 class ExportReadTimeout(Exception):
-    """The export's read transaction ran past its 60 s budget."""
+    """The export's read ran past its 60 s budget (a failed attempt)."""
 
 
 def require_permission(scope: str, creator_role: str | None) -> None:
@@ -94,60 +101,91 @@ def _utc_midnight(day: date) -> datetime:
     return datetime.combine(day, dtime(0, 0), tzinfo=UTC)
 
 
-class TicketReader:
-    """Counts, splits and renders the matching tickets on one connection."""
+# One statement, one snapshot: the matching rows (at most the cap + 1) are materialised
+# once, then COPY sends a marker row carrying their count, then the rows in order - or
+# no row at all when there are more than the cap. The reader learns the total before
+# the first ticket arrives (progress needs it), and an export over the cap transfers
+# nothing but its count. Every cell is text, so the marker row fits the same columns.
+STREAM = """
+    SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY;
+    SET LOCAL statement_timeout = '{budget}s';
+    COPY (
+        WITH matched AS MATERIALIZED (
+            SELECT {columns}, created_at AS at_, id AS id_
+              FROM tickets WHERE {where} ORDER BY created_at, id LIMIT {cap} + 1
+        ), total AS (SELECT count(*) AS n FROM matched)
+        SELECT c1, c2, c3, c4, c5, c6, c7, c8, c9 FROM (
+            SELECT 0 AS part, NULL::timestamptz AS at_, NULL::uuid AS id_, n::text AS c1,
+                   NULL::text AS c2, NULL::text AS c3, NULL::text AS c4, NULL::text AS c5,
+                   NULL::text AS c6, NULL::text AS c7, NULL::text AS c8, NULL::text AS c9
+              FROM total
+            UNION ALL
+            SELECT 1, at_, id_, c1, c2, c3, c4, c5, c6, c7, c8, c9 FROM matched
+             WHERE (SELECT n FROM total) <= {cap}
+        ) rows ORDER BY part, at_, id_
+    ) TO STDOUT WITH (FORMAT csv)
+"""
 
-    def __init__(self, conn: Connection, where: str, params: dict[str, Any]) -> None:
-        self.cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
-        self.where, self.params = where, params
 
-    def count_up_to(self, limit: int) -> int:
-        self.cursor.execute(
-            f"SELECT count(*) FROM (SELECT 1 FROM tickets WHERE {self.where} LIMIT %(lim)s) s",
-            {**self.params, "lim": limit},
-        )
-        row = self.cursor.fetchone()
-        assert row is not None
-        return int(row[0])
+class CsvStream:
+    """The file COPY writes to: psycopg2 hands it one CSV record per call. The first is
+    the marker row (the total); every record after it is one ticket, appended to one
+    buffer (the CSV and nothing else; the completion sends these very bytes), with
+    progress every ``batch_size`` rows while the stream runs."""
 
-    def boundaries(self, batch_size: int) -> list[tuple[datetime, uuid.UUID]]:
-        """The (created_at, id) key closing every full batch, in order."""
-        self.cursor.execute(
-            f"""
-            SELECT created_at, id FROM (
-                SELECT created_at, id, row_number() OVER (ORDER BY created_at, id) AS rn
-                  FROM tickets WHERE {self.where}) s
-             WHERE rn %% %(batch)s = 0 ORDER BY rn""",
-            {**self.params, "batch": batch_size},
-        )
-        return [(row[0], row[1]) for row in self.cursor.fetchall()]
+    def __init__(self, ctx: Context, batch_size: int) -> None:
+        self.ctx, self.batch_size = ctx, batch_size
+        self.total: int | None = None
+        self.rows = 0
+        self.csv = bytearray(HEADER.encode())
+        self._progress: Connection | None = None
 
-    def batches(self, batch_size: int, total: int) -> Iterator[str]:
-        """CSV text of each keyset batch of ``batch_size`` rows (the last may be short)."""
-        keys: list[Any] = [None, *self.boundaries(batch_size)]
-        if total % batch_size:
-            keys.append(None)
-        for low, high in itertools.pairwise(keys):
-            yield self.render(low, high)[0]
+    def write(self, record: bytes) -> None:
+        if self.total is None:
+            self.total = int(record.split(b",", 1)[0])
+            return
+        self.csv += record
+        self.rows += 1
+        if self.rows % self.batch_size == 0 and self.rows < self.total:
+            _batch_done(self.ctx, self.rows, self.total, self._progress_conn())
 
-    def render(self, low: Any, high: Any, limit: int | None = None) -> tuple[str, int]:
-        """CSV text of the rows after ``low`` up to ``high`` (keys), and how many."""
-        where, params = self.where, dict(self.params)
-        if low is not None:
-            where += " AND (created_at, id) > (%(lo_at)s, %(lo_id)s)"
-            params.update(lo_at=low[0], lo_id=low[1])
-        if high is not None:
-            where += " AND (created_at, id) <= (%(hi_at)s, %(hi_id)s)"
-            params.update(hi_at=high[0], hi_id=high[1])
-        tail = " LIMIT %(row_limit)s" if limit is not None else ""
-        params["row_limit"] = limit
-        query = self.cursor.mogrify(
-            f"SELECT {CSV_COLUMNS} FROM tickets WHERE {where} ORDER BY created_at, id{tail}",
-            params,
-        )
-        out = io.StringIO()
-        self.cursor.copy_expert(f"COPY ({query.decode()}) TO STDOUT WITH (FORMAT csv)", out)
-        return out.getvalue(), int(self.cursor.rowcount)
+    def _progress_conn(self) -> Connection:
+        """The execution connection is busy with the COPY: progress during the stream goes
+        through a second one, opened at the first batch (a small export never needs it),
+        its statements bounded like the read's."""
+        if self._progress is None:
+            conn = self.ctx.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            conn.exec_driver_sql(f"SET statement_timeout = '{READ_BUDGET_S}s'")
+            self._progress = conn
+        return self._progress
+
+    def take_csv(self) -> bytearray:
+        """The buffer, handed over: the stream keeps no reference, so the completion can
+        free it as soon as its statement is built."""
+        csv, self.csv = self.csv, bytearray()
+        return csv
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+
+
+def read_csv(ctx: Context, where: str, params: dict[str, Any]) -> CsvStream:
+    """The export's rows as CSV, streamed by one COPY on the execution connection: one
+    REPEATABLE READ, READ ONLY snapshot, bounded to READ_BUDGET_S by statement_timeout."""
+    cursor = ctx.conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    limit = ctx.settings.export_max_rows
+    query = STREAM.format(budget=READ_BUDGET_S, columns=TEXT_COLUMNS, where=where, cap=int(limit))
+    stream = CsvStream(ctx, ctx.settings.export_batch_size)
+    try:
+        cursor.copy_expert(cursor.mogrify(query, params).decode(), stream)
+    except psycopg2.errors.QueryCanceled as exc:
+        raise ExportReadTimeout() from exc
+    finally:
+        stream.close()
+    if stream.total is None or stream.total > limit:
+        raise TooManyRows(MSG_TOO_MANY.format(limit=limit))
+    return stream
 
 
 def run_export(ctx: Context) -> str:
@@ -155,59 +193,16 @@ def run_export(ctx: Context) -> str:
     filters = validate_filters(claim.filters)
     require_permission(claim.scope, claim.owner_role)  # as of the claim
     where, params = where_clause(claim, filters)
-    parts, total = _read_small(ctx, where, params)
-    if parts is None:
-        parts, total = _read_in_batches(ctx, where, params)
+    stream = read_csv(ctx, where, params)
+    if stream.rows:  # the last batch: the ledger says 99, the queue's next word is the end
+        _batch_done(ctx, stream.rows, stream.rows, ctx.conn)
     require_permission(claim.scope, role_of(ctx.conn, claim.team_id, claim.owner_id))  # now
     hooks.fire("export.before_result_write", claim=claim)
-    summary = f"{total} rows"
-    lease.complete_export(ctx.conn, claim.lease, "".join(parts), summary)
+    summary = f"{stream.rows} rows"
+    lease.complete_export(ctx.conn, claim.lease, stream.take_csv(), summary)
     return summary
 
 
-def _read_small(ctx: Context, where: str, params: dict[str, Any]) -> tuple[list[str] | None, int]:
-    """Most exports fit in one batch: one COPY statement (its own consistent snapshot)
-    reads them all. ``None`` when the batch came back full: read in batches instead."""
-    batch_size, limit = ctx.settings.export_batch_size, ctx.settings.export_max_rows
-    chunk, rows = TicketReader(ctx.conn, where, params).render(None, None, limit=batch_size)
-    if rows >= batch_size:
-        return None, 0
-    if rows > limit:
-        raise TooManyRows(MSG_TOO_MANY.format(limit=limit))
-    if rows:
-        _batch_done(ctx, rows, rows)
-    return [HEADER, chunk], rows
-
-
-def _read_in_batches(ctx: Context, where: str, params: dict[str, Any]) -> tuple[list[str], int]:
-    """Keyset batches inside one REPEATABLE READ, READ ONLY transaction bounded to 60 s."""
-    limit, batch_size = ctx.settings.export_max_rows, ctx.settings.export_batch_size
-    deadline = time.monotonic() + READ_BUDGET_S
-    parts = [HEADER]
-    with ctx.engine.connect() as conn:
-        conn = conn.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
-        with conn.begin():
-            conn.execute(
-                text(
-                    f"SET LOCAL statement_timeout = '{READ_BUDGET_S}s'; "
-                    f"SET LOCAL idle_in_transaction_session_timeout = "
-                    f"'{READ_BUDGET_S}s'"
-                )
-            )
-            reader = TicketReader(conn, where, params)
-            total = reader.count_up_to(limit + 1)
-            if total > limit:
-                raise TooManyRows(MSG_TOO_MANY.format(limit=limit))
-            done = 0
-            for chunk in reader.batches(batch_size, total):
-                parts.append(chunk)
-                done = min(total, done + batch_size)
-                _batch_done(ctx, done, total)
-                if time.monotonic() > deadline:
-                    raise ExportReadTimeout()
-    return parts, total
-
-
-def _batch_done(ctx: Context, done: int, total: int) -> None:
+def _batch_done(ctx: Context, done: int, total: int, conn: Connection) -> None:
     hooks.fire("export.after_read", claim=ctx.claim, done=done, total=total)
-    ctx.report_progress(min(99, done * 100 // total), done, total)
+    ctx.report_progress(conn, min(99, done * 100 // total), done, total)

@@ -1,0 +1,98 @@
+"""The export's one streaming COPY: its bounds (statement_timeout on every connection the
+export uses), the buffer handed to the completion as it is, progress every batch while
+the stream runs, and the cap checked before any row is sent."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+
+from ledger import lease, service
+from tasks import export
+from teamdesk import hooks
+from tests.support.csv_reference import expected_csv
+from tests.support.dispatching import running_cluster
+from tests.support.factories import World, add_ticket, add_tickets, insert_task, task_row
+from tests.support.waiting import wait_for
+
+
+def create_export(engine: sa.Engine, world: World) -> uuid.UUID:
+    with engine.begin() as conn:
+        return service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+
+
+def insert_task_committed(engine: sa.Engine, world: World) -> uuid.UUID:
+    with engine.begin() as conn:
+        return insert_task(conn, world)
+
+
+def test_the_claim_bounds_every_statement_of_the_execution_connection(
+    engine: sa.Engine, world: World
+) -> None:
+    task_id = insert_task_committed(engine, world)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        before = conn.exec_driver_sql("SHOW statement_timeout").scalar_one()
+        assert lease.claim(conn, task_id, 0, statement_timeout_s=2.5) is not None
+        assert conn.exec_driver_sql("SHOW statement_timeout").scalar_one() == "2500ms"
+    other = insert_task_committed(engine, world)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql("SET statement_timeout = '7s'")
+        assert lease.claim(conn, other, 0) is not None  # no bound given: the session's stays
+        assert conn.exec_driver_sql("SHOW statement_timeout").scalar_one() == "7s"
+    assert before == "0"
+
+
+def test_a_read_that_waits_past_its_budget_is_a_failed_attempt(
+    engine: sa.Engine,
+    world: World,
+    make_app: Callable[..., Celery],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read the database cannot serve (here: the tickets table locked) ends at the
+    budget as a failed attempt, instead of holding the worker process forever."""
+    monkeypatch.setattr(export, "READ_BUDGET_S", 1)
+    app = make_app(retry_base_delay_s=600)
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 3)
+    task_id = create_export(engine, world)
+    with engine.connect() as locker, running_cluster(app):
+        locker.exec_driver_sql("BEGIN; LOCK TABLE tickets IN ACCESS EXCLUSIVE MODE")
+        try:
+            wait_for(lambda: task_row(engine, task_id)["attempts"] == 1, what="the claim")
+            wait_for(lambda: task_row(engine, task_id)["status"] == "WAITING", what="a failure")
+        finally:
+            locker.exec_driver_sql("ROLLBACK")
+    row = task_row(engine, task_id)
+    assert (row["attempts"], row["execution_id"], row["result_csv"]) == (1, None, None)
+    assert row["last_error"] == "The task hit a temporary error and will be retried."
+
+
+def test_progress_arrives_while_the_stream_runs_and_the_csv_is_exact(
+    engine: sa.Engine, world: World, make_app: Callable[..., Celery]
+) -> None:
+    """Progress every batch, written on a second connection while the execution's is busy
+    with the COPY; titles that could end a dollar-quoted literal or need escaping in a
+    quoted one come back byte for byte."""
+    app = make_app(export_batch_size=4)
+    titles = ["$t$", "$$", "a\\b", "it's", 'say "hi"', "caf\u00e9 \u2603", "=1+1", "\ttab"]
+    with engine.begin() as conn:
+        for title in titles:
+            add_ticket(conn, world.team_id, world.customer_id, title)
+        add_tickets(conn, world.team_id, world.customer_id, 2)
+    task_id = create_export(engine, world)
+    seen: list[tuple[int, int, int]] = []
+
+    def record(claim: lease.Claim, done: int, total: int) -> None:
+        seen.append((done, total, task_row(engine, task_id)["progress"]))
+
+    with hooks.installed("export.after_read", record), running_cluster(app):
+        wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="COMPLETED")
+    row = task_row(engine, task_id)
+    assert row["result_csv"] == expected_csv(engine, world.team_id, world.staff_id, "TEAM", {})
+    assert row["result_summary"] == "10 rows"
+    # The hook fires before each batch's progress write: the ledger still shows the last.
+    assert seen == [(4, 10, 0), (8, 10, 40), (10, 10, 80)]
