@@ -5,20 +5,14 @@ the API and the CLI can say which role is missing without touching the broker.
 
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
 import redis
 
 from dispatcher.heartbeat import slots_by_queue
 from dispatcher.leader import leader_key
 from tasks.names import TASK_QUEUES
-from teamdesk.config import Settings
-from teamdesk.redis_client import redis_client
-
-TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -43,20 +37,3 @@ def read_roles(client: redis.Redis, prefix: str) -> Roles:
     """Raises ``redis.RedisError`` when Redis cannot be read."""
     leading = bool(client.exists(leader_key(prefix)))
     return Roles(leading, slots_by_queue(client, prefix))
-
-
-def cluster_command(settings: Settings, out: TextIO | None = None) -> int:
-    """``teamdesk-tasks health --cluster``: one JSON line; 0 when every role is present."""
-    out = out or sys.stdout
-    client = redis_client(settings.redis_url, TIMEOUT_S)
-    try:
-        fields: dict[str, Any] = {
-            "redis": True,
-            **read_roles(client, settings.queue_prefix).as_dict(),
-        }
-    except redis.RedisError:
-        fields = {"redis": False, "dispatcher": None, "consumers": None, "missing": None}
-    finally:
-        client.close()
-    out.write(json.dumps(fields) + "\n")
-    return 0 if fields["redis"] and not fields["missing"] else 1
