@@ -2,10 +2,15 @@
 one transaction with the task's completion under the lease (docs/design.md, "Exports"
 and "Lifecycle").
 
-The per-team advisory lock serialises reminders of one team; the claim happens outside
-it, so holding the lock proves nothing about the lease: the completion's own guard
-decides, and a 0-row completion raises LeaseLost, which rolls the whole transaction back
-(returning normally would commit the side effects).
+One transaction on the execution's own connection (no second connection, no pool check),
+in four round trips: open it, bound it, take the team's lock and read the ticket with its
+assignee's role (one); the side effects (one); the completion (one); COMMIT. The per-team
+advisory lock serialises reminders of one team; the claim happens outside it, so holding
+the lock proves nothing about the lease: the completion's own guard decides, and a 0-row
+completion raises LeaseLost, which rolls the whole transaction back (returning normally
+would commit the side effects). No separate lease check runs first: a replaced execution
+does its reads and writes for nothing and rolls them back, which costs less than a round
+trip on every reminder.
 """
 
 from __future__ import annotations
@@ -13,13 +18,14 @@ from __future__ import annotations
 import json
 import uuid
 
+import psycopg2
+from sqlalchemy import exc as sa_exc
 from sqlalchemy import text
 from sqlalchemy.engine import Connection, Row
 
 from ledger import lease
 from ledger.errors import PermissionLost, TaskRejected
 from ledger.permissions import reminder_refusal
-from ledger.service import role_of
 from tasks.execution import Context
 from teamdesk import hooks
 from teamdesk.config import Settings
@@ -45,16 +51,20 @@ def tx_budget_s(settings: Settings) -> float:
     return min(TX_BUDGET_S, settings.stale_after_s / 2)
 
 
-# The bounds (in ms), then the team's lock, in one round trip.
-TEAM_LOCK = text(
-    "SET LOCAL lock_timeout = :budget_ms; "
-    "SET LOCAL statement_timeout = :budget_ms; "
-    "SET LOCAL idle_in_transaction_session_timeout = :budget_ms; "
-    "SELECT pg_advisory_xact_lock(hashtextextended('teamdesk.reminder:' || :team_id, 0))"
-)
-TICKET = text("""
-    SELECT id, status, assignee_id FROM tickets
-     WHERE id = :ticket_id AND team_id = :team_id FOR UPDATE
+# The transaction opens (on the autocommit execution connection), takes its bounds (in
+# ms) and the team's lock, and reads the ticket, locked, with its assignee's role in the
+# team: one round trip.
+OPEN_AND_READ = text("""
+    BEGIN;
+    SET LOCAL lock_timeout = :budget_ms;
+    SET LOCAL statement_timeout = :budget_ms;
+    SET LOCAL idle_in_transaction_session_timeout = :budget_ms;
+    SELECT pg_advisory_xact_lock(hashtextextended('teamdesk.reminder:' || :team_id, 0));
+    SELECT t.id, t.status, t.assignee_id, m.role AS assignee_role
+      FROM tickets t
+      LEFT JOIN memberships m ON m.team_id = t.team_id AND m.user_id = t.assignee_id
+     WHERE t.id = :ticket_id AND t.team_id = :team_id
+       FOR UPDATE OF t
 """)
 # The three side effects in one statement; the completion follows in the same transaction.
 SEND = text("""
@@ -84,7 +94,7 @@ def _ticket_id(ctx: Context) -> uuid.UUID:
         raise TaskRejected(MSG_BAD_TICKET) from None
 
 
-def _why_not(conn: Connection, ctx: Context, ticket: Row[object] | None) -> str | None:
+def _why_not(ticket: Row[object] | None) -> str | None:
     """The reason to complete without side effects, or None to send the reminder."""
     if ticket is None:
         return "skipped: the ticket no longer exists"
@@ -92,7 +102,7 @@ def _why_not(conn: Connection, ctx: Context, ticket: Row[object] | None) -> str 
         return f"skipped: the ticket is {ticket.status.lower()}"
     if ticket.assignee_id is None:
         return "skipped: the ticket has no assignee"
-    if role_of(conn, ctx.claim.team_id, ticket.assignee_id) is None:
+    if ticket.assignee_role is None:
         return "skipped: the assignee left the team"
     return None
 
@@ -103,29 +113,44 @@ def run_reminder(ctx: Context) -> str:
     refusal = reminder_refusal(claim.owner_role)  # as of the claim
     if refusal is not None:
         raise PermissionLost(refusal)
-    with ctx.engine.begin() as conn:
-        conn.execute(
-            TEAM_LOCK,
-            {
-                "team_id": str(claim.team_id),
-                "budget_ms": str(max(1, round(tx_budget_s(ctx.settings) * 1000))),
-            },
-        )
-        lease.check_lease(conn, claim.lease)
-        hooks.fire("reminder.after_lease_read", claim=claim)
-        ticket = conn.execute(
-            TICKET, {"ticket_id": ticket_id, "team_id": claim.team_id}
-        ).one_or_none()
-        reason = _why_not(conn, ctx, ticket)
-        if reason is not None:
-            lease.complete_in_transaction(conn, claim.lease, reason)
-            return reason
-        assert ticket is not None
-        _send(conn, ctx, ticket_id, ticket.assignee_id)
-        hooks.fire("reminder.after_event_insert", claim=claim)
-        summary = f"reminder sent to {ticket.assignee_id}"
-        lease.complete_in_transaction(conn, claim.lease, summary)
+    conn = ctx.conn  # autocommit: the transaction is opened and ended explicitly
+    try:
+        summary = _in_transaction(conn, ctx, ticket_id)
+    except BaseException:
+        _rollback(conn)
+        raise
+    conn.exec_driver_sql("COMMIT")
     return summary
+
+
+def _in_transaction(conn: Connection, ctx: Context, ticket_id: uuid.UUID) -> str:
+    """Lock, read, side effects, completion; the caller commits or rolls back."""
+    claim = ctx.claim
+    budget_ms = str(max(1, round(tx_budget_s(ctx.settings) * 1000)))
+    params = {"team_id": str(claim.team_id), "ticket_id": ticket_id, "budget_ms": budget_ms}
+    ticket = conn.execute(OPEN_AND_READ, params).one_or_none()
+    hooks.fire("reminder.after_lease_read", claim=claim)
+    reason = _why_not(ticket)
+    if reason is not None:
+        lease.complete_in_transaction(conn, claim.lease, reason)
+        return reason
+    assert ticket is not None
+    _send(conn, ctx, ticket_id, ticket.assignee_id)
+    hooks.fire("reminder.after_event_insert", claim=claim)
+    summary = f"reminder sent to {ticket.assignee_id}"
+    lease.complete_in_transaction(conn, claim.lease, summary)
+    return summary
+
+
+def _rollback(conn: Connection) -> None:
+    """End the failed transaction so the pooled connection is clean; a connection that is
+    gone has no transaction left (the pool drops it)."""
+    if conn.invalidated or conn.closed:
+        return
+    try:
+        conn.exec_driver_sql("ROLLBACK")
+    except (psycopg2.Error, sa_exc.DBAPIError):
+        conn.invalidate()
 
 
 def _send(conn: Connection, ctx: Context, ticket_id: uuid.UUID, assignee: uuid.UUID) -> None:
