@@ -19,7 +19,9 @@ needs none of them:
    left alone: their publish may still be under way. The window bounds how many runs are
    published at once, so this looks at all of them, not the oldest few.
 3. **Fill** the window (dispatcher/window.py).
-4. **Purge** CSVs past ``expires_at`` (the loop asks for it every ``PURGE_INTERVAL_S``).
+4. **Purge** CSVs past ``expires_at``, then finished tasks and audit rows past their
+   retention (:mod:`ledger.retention`), in short batches for at most
+   ``RETENTION_BUDGET_S`` (the loop asks for it every ``PURGE_INTERVAL_S``).
 
 A Redis error ends the queue steps of this scan and is reported in
 :attr:`ScanCounts.redis_error`; recovery and purge need only PostgreSQL and still run. A
@@ -29,6 +31,7 @@ PostgreSQL error ends the scan with :class:`ScanUnavailable`.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -42,6 +45,7 @@ from dispatcher.heartbeat import read_lease_holders
 from dispatcher.window import Published, Window, fill, publish
 from ledger import dispatch
 from ledger.dispatch import RunRef
+from ledger.retention import Retention, purge_retired
 from ledger.states import KINDS
 from tasks import queueing
 from tasks.names import QUEUE_OF_KIND
@@ -53,6 +57,8 @@ log = logging.getLogger("teamdesk.dispatcher")
 RECOVER_BATCH = 200  # RUNNING rows taken back per scan
 LOST_BATCH = 2000  # published rows checked per scan (a window is far smaller)
 PURGE_BATCH = 500  # CSVs cleared per scan
+RETENTION_BATCH = 1000  # finished tasks, and audit rows, removed per transaction
+RETENTION_BUDGET_S = 0.5  # the purge's retention batches stop after this long
 PUBLISH_GRACE_S = 5.0  # a run stamped this recently may still be on its way to the broker
 
 
@@ -71,6 +77,8 @@ class ScanCounts:
     dispatched: int = 0
     publish_failed: int = 0
     purged: int = 0
+    retired_tasks: int = 0  # finished tasks removed past their retention
+    retired_audit: int = 0  # audit rows removed past their retention
     heartbeat_rule: bool = False
     redis_error: str | None = None
     no_consumers: list[str] = field(default_factory=list)
@@ -138,11 +146,27 @@ def scan(
         _recover(cluster, counts, uptime)
         _queue_steps(cluster, window, counts)
         if purge:
-            with transaction(cluster.engine) as conn:
-                counts.purged = dispatch.purge_expired(conn, batch=PURGE_BATCH)
+            _purge(cluster, counts)
     except DATABASE_ERRORS as exc:
         raise ScanUnavailable("PostgreSQL", error_class(exc)) from exc
     return counts
+
+
+def _purge(cluster: Cluster, counts: ScanCounts) -> None:
+    """Step 4: expired CSVs, then what is past its retention, one short transaction per
+    batch, until a batch comes back short or the budget is spent."""
+    with transaction(cluster.engine) as conn:
+        counts.purged = dispatch.purge_expired(conn, batch=PURGE_BATCH)
+    keep = Retention.of(cluster.settings)
+    deadline = time.monotonic() + RETENTION_BUDGET_S
+    while True:
+        with transaction(cluster.engine) as conn:
+            done = purge_retired(conn, keep, batch=RETENTION_BATCH)
+        counts.retired_tasks += done.tasks
+        counts.retired_audit += done.audit
+        full = RETENTION_BATCH in (done.tasks, done.audit)
+        if not full or time.monotonic() >= deadline:
+            return
 
 
 def run_once(

@@ -42,8 +42,12 @@ def _created_at() -> sa.Column[object]:
     )
 
 
-def _fk(name: str, target: str, nullable: bool = False) -> sa.Column[object]:
-    return sa.Column(name, UUID(as_uuid=True), sa.ForeignKey(target), nullable=nullable)
+def _fk(
+    name: str, target: str, nullable: bool = False, ondelete: str | None = None
+) -> sa.Column[object]:
+    return sa.Column(
+        name, UUID(as_uuid=True), sa.ForeignKey(target, ondelete=ondelete), nullable=nullable
+    )
 
 
 teams = sa.Table(
@@ -169,6 +173,12 @@ sa.Index(
     background_tasks.c.expires_at,
     postgresql_where=sa.text("result_csv IS NOT NULL"),
 )
+# Retention: finished rows by when they finished (ledger/retention.py).
+sa.Index(
+    "ix_background_tasks_finished",
+    background_tasks.c.updated_at,
+    postgresql_where=sa.text("status IN ('COMPLETED', 'FAILED', 'CANCELLED')"),
+)
 # API: a team's task list, newest first.
 sa.Index(
     "ix_background_tasks_team_created", background_tasks.c.team_id, background_tasks.c.created_at
@@ -180,7 +190,8 @@ notifications = sa.Table(
     _id(),
     _fk("user_id", "users.id"),
     _fk("ticket_id", "tickets.id"),
-    _fk("task_id", "background_tasks.id"),
+    # NULL once the task that sent it is past its retention (ledger/retention.py).
+    _fk("task_id", "background_tasks.id", nullable=True, ondelete="SET NULL"),
     sa.Column("kind", sa.Text, nullable=False, server_default="TICKET_REMINDER"),
     _created_at(),
     sa.UniqueConstraint("task_id", "user_id", name="uq_notifications_task_user"),

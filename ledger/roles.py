@@ -16,7 +16,9 @@ It owns nothing and is no member of an owner, so it can do no DDL (``CREATE``, `
 need no grant; ``TEMP`` tables (``PUBLIC``'s by default) change no schema and are left
 alone. ``ANALYZE`` needs ownership before PostgreSQL 17, so the dispatcher refreshes the
 ledger's statistics through ``teamdesk_analyze_ledger()`` (migration 0006: ``SECURITY
-DEFINER``, that one statement), on which the role gets ``EXECUTE``.
+DEFINER``, that one statement), on which the role gets ``EXECUTE``; it removes what is
+past its retention through ``teamdesk_purge_ledger()`` (migration 0007, ledger/retention.py:
+the only way audit rows leave the trail), on which it gets ``EXECUTE`` too.
 
 The grants are re-applied at every run (``REVOKE ALL`` then ``GRANT`` on every listed
 table, in one transaction), not left to ``ALTER DEFAULT PRIVILEGES``: the migrate run that
@@ -44,6 +46,8 @@ from sqlalchemy.engine import Connection
 
 from ledger.errors import LedgerError
 from ledger.models import metadata
+from ledger.retention import PURGE_FUNCTION
+from ledger.retention import SIGNATURE as PURGE_SIGNATURE
 
 ROLE_LOCK = 748_201_114  # pg_advisory_xact_lock key for the app role's grants
 ROLE_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -207,10 +211,19 @@ def _grant(
     for sequence in sequences:
         _replace(cur, "SEQUENCE", sequence, SEQUENCE_PRIVILEGES, who)
     for schema in sorted({t.schema for t in tables}):
-        # The dispatcher's ANALYZE, run with the owner's rights (migration 0006).
+        # The dispatcher's ANALYZE and retention purge, run with the owner's rights
+        # (migrations 0006 and 0007).
         cur.execute(
             sql.SQL("GRANT EXECUTE ON FUNCTION {}.{}() TO {}").format(
                 sql.Identifier(schema), sql.Identifier(ANALYZE_FUNCTION), who
+            )
+        )
+        cur.execute(
+            sql.SQL("GRANT EXECUTE ON FUNCTION {}.{}({}) TO {}").format(
+                sql.Identifier(schema),
+                sql.Identifier(PURGE_FUNCTION),
+                sql.SQL(PURGE_SIGNATURE),
+                who,
             )
         )
 

@@ -37,7 +37,7 @@ import redis
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
-from ledger import dispatch, service
+from ledger import dispatch, retention, service
 from ledger.migrate import set_up_app_role
 from ledger.roles import AppRoleRefused, table_privileges
 from ledger.wake import WAKE_CHANNEL
@@ -424,3 +424,16 @@ def _answers(url: str) -> bool:
             return bool(response.status == 200)
     except OSError:
         return False
+
+
+def test_the_role_purges_past_retention_only_through_the_owner_function(
+    app_db: AppDatabase, app_engine: sa.Engine
+) -> None:
+    """The trail is append-only for the role: a DELETE is refused; the retention purge goes
+    through the owner's SECURITY DEFINER function (migration 0007) and works as the role."""
+    with app_engine.begin() as conn:
+        purged = retention.purge_retired(conn, retention.Retention(), batch=10)
+    assert purged.tasks >= 0 and purged.audit >= 0
+    with app_engine.connect() as conn, pytest.raises(sa.exc.ProgrammingError) as refused:
+        conn.execute(sa.text("DELETE FROM task_audit WHERE id < 0"))
+    assert getattr(refused.value.orig, "pgcode", None) == INSUFFICIENT_PRIVILEGE
