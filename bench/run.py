@@ -20,11 +20,20 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from bench import dispatch_path, export_speed, report, resilience, scan_cost, throughput
+from bench import (
+    api_rate,
+    audit_growth,
+    dispatch_path,
+    export_speed,
+    report,
+    resilience,
+    scan_cost,
+    throughput,
+)
 from bench.env import BenchEnv
 from tests.support import databases
 
-PARTS = ("p1", "scaling", "p2", "p3", "p4", "p5", "p6")
+PARTS = ("p1", "scaling", "p2", "p3", "p4", "p5", "p6", "p7", "p8")
 
 # Every key latest.json must hold after a full, successful run.
 REQUIRED_KEYS = (
@@ -33,6 +42,7 @@ REQUIRED_KEYS = (
     "p1_bare_tasks_per_s",
     "p1_export_tasks_per_s",
     "p1_reminder_tasks_per_s",
+    "p1_overhead_cpu_us",
     "p2_export_ratio_to_copy",
     "p2_peak_rss_mib",
     "p3_scan_ms_10k",
@@ -49,6 +59,8 @@ REQUIRED_KEYS = (
     "p6_fair_start_s",
     "p6_broker_depth_max",
     "p6_broker_depth_bound",
+    "p7_api_creates_per_s",
+    "p8_claim_ratio_10m_audit",
     "scaling",
     "machine",
     "goals",
@@ -66,6 +78,10 @@ def part_runners(args: argparse.Namespace) -> dict[str, Callable[[BenchEnv], dic
         "p5": resilience.run_p5,
         "p6": lambda env: dispatch_path.run_p6(
             env, dispatch_path.Sizes.quick() if args.quick else dispatch_path.Sizes()
+        ),
+        "p7": api_rate.run_p7,
+        "p8": lambda env: audit_growth.run_p8(
+            env, audit_rows=1_000_000 if args.quick else audit_growth.AUDIT_ROWS
         ),
     }
 

@@ -257,6 +257,10 @@ def _median_rate(results: list[dict[str, Any]]) -> float:
     return float(statistics.median(r["tasks_per_s"] for r in results))
 
 
+def _median_cpu_us(results: list[dict[str, Any]]) -> float:
+    return float(statistics.median(sum(r["cpu_us_per_task"].values()) for r in results))
+
+
 def summarise_p1(
     runs: dict[str, list[dict[str, Any]]], n: int, publish: dict[str, float]
 ) -> dict[str, Any]:
@@ -265,7 +269,12 @@ def summarise_p1(
     export = _median_rate(runs["export"])
     reminder = _median_rate(runs["reminder"])
     rates = [r["tasks_per_s"] for r in runs["noop"]]
+    bare_cpu = _median_cpu_us(runs["noop"])
     return {
+        # CPU per small export of every process (worker main + children, PostgreSQL, Redis)
+        # over a bare task's, medians of the runs.
+        "p1_overhead_cpu_us": round(_median_cpu_us(runs["export"]) - bare_cpu),
+        "p1_reminder_overhead_cpu_us": round(_median_cpu_us(runs["reminder"]) - bare_cpu),
         "p1_bare_tasks_per_s": round(bare, 1),
         "p1_export_tasks_per_s": round(export, 1),
         "p1_reminder_tasks_per_s": round(reminder, 1),

@@ -21,7 +21,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg2
-from psycopg2.extensions import ISQLQuote
+from psycopg2.extensions import AsIs
 from sqlalchemy.engine import Connection
 
 from ledger.errors import LeaseLost
@@ -150,27 +150,6 @@ REPORT_FAILURE = (
 )
 
 
-class TextLiteral:
-    """A UTF-8 text parameter taken as it is: one dollar-quoted literal (no escaping, so
-    no second pass over the text) whose tag occurs nowhere inside it. psycopg2 adapts it
-    through ``__conform__``/``getquoted``; ``getquoted`` empties the buffer it was given."""
-
-    def __init__(self, data: bytearray) -> None:
-        self.data = data
-
-    def __conform__(self, protocol: object) -> TextLiteral | None:
-        return self if protocol is ISQLQuote else None
-
-    def getquoted(self) -> bytes:
-        data, self.data = self.data, bytearray()
-        tag = b"$t" + uuid.uuid4().hex.encode() + b"$"
-        while tag in data:  # never in practice: a random tag
-            tag = b"$t" + uuid.uuid4().hex.encode() + b"$"
-        quoted = b"".join((tag, data, tag))
-        data.clear()
-        return quoted
-
-
 @dataclass(frozen=True)
 class Lease:
     task_id: uuid.UUID
@@ -197,7 +176,7 @@ class Claim:
     owner_role: str | None  # the owner's role in the team when the claim committed
 
 
-def _execute(conn: Connection, sql: str, params: dict[str, Any]) -> Any:
+def _execute(conn: Connection, sql: str | bytes, params: dict[str, Any] | None) -> Any:
     """Run one statement on ``conn``'s DBAPI connection (inside its transaction, if any)."""
     dbapi = conn.connection.dbapi_connection
     assert dbapi is not None
@@ -261,11 +240,27 @@ def report_progress(conn: Connection, lease: Lease, progress: int) -> None:
 
 
 def complete_export(conn: Connection, lease: Lease, csv: bytearray | str, summary: str) -> None:
-    """COMPLETED with ``csv`` (text, or UTF-8 bytes as COPY wrote them). A buffer is handed
-    over: it is emptied once the statement holds its bytes, so a large CSV is in memory
-    about twice at most (the statement, then the driver's send buffer), never as a string."""
-    value = TextLiteral(csv) if isinstance(csv, bytearray) else csv
-    _write_or_lose(conn, COMPLETE_EXPORT, lease, csv=value, summary=summary)
+    """COMPLETED with ``csv``: text, or a buffer of UTF-8 bytes as COPY wrote them. A buffer
+    is handed over and emptied: the statement is built around it in one pass (the CSV as
+    one dollar-quoted literal, no escaping), so a large CSV is in memory twice at most -
+    the statement, then the driver's send buffer - and never as a string."""
+    if isinstance(csv, str):
+        _write_or_lose(conn, COMPLETE_EXPORT, lease, csv=csv, summary=summary)
+        return
+    marker = f"teamdesk_csv_{uuid.uuid4().hex}"
+    dbapi = conn.connection.dbapi_connection
+    assert dbapi is not None
+    template = dbapi.cursor().mogrify(
+        COMPLETE_EXPORT, {**lease.params(), "csv": AsIs(marker), "summary": summary}
+    )
+    before, after = template.split(marker.encode())
+    tag = b"$" + marker.encode() + b"$"
+    while tag in csv:  # never in practice: a random tag
+        tag = b"$t" + uuid.uuid4().hex.encode() + b"$"
+    statement = b"".join((before, tag, csv, tag, after))
+    csv.clear()
+    if _execute(conn, statement, None).rowcount != 1:
+        raise LeaseLost(lease.task_id)
 
 
 def complete_in_transaction(conn: Connection, lease: Lease, summary: str) -> None:
