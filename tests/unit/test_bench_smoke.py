@@ -32,6 +32,10 @@ ISSUE_KEYS = {
     "scaling",
     "machine",
     "goals",
+    # Issue 13: the hot path and the ledger's growth.
+    "p1_overhead_cpu_us",
+    "p7_api_creates_per_s",
+    "p8_claim_ratio_10m_audit",
 }
 GOAL_KEYS = {
     "p1_export_ratio",
@@ -49,6 +53,9 @@ GOAL_KEYS = {
     "p6_dispatch_ratio_3w",
     "p6_fair_start_s",
     "p6_broker_depth_max",
+    "p1_overhead_cpu_us",
+    "p7_api_creates_per_s",
+    "p8_claim_ratio_10m_audit",
 }
 
 
@@ -66,6 +73,8 @@ GOAL_KEYS = {
         "bench.tracer",
         "bench.cpu_profile",
         "bench.dispatch_path",
+        "bench.api_rate",
+        "bench.audit_growth",
     ],
 )
 def test_bench_module_imports(module: str) -> None:
@@ -140,12 +149,18 @@ def test_table_and_goals_from_sample_results() -> None:
         "p6_fair_start_s": 0.1,
         "p6_broker_depth_max": 13,
         "p6_broker_depth_bound": 12,
+        "p1_overhead_cpu_us": 2500,
+        "p7_api_creates_per_s": 450.0,
+        "p8_claim_ratio_10m_audit": 1.1,
         "scaling": [{"processes": 1, "tasks_per_s": 10.0}],
     }
     goals = report.goals(sample)
     sample["goals"] = goals
     assert set(goals) == GOAL_KEYS
     assert {k for k, g in goals.items() if not g["met"]} == {
+        "p1_export_ratio",  # issue 13: >= 0.75
+        "p1_overhead_cpu_us",
+        "p2_export_ratio_to_copy",  # issue 13: >= 0.6
         "p1_reminder_ratio",
         "p3_scan_ms_1m",
         "p6_start_ms_p95",
