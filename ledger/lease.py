@@ -15,6 +15,8 @@ so its pool drops it.
 
 from __future__ import annotations
 
+import hashlib
+import re
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -176,12 +178,60 @@ class Claim:
     owner_role: str | None  # the owner's role in the team when the claim committed
 
 
+_PYFORMAT = re.compile(r"%\((\w+)\)s")
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """One of the statements above as a prepared statement of the session: what runs in
+    the same round trip before it (``prefix``), its body with ``$n`` parameters."""
+
+    name: str
+    prefix: str
+    body: str
+    names: tuple[str, ...]
+
+    def execute_sql(self) -> str:
+        arguments = ", ".join(f"%({name})s" for name in self.names)
+        return f"{self.prefix} EXECUTE {self.name}({arguments})"
+
+
+_FORMS: dict[str, _Prepared] = {}
+
+
+def _form(sql: str) -> _Prepared:
+    form = _FORMS.get(sql)
+    if form is None:
+        prefix, _, body = sql.rpartition(";")
+        names = tuple(dict.fromkeys(_PYFORMAT.findall(body)))
+        converted = _PYFORMAT.sub(lambda m: f"${names.index(m.group(1)) + 1}", body)
+        name = "td_lease_" + hashlib.sha256(sql.encode()).hexdigest()[:12]
+        form = _FORMS[sql] = _Prepared(name, prefix + ";" if prefix else "", converted, names)
+    return form
+
+
+def _prepared_sql(conn: Connection, cursor: Any, sql: str) -> str:
+    """``sql`` to run on this session: its body prepared once per database session (one
+    round trip, the first time), then executed by name, so PostgreSQL parses and plans it
+    once instead of at every task. A prepared statement outlives a rolled-back
+    transaction, and a new session (a reconnect) starts with none."""
+    form = _form(sql)
+    prepared: set[str] = conn.connection.info.setdefault("teamdesk_prepared", set())
+    if form.name not in prepared:
+        cursor.execute(f"PREPARE {form.name} AS {form.body}")
+        prepared.add(form.name)
+    return form.execute_sql()
+
+
 def _execute(conn: Connection, sql: str | bytes, params: dict[str, Any] | None) -> Any:
-    """Run one statement on ``conn``'s DBAPI connection (inside its transaction, if any)."""
+    """Run one statement on ``conn``'s DBAPI connection (inside its transaction, if any);
+    a lease statement (text) as the session's prepared statement."""
     dbapi = conn.connection.dbapi_connection
     assert dbapi is not None
     cursor = dbapi.cursor()
     try:
+        if isinstance(sql, str):
+            sql = _prepared_sql(conn, cursor, sql)
         cursor.execute(sql, params)
     except (psycopg2.OperationalError, psycopg2.InterfaceError):
         conn.invalidate()  # the server connection is gone: the pool must not reuse it
@@ -250,8 +300,10 @@ def complete_export(conn: Connection, lease: Lease, csv: bytearray | str, summar
     marker = f"teamdesk_csv_{uuid.uuid4().hex}"
     dbapi = conn.connection.dbapi_connection
     assert dbapi is not None
-    template = dbapi.cursor().mogrify(
-        COMPLETE_EXPORT, {**lease.params(), "csv": AsIs(marker), "summary": summary}
+    cursor = dbapi.cursor()
+    template = cursor.mogrify(
+        _prepared_sql(conn, cursor, COMPLETE_EXPORT),
+        {**lease.params(), "csv": AsIs(marker), "summary": summary},
     )
     before, after = template.split(marker.encode())
     tag = b"$" + marker.encode() + b"$"
