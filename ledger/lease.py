@@ -101,6 +101,20 @@ REPORT_PROGRESS = f"""
      WHERE {_LEASE}
 """
 
+# Guard: the lease. An export's last progress write (99) before its completion, which
+# also reads the owner's role in the task's team now, for the final permission check.
+# Returns nothing when the lease is lost.
+REPORT_LAST_PROGRESS = f"""
+    SELECT set_config('synchronous_commit', 'off', true);
+    WITH reported AS (
+        UPDATE background_tasks SET progress = %(progress)s, updated_at = now()
+         WHERE {_LEASE}
+        RETURNING team_id, owner_id
+    )
+    SELECT m.role FROM reported r
+      LEFT JOIN memberships m ON m.team_id = r.team_id AND m.user_id = r.owner_id
+"""
+
 # Guard: the lease. The CSV is kept 24 h from the commit. Wakes the dispatcher (a window
 # slot is free) at commit.
 COMPLETE_EXPORT = (
@@ -287,6 +301,17 @@ def report_progress(conn: Connection, lease: Lease, progress: int) -> None:
     if not 0 <= progress <= 100:
         raise ValueError("progress must be within 0..100")
     _write_or_lose(conn, REPORT_PROGRESS, lease, progress=progress)
+
+
+def report_last_progress(conn: Connection, lease: Lease, progress: int) -> str | None:
+    """Write progress and read the owner's current role in the task's team, in one
+    statement; LeaseLost when the lease is gone."""
+    if not 0 <= progress <= 100:
+        raise ValueError("progress must be within 0..100")
+    row = _execute(conn, REPORT_LAST_PROGRESS, {**lease.params(), "progress": progress}).fetchone()
+    if row is None:
+        raise LeaseLost(lease.task_id)
+    return None if row[0] is None else str(row[0])
 
 
 def complete_export(conn: Connection, lease: Lease, csv: bytearray | str, summary: str) -> None:

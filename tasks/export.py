@@ -195,13 +195,21 @@ def run_export(ctx: Context) -> str:
     require_permission(claim.scope, claim.owner_role)  # as of the claim
     where, params = where_clause(claim, filters)
     stream = read_csv(ctx, where, params)
-    if stream.rows:  # the last batch: the ledger says 99, the queue's next word is the end
-        _batch_done(ctx, stream.rows, stream.rows, ctx.conn)
-    require_permission(claim.scope, role_of(ctx.conn, claim.team_id, claim.owner_id))  # now
+    require_permission(claim.scope, _last_batch(ctx, stream.rows))  # now
     hooks.fire("export.before_result_write", claim=claim)
     summary = f"{stream.rows} rows"
     lease.complete_export(ctx.conn, claim.lease, stream.take_csv(), summary)
     return summary
+
+
+def _last_batch(ctx: Context, rows: int) -> str | None:
+    """After the last batch only the ledger is told (99: the queue's next word is the
+    task's end), in the statement that also reads the owner's role now."""
+    claim = ctx.claim
+    if not rows:
+        return role_of(ctx.conn, claim.team_id, claim.owner_id)
+    hooks.fire("export.after_read", claim=claim, done=rows, total=rows)
+    return lease.report_last_progress(ctx.conn, claim.lease, 99)
 
 
 def _batch_done(ctx: Context, done: int, total: int, conn: Connection) -> None:
