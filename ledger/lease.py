@@ -26,6 +26,7 @@ import psycopg2
 from psycopg2.extensions import AsIs
 from sqlalchemy.engine import Connection
 
+from ledger import staging
 from ledger.errors import LeaseLost
 from ledger.wake import WAKE_SQL
 
@@ -129,6 +130,12 @@ COMPLETE_EXPORT = (
          WHERE {_LEASE}""",
         "'COMPLETE'",
     )
+)
+
+# Guard: the lease. The same completion, the CSV read from the staged text of the
+# transaction (ledger/staging.py) instead of a literal.
+COMPLETE_EXPORT_STAGED = COMPLETE_EXPORT.replace(
+    "result_csv = %(csv)s", f"result_csv = (SELECT value FROM {staging.STAGE_TABLE})"
 )
 
 # Guard: the lease; the caller's transaction holds the side effects (and the wake-up,
@@ -315,12 +322,17 @@ def report_last_progress(conn: Connection, lease: Lease, progress: int) -> str |
 
 
 def complete_export(conn: Connection, lease: Lease, csv: bytearray | str, summary: str) -> None:
-    """COMPLETED with ``csv``: text, or a buffer of UTF-8 bytes as COPY wrote them. A buffer
-    is handed over and emptied: the statement is built around it in one pass (the CSV as
-    one dollar-quoted literal, no escaping), so a large CSV is in memory twice at most -
-    the statement, then the driver's send buffer - and never as a string."""
+    """COMPLETED with ``csv``: text, or a buffer of UTF-8 bytes as COPY wrote them, handed
+    over and emptied. A large buffer is streamed to the server (ledger/staging.py: the
+    process holds it once); a small one, or when temporary tables are not allowed, goes
+    as one dollar-quoted literal built around it in one pass (no escaping, never a
+    string)."""
     if isinstance(csv, str):
         _write_or_lose(conn, COMPLETE_EXPORT, lease, csv=csv, summary=summary)
+        return
+    if len(csv) >= staging.STAGE_MIN_BYTES and staging.stage(conn, csv):
+        csv.clear()  # the server holds it now
+        _complete_staged(conn, lease, summary)
         return
     marker = f"teamdesk_csv_{uuid.uuid4().hex}"
     dbapi = conn.connection.dbapi_connection
@@ -337,6 +349,23 @@ def complete_export(conn: Connection, lease: Lease, csv: bytearray | str, summar
     statement = b"".join((before, tag, csv, tag, after))
     csv.clear()
     if _execute(conn, statement, None).rowcount != 1:
+        raise LeaseLost(lease.task_id)
+
+
+def _complete_staged(conn: Connection, lease: Lease, summary: str) -> None:
+    """The completion inside the transaction ``staging.stage`` opened; it commits only
+    when the lease held."""
+    completed = False
+    try:
+        dbapi = conn.connection.dbapi_connection
+        assert dbapi is not None
+        params = {**lease.params(), "summary": summary}
+        statement = dbapi.cursor().mogrify(COMPLETE_EXPORT_STAGED, params)
+        completed = _execute(conn, statement, None).rowcount == 1
+    finally:
+        if not conn.invalidated:
+            staging.end(conn, commit=completed)
+    if not completed:
         raise LeaseLost(lease.task_id)
 
 

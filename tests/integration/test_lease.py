@@ -9,7 +9,7 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from ledger import lease
+from ledger import lease, staging
 from ledger.errors import LeaseLost
 from tests.support.factories import World, insert_task, task_row
 
@@ -311,3 +311,48 @@ def test_lease_statements_are_prepared_once_per_session(engine: sa.Engine, world
         ).scalars()
         assert len(set(names)) == 2  # the claim and the completion, once each
     assert task_row(engine, second)["result_csv"] == "id\n"
+
+
+def in_transaction(conn: sa.Connection) -> bool:
+    dbapi = conn.connection.dbapi_connection
+    assert dbapi is not None
+    return bool(dbapi.get_transaction_status() != 0)  # 0: idle, outside any transaction
+
+
+def test_a_large_csv_is_streamed_to_the_completion_byte_for_byte(
+    engine: sa.Engine, world: World
+) -> None:
+    text = "id,title\n" + "".join(
+        f'{i},"caf\u00e9 $$ \\\\ ""q"" \u2603 {i}"\n' for i in range(40_000)
+    )
+    assert len(text.encode()) > staging.STAGE_MIN_BYTES
+    task_id = insert_task_committed(engine, world)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        held = lease.claim(conn, task_id, 0)
+        assert held is not None
+        buffer = bytearray(text.encode())
+        lease.complete_export(conn, held.lease, buffer, "40000 rows")
+        assert buffer == bytearray() and not in_transaction(conn)
+        assert (
+            conn.exec_driver_sql("SELECT to_regclass('pg_temp.teamdesk_staged_text')").scalar()
+            is None
+        )
+    row = task_row(engine, task_id)
+    assert (row["status"], row["result_csv"]) == ("COMPLETED", text)
+
+
+def test_a_large_csv_of_a_lost_lease_is_rolled_back(engine: sa.Engine, world: World) -> None:
+    task_id = insert_task_committed(engine, world)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        held = lease.claim(conn, task_id, 0)
+        assert held is not None
+        newer = claimed(engine, task_id)
+        with pytest.raises(LeaseLost):
+            lease.complete_export(conn, held.lease, bytearray(b"x" * (2 << 20)), "late")
+        assert not in_transaction(conn)
+    row = task_row(engine, task_id)
+    assert (row["status"], row["execution_id"], row["result_csv"]) == (
+        "RUNNING",
+        newer.execution_id,
+        None,
+    )
