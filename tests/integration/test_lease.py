@@ -320,8 +320,9 @@ def in_transaction(conn: sa.Connection) -> bool:
 
 
 def test_a_large_csv_is_streamed_to_the_completion_byte_for_byte(
-    engine: sa.Engine, world: World
+    engine: sa.Engine, world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(staging, "STAGE_MIN_BYTES", 1 << 20)  # 8 MiB in production
     text = "id,title\n" + "".join(
         f'{i},"caf\u00e9 $$ \\\\ ""q"" \u2603 {i}"\n' for i in range(40_000)
     )
@@ -341,7 +342,10 @@ def test_a_large_csv_is_streamed_to_the_completion_byte_for_byte(
     assert (row["status"], row["result_csv"]) == ("COMPLETED", text)
 
 
-def test_a_large_csv_of_a_lost_lease_is_rolled_back(engine: sa.Engine, world: World) -> None:
+def test_a_large_csv_of_a_lost_lease_is_rolled_back(
+    engine: sa.Engine, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(staging, "STAGE_MIN_BYTES", 1 << 20)
     task_id = insert_task_committed(engine, world)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         held = lease.claim(conn, task_id, 0)
