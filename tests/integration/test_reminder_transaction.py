@@ -46,7 +46,7 @@ def checkouts(engine: sa.Engine) -> list[object]:
 def idle(conn: Connection) -> bool:
     dbapi = conn.connection.dbapi_connection
     assert dbapi is not None
-    status = dbapi.get_transaction_status()  # type: ignore[attr-defined]
+    status = dbapi.get_transaction_status()
     return bool(status == psycopg2.extensions.TRANSACTION_STATUS_IDLE)
 
 
