@@ -41,6 +41,7 @@ DATABASE_ERRORS = (
 def dispatcher_engine(settings: Settings) -> Engine:
     return make_engine(
         settings.database_url,
+        settings.database_prepared_statements,
         pool_pre_ping=False,
         pool_size=2,
         max_overflow=2,

@@ -27,6 +27,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, TEXT, TIMESTAMP
 from sqlalchemy.engine import Connection
 
 from ledger.states import KINDS
+from teamdesk.db import PREPARED_KEY, may_prepare
 
 MSG_TOO_MANY_RECOVERIES = "The task stopped responding too many times."
 
@@ -369,7 +370,9 @@ def _prepared(
     if name not in _PARAM_NAMES:
         _PARAM_NAMES[name] = list(dict.fromkeys(_PARAM.findall(statement.text)))
     names = _PARAM_NAMES[name]
-    prepared: set[str] = conn.connection.info.setdefault("teamdesk_prepared", set())
+    if not may_prepare(conn.connection.info):  # DATABASE_PREPARED_STATEMENTS=off
+        return [tuple(row) for row in conn.execute(statement, params)]
+    prepared: set[str] = conn.connection.info.setdefault(PREPARED_KEY, set())
     dbapi = conn.connection.dbapi_connection
     assert dbapi is not None
     cursor = dbapi.cursor()

@@ -29,6 +29,7 @@ from sqlalchemy.engine import Connection
 from ledger import staging
 from ledger.errors import LeaseLost
 from ledger.wake import WAKE_SQL
+from teamdesk.db import PREPARED_KEY, may_prepare
 
 # The lease condition every write of a running execution carries.
 _LEASE = (
@@ -235,9 +236,13 @@ def _prepared_sql(conn: Connection, cursor: Any, sql: str) -> str:
     """``sql`` to run on this session: its body prepared once per database session (one
     round trip, the first time), then executed by name, so PostgreSQL parses and plans it
     once instead of at every task. A prepared statement outlives a rolled-back
-    transaction, and a new session (a reconnect) starts with none."""
+    transaction, and a new session (a reconnect) starts with none. Unprepared where the
+    engine says so (DATABASE_PREPARED_STATEMENTS=off: PgBouncer in transaction pooling
+    hands each transaction any server session)."""
+    if not may_prepare(conn.connection.info):
+        return sql
     form = _form(sql)
-    prepared: set[str] = conn.connection.info.setdefault("teamdesk_prepared", set())
+    prepared: set[str] = conn.connection.info.setdefault(PREPARED_KEY, set())
     if form.name not in prepared:
         cursor.execute(f"PREPARE {form.name} AS {form.body}")
         prepared.add(form.name)

@@ -62,6 +62,9 @@ class Settings:
     api_rate_per_min: int = 120  # create, retry and cancel requests per token, refilled
     api_rate_burst: int = 30  # ... of which this many at once
     auth_failures_per_min: int = 30  # 401 answers per client address (also the burst)
+    # Lease and dispatcher statements as session-level prepared statements; off behind
+    # PgBouncer in transaction pooling, where a session's statements do not follow it.
+    database_prepared_statements: bool = True
 
     @property
     def listen_url(self) -> str | None:
@@ -126,6 +129,18 @@ def _text(env: Mapping[str, str], name: str, default: str) -> str:
 LISTEN_OFF = "off"
 
 
+def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """``on`` or ``off`` (also true/false, 1/0, yes/no); unset: ``default``."""
+    raw = (env.get(name) or "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("on", "true", "1", "yes"):
+        return True
+    if raw in ("off", "false", "0", "no"):
+        return False
+    raise ConfigError(f"{name} must be on or off")
+
+
 def _listen_url(env: Mapping[str, str]) -> str | None:
     """DISPATCH_LISTEN_URL: a PostgreSQL URL, ``off`` (poll only), or unset (DATABASE_URL)."""
     raw = (env.get("DISPATCH_LISTEN_URL") or "").strip()
@@ -183,6 +198,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         api_rate_per_min=_number(env, "API_RATE_PER_MIN", 120, int, 0),
         api_rate_burst=_number(env, "API_RATE_BURST", 30, int, 1),
         auth_failures_per_min=_number(env, "AUTH_FAILURES_PER_MIN", 30, int, 0),
+        database_prepared_statements=_switch(env, "DATABASE_PREPARED_STATEMENTS", True),
     )
 
 

@@ -12,6 +12,11 @@ from teamdesk.config import get_settings
 _engine: Engine | None = None
 _lock = threading.Lock()
 
+# Per connection (``conn.connection.info``): whether the ledger may prepare statements on
+# this database session (DATABASE_PREPARED_STATEMENTS), and which it prepared already.
+PREPARE_KEY = "teamdesk_prepare"
+PREPARED_KEY = "teamdesk_prepared"
+
 
 def sqlalchemy_url(url: str) -> str:
     """DATABASE_URL with the psycopg2 driver named (SQLAlchemy 2.1 defaults to psycopg 3)."""
@@ -21,8 +26,10 @@ def sqlalchemy_url(url: str) -> str:
     return url
 
 
-def make_engine(url: str, **kwargs: object) -> Engine:
-    """An engine whose connections give up quickly when PostgreSQL is away."""
+def make_engine(url: str, prepared_statements: bool = True, **kwargs: object) -> Engine:
+    """An engine whose connections give up quickly when PostgreSQL is away.
+    ``prepared_statements``: whether the ledger may prepare statements on its sessions
+    (off behind PgBouncer in transaction pooling)."""
     url = sqlalchemy_url(url)
     connect_args = {"connect_timeout": 5, "application_name": "teamdesk-tasks"}
     # Pre-ping costs a round trip per checkout, but without it every pooled connection
@@ -36,14 +43,27 @@ def make_engine(url: str, **kwargs: object) -> Engine:
         "connect_args": connect_args,
     }
     options.update(kwargs)
-    return sa.create_engine(url, **options)
+    engine = sa.create_engine(url, **options)
+
+    @sa.event.listens_for(engine, "connect")
+    def _mark(_dbapi: object, record: sa.pool.ConnectionPoolEntry) -> None:
+        record.info[PREPARE_KEY] = prepared_statements
+
+    return engine
+
+
+def may_prepare(info: dict[object, object]) -> bool:
+    """Whether statements may be prepared on the session whose ``connection.info`` this is
+    (an engine not made here: yes)."""
+    return bool(info.get(PREPARE_KEY, True))
 
 
 def get_engine() -> Engine:
     global _engine
     with _lock:
         if _engine is None:
-            _engine = make_engine(get_settings().database_url)
+            settings = get_settings()
+            _engine = make_engine(settings.database_url, settings.database_prepared_statements)
         return _engine
 
 

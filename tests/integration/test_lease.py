@@ -9,8 +9,9 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from ledger import lease, staging
+from ledger import dispatch, lease, staging
 from ledger.errors import LeaseLost
+from teamdesk import db
 from tests.support.factories import World, insert_task, task_row
 
 
@@ -360,3 +361,26 @@ def test_a_large_csv_of_a_lost_lease_is_rolled_back(
         newer.execution_id,
         None,
     )
+
+
+def test_with_prepared_statements_off_nothing_is_prepared(database_url: str, world: World) -> None:
+    """DATABASE_PREPARED_STATEMENTS=off (PgBouncer in transaction pooling, where the next
+    transaction may run on another server session that never saw the PREPARE): the lease's
+    and the dispatcher's statements run unprepared and do the same work."""
+    engine = db.make_engine(database_url, prepared_statements=False)
+    try:
+        task_id = insert_task_committed(engine, world)
+        with engine.begin() as conn:
+            state = dispatch.window_state(conn)
+            turn = dispatch.stamp_ready(conn, kind="EXPORT", n=5, team_cap=0)
+        assert "EXPORT" in state.waiting and [r.task_id for r in turn.refs] == [task_id]
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            held = lease.claim(conn, task_id, 0, stamp=turn.refs[0].stamp)
+            assert held is not None
+            lease.complete_export(conn, held.lease, bytearray(b"id\n"), "0 rows")
+            names = conn.exec_driver_sql("SELECT name FROM pg_prepared_statements").scalars()
+            assert list(names) == []
+        row = task_row(engine, task_id)
+        assert (row["status"], row["result_csv"]) == ("COMPLETED", "id\n")
+    finally:
+        engine.dispose()

@@ -87,6 +87,7 @@ def test_rabbitmq_needs_the_clusters_own_virtual_host(url: str) -> None:
         ({"REDIS_URL": "redis://"}, "REDIS_URL must name a host"),
         ({"BROKER_URL": "kafka://h"}, "BROKER_URL must start with one of"),
         ({"QUEUE_PREFIX": "a b"}, "QUEUE_PREFIX must not contain spaces"),
+        ({"DATABASE_PREPARED_STATEMENTS": "sometimes"}, "DATABASE_PREPARED_STATEMENTS must be on"),
     ],
 )
 def test_bad_values_name_the_variable(env: dict[str, str], needle: str) -> None:
@@ -138,3 +139,11 @@ def test_health_probe_never_exits_2_on_bad_config() -> None:
     )
     assert proc.returncode == 1
     assert "HEARTBEAT_TTL_S must be a number" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"), [(None, True), ("on", True), ("off", False), ("FALSE", False), ("1", True)]
+)
+def test_prepared_statements_switch(raw: str | None, expected: bool) -> None:
+    env = {} if raw is None else {"DATABASE_PREPARED_STATEMENTS": raw}
+    assert load_settings(env).database_prepared_statements is expected
