@@ -33,13 +33,17 @@ test: install services ## install, check services, run the whole test suite
 	TEAMDESK_CHECK_RABBITMQ=1 $(PY) scripts/check_services.py
 	bash scripts/ensure_chromium.sh
 	bash scripts/ensure_debian.sh faketime faketime
+	bash scripts/ensure_debian.sh prometheus prometheus
 	$(PY) -m pytest
 
-lint: install ## ruff, mypy and the import contracts (lint-imports)
+lint: install ## ruff, mypy, the import contracts (lint-imports), the alert rules (promtool)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy .
 	$(VENV)/bin/lint-imports
+	bash scripts/ensure_debian.sh promtool prometheus
+	promtool check rules deploy/prometheus/alerts.yaml
+	promtool test rules deploy/prometheus/tests/*.test.yaml
 
 format: install ## apply ruff's formatting and safe fixes
 	$(VENV)/bin/ruff check --fix .

@@ -23,13 +23,16 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
 from api import errors, health, tasks
+from api.metrics import RequestMetrics
 from api.middleware import BodyLimit, LastResort, SecurityHeaders
 from api.resources import Resources
+from teamdesk import metrics
 from teamdesk.config import Settings
 from teamdesk.logs import setup_logging
 
@@ -56,6 +59,13 @@ def _json_logs(level: str) -> None:
             uvicorn_logger.addFilter(_DropColorMessage())
 
 
+def _metrics_endpoint(settings: Settings) -> Any:
+    """``/metrics`` on METRICS_HOST:METRICS_PORT, a port apart from the API's (off: 0)."""
+    if not settings.metrics_port:
+        return None
+    return metrics.serve(settings.metrics_port, settings.metrics_host)
+
+
 def create_api(settings: Settings | None = None, *, configure_logging: bool = True) -> FastAPI:
     """Build the app; ``settings=None`` reads the environment on first use, not at import.
 
@@ -68,9 +78,13 @@ def create_api(settings: Settings | None = None, *, configure_logging: bool = Tr
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if configure_logging:
             _json_logs(res.settings.log_level)
+        endpoint = _metrics_endpoint(res.settings)
         try:
             yield
         finally:
+            if endpoint is not None:
+                endpoint.shutdown()
+                endpoint.server_close()
             res.close()
 
     # FastAPIOffline: /docs and /redoc load their scripts from this server (the assets ship
@@ -88,7 +102,8 @@ def create_api(settings: Settings | None = None, *, configure_logging: bool = Tr
     errors.install(app)
     app.add_middleware(LastResort)
     app.add_middleware(BodyLimit)
-    app.add_middleware(SecurityHeaders)  # outermost: 413 and 500 answers get them too
+    app.add_middleware(SecurityHeaders)  # 413 and 500 answers get them too
+    app.add_middleware(RequestMetrics)  # outermost: counts every answer
     return app
 
 

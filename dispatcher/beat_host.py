@@ -22,7 +22,9 @@ from celery.beat import Scheduler
 
 from dispatcher.context import Cluster
 from dispatcher.leader import leader_ttl_s
+from dispatcher.ledger_gauges import LedgerGauges
 from dispatcher.loop import DispatchLoop
+from dispatcher.metrics import serve_once
 from teamdesk.config import Settings, get_settings
 
 SCHEDULER = "dispatcher.beat_host:DispatchingScheduler"
@@ -52,7 +54,8 @@ class DispatchingScheduler(Scheduler):
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         if self._loop is None:
-            self._loop = DispatchLoop(Cluster(self.app, get_settings()))
+            self._loop = loop = DispatchLoop(Cluster(self.app, get_settings()))
+            serve_once(loop.cluster.settings, LedgerGauges(loop.cluster, loop.metrics.leading))
         return self._loop.run_for(tick_budget_s(self._loop.cluster.settings))
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ from dispatcher.context import DATABASE_ERRORS, Cluster, error_class
 from dispatcher.errors import ScanUnavailable
 from dispatcher.leader import Leadership, leader_key, leader_ttl_s
 from dispatcher.listener import Wakeup, wakeup_for
+from dispatcher.metrics import DispatchMetrics, attach
 from dispatcher.monitor import FailureLog
 from dispatcher.scan import ScanCounts, scan
 from dispatcher.window import FillCounts, Window, fill
@@ -82,6 +83,8 @@ class DispatchLoop:
         self._woken = True
         self._warned: dict[str, float] = {}
         self.last_scan: ScanCounts | None = None
+        self.metrics = DispatchMetrics(lambda: self.leadership.leading, clock)
+        attach(self.metrics)
 
     def run_for(self, budget_s: float) -> float:
         """Work for about ``budget_s``; returns how long the caller may wait before the
@@ -134,6 +137,7 @@ class DispatchLoop:
         purge = now >= self._next_purge
         self._last_fill, self._fill_pending = now, False
         counts = scan(self.cluster, self.window, purge=purge)
+        self.metrics.scanned(counts, self._clock() - now, purge)
         self._next_scan = now + self.cluster.settings.scan_interval_s
         if purge:
             self._next_purge = now + PURGE_INTERVAL_S
@@ -148,6 +152,7 @@ class DispatchLoop:
     def _fill(self, now: float) -> None:
         self._last_fill, self._fill_pending = now, False
         counts: FillCounts = fill(self.cluster, self.window)
+        self.metrics.filled(counts)
         if self._clock() - now > SLOW_FILL_S:
             self._next_scan = min(self._next_scan, now + SLOW_FILL_RESCAN_S)
         self._next_due = None if counts.next_due_s is None else now + counts.next_due_s
@@ -163,6 +168,7 @@ class DispatchLoop:
             self.monitor.succeeded()
 
     def _failed(self, now: float, service: str, error: str) -> None:
+        self.metrics.failed(service)
         self.monitor.failed(service, error)
         self._not_before = now + ERROR_BACKOFF_S
 

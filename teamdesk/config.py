@@ -65,6 +65,10 @@ class Settings:
     # Lease and dispatcher statements as session-level prepared statements; off behind
     # PgBouncer in transaction pooling, where a session's statements do not follow it.
     database_prepared_statements: bool = True
+    # Prometheus endpoint of this process (teamdesk/metrics.py): 0 = none; loopback unless
+    # METRICS_HOST says otherwise (never public by default).
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
 
     @property
     def listen_url(self) -> str | None:
@@ -165,6 +169,13 @@ def _broker_url(env: Mapping[str, str], redis_url: str, queue_prefix: str) -> st
     return url
 
 
+def _port(env: Mapping[str, str], name: str) -> int:
+    port = _number(env, name, 0, int, 0)
+    if port > 65535:
+        raise ConfigError(f"{name} must be a TCP port (1-65535) or 0, got {env.get(name)!r}")
+    return port
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read and validate every variable; raise ConfigError naming the first bad one."""
     env = os.environ if env is None else env
@@ -199,6 +210,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         api_rate_burst=_number(env, "API_RATE_BURST", 30, int, 1),
         auth_failures_per_min=_number(env, "AUTH_FAILURES_PER_MIN", 30, int, 0),
         database_prepared_statements=_switch(env, "DATABASE_PREPARED_STATEMENTS", True),
+        metrics_port=_port(env, "METRICS_PORT"),
+        metrics_host=_text(env, "METRICS_HOST", "127.0.0.1"),
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from pythonjsonlogger.json import JsonFormatter
 
+from teamdesk import metrics
 from teamdesk.redaction import REDACTED, redact, redact_text
 
 __all__ = ["EVENTS", "LEVELS", "REDACTED", "log_event", "redact", "redact_text", "setup_logging"]
@@ -138,8 +139,10 @@ def setup_logging(service: str, level: str = "info", stream: Any = None) -> None
 
 
 def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **fields: Any) -> None:
-    """Log one event of :data:`EVENTS`; ``fields`` become top-level JSON keys."""
+    """Log one event of :data:`EVENTS`; ``fields`` become top-level JSON keys. The event
+    is counted for the metrics whatever the level (teamdesk/metrics.py)."""
     if event not in EVENTS:
         raise ValueError(f"unknown log event {event!r}")
+    metrics.on_event(event, fields)
     if logger.isEnabledFor(level):
         logger.log(level, event, extra={"event": event, **fields})

@@ -50,6 +50,7 @@ from tasks.execution import TaskFailed
 from teamdesk import db, hooks
 from teamdesk.config import get_settings
 from teamdesk.logs import log_event
+from worker import metrics as worker_metrics
 from worker.liveness import renew_interval_s
 from worker.steps import current_liveness
 
@@ -245,4 +246,5 @@ def connect() -> None:
     signals.worker_shutdown.connect(_on_shutdown, weak=False)
     signals.worker_process_init.connect(_on_child_init, weak=False)
     signals.task_failure.connect(_on_task_failure, weak=False)
+    worker_metrics.connect()
     _connected = True

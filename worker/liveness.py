@@ -37,6 +37,7 @@ import psycopg2
 from celery.worker import state
 
 from dispatcher.heartbeat import Heartbeat, WorkerSlots
+from teamdesk import metrics
 from teamdesk.config import Settings, is_redis_url
 from teamdesk.logs import log_event
 from teamdesk.redis_client import redis_client
@@ -126,6 +127,7 @@ class Liveness:
         try:
             result = action()
         except Exception as exc:
+            metrics.heartbeat_failed(stage)
             if stage not in self._failing:
                 log_event(
                     log, "heartbeat.failed", logging.WARNING, error=type(exc).__name__, stage=stage

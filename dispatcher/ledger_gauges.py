@@ -1,0 +1,127 @@
+"""The ledger's gauges, read by the leading dispatcher only, with one bounded statement
+cached for :data:`CACHE_S` (docs/design.md, "Observe").
+
+- ``teamdesk_tasks{kind,status}``: tasks by kind and status (retention keeps the table
+  small; the dispatcher's connections bound every statement by ``statement_timeout``);
+- ``teamdesk_tasks_oldest_waiting_seconds{kind}``: how long the oldest WAITING task that
+  is due has been due, by the database's clock (0 when none);
+- ``teamdesk_tasks_running_silent{kind}``: RUNNING rows not written for more than half of
+  ``STALE_AFTER_S``, by the database's clock (the recovery's early warning);
+- ``teamdesk_dispatch_window_depth{kind}``: runs published and not yet claimed;
+- ``teamdesk_workers_live``: live worker heartbeat members (Redis).
+
+A failed read (the database or Redis away) serves none of these and counts
+``teamdesk_ledger_read_errors_total``: an alert on them then sees them absent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import redis
+import sqlalchemy as sa
+from prometheus_client import Counter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy.exc import SQLAlchemyError
+
+from dispatcher.context import Cluster, transaction
+from dispatcher.heartbeat import live_members
+from ledger.states import KINDS, STATUSES
+from teamdesk import metrics
+
+CACHE_S = 5.0
+
+# One round trip; every part uses a partial index of the dispatcher's but the status
+# count, which retention bounds.
+_READ = sa.text(
+    """
+    SELECT 'tasks' AS part, kind, status, count(*)::float8 AS value
+      FROM background_tasks GROUP BY kind, status
+    UNION ALL
+    SELECT 'oldest', kind, NULL, EXTRACT(EPOCH FROM now() - min(run_at))::float8
+      FROM background_tasks WHERE status = 'WAITING' AND run_at <= now() GROUP BY kind
+    UNION ALL
+    SELECT 'silent', kind, NULL, count(*)::float8
+      FROM background_tasks
+     WHERE status = 'RUNNING' AND updated_at < now() - make_interval(secs => :half_stale_s)
+     GROUP BY kind
+    UNION ALL
+    SELECT 'window', kind, NULL, count(*)::float8
+      FROM background_tasks WHERE status = 'WAITING' AND dispatched_at IS NOT NULL
+     GROUP BY kind
+    """
+)
+
+READ_ERRORS = Counter(
+    "teamdesk_ledger_read_errors",
+    "Reads of the ledger gauges that failed (the gauges were left out of that scrape).",
+    registry=metrics.REGISTRY,
+)
+
+
+class LedgerGauges(Collector):
+    """Collects on the scrape thread; reads at most once per :data:`CACHE_S`."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        leading: Callable[[], bool],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cluster = cluster
+        self.leading = leading
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._read_at = float("-inf")
+        self._families: list[GaugeMetricFamily] = []
+
+    def collect(self) -> Iterable[Any]:
+        if not self.leading():
+            return []
+        with self._lock:
+            if self.clock() - self._read_at >= CACHE_S:
+                self._families = self._read()
+                self._read_at = self.clock()
+            return list(self._families)
+
+    def _read(self) -> list[GaugeMetricFamily]:
+        try:
+            with transaction(self.cluster.engine) as conn:
+                rows = conn.execute(
+                    _READ, {"half_stale_s": self.cluster.settings.stale_after_s / 2}
+                ).all()
+            live = len(live_members(self.cluster.results, self.cluster.settings.queue_prefix))
+        except (SQLAlchemyError, redis.RedisError):
+            READ_ERRORS.inc()
+            return []
+        return [*families(rows), _live(live)]
+
+
+def families(rows: Sequence[Any]) -> list[GaugeMetricFamily]:
+    """The gauges from the statement's rows, with a zero for every kind (and status)."""
+    got = {(row.part, row.kind, row.status): row.value for row in rows}
+    tasks = GaugeMetricFamily(
+        "teamdesk_tasks", "Tasks by kind and status.", labels=["kind", "status"]
+    )
+    for kind in KINDS:
+        for status in STATUSES:
+            tasks.add_metric([kind.lower(), status], got.get(("tasks", kind, status), 0.0))
+    out = [tasks]
+    for part, name, text in (
+        ("oldest", "teamdesk_tasks_oldest_waiting_seconds", "Age of the oldest due WAITING task."),
+        ("silent", "teamdesk_tasks_running_silent", "RUNNING rows silent > STALE_AFTER_S/2."),
+        ("window", "teamdesk_dispatch_window_depth", "Runs published, not yet claimed."),
+    ):
+        family = GaugeMetricFamily(name, text, labels=["kind"])
+        for kind in KINDS:
+            family.add_metric([kind.lower()], got.get((part, kind, None), 0.0))
+        out.append(family)
+    return out
+
+
+def _live(count: int) -> GaugeMetricFamily:
+    return GaugeMetricFamily("teamdesk_workers_live", "Live worker heartbeat members.", count)
