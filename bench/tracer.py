@@ -33,6 +33,7 @@ import psycopg2
 import psycopg2.extensions as ext
 import redis
 import redis.client
+import sqlalchemy as sa
 from celery import signals
 
 STATEMENTS = (  # a needle in the statement (whitespace folded) -> its name, first match wins
@@ -149,9 +150,10 @@ def _trace_engines() -> None:
 
     real_make_engine = db.make_engine
 
-    def make_engine(url: str, **kwargs: Any) -> Any:
+    def make_engine(url: str, prepared_statements: bool = True, **kwargs: object) -> sa.Engine:
         engine = real_make_engine(
             url,
+            prepared_statements,
             connect_args={
                 "connect_timeout": 5,
                 "application_name": "teamdesk-tasks",
