@@ -177,7 +177,9 @@ sa.Index(
 sa.Index(
     "ix_background_tasks_finished",
     background_tasks.c.updated_at,
-    postgresql_where=sa.text("status IN ('COMPLETED', 'FAILED', 'CANCELLED')"),
+    # PostgreSQL stores IN (...) as = ANY (ARRAY[...]); written that way, model and
+    # database compare equal (tests/integration/test_schema.py).
+    postgresql_where=sa.text("status = ANY (ARRAY['COMPLETED', 'FAILED', 'CANCELLED'])"),
 )
 # API: a team's task list, newest first.
 sa.Index(

@@ -39,6 +39,24 @@ def plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from plan_nodes(child)
 
 
+def table_scans(plan: dict[str, Any], table: str) -> list[tuple[str, str | None]]:
+    """Each scan of ``table`` with the index it walks. A Bitmap Heap Scan names no index:
+    its Bitmap Index Scan children do (they carry no relation name)."""
+    scans: list[tuple[str, str | None]] = []
+    for node in plan_nodes(plan):
+        if node.get("Relation Name") != table:
+            continue
+        if node["Node Type"] == "Bitmap Heap Scan":
+            scans += [
+                (node["Node Type"], child.get("Index Name"))
+                for child in plan_nodes(node)
+                if child["Node Type"] == "Bitmap Index Scan"
+            ]
+        else:
+            scans.append((node["Node Type"], node.get("Index Name")))
+    return scans
+
+
 def fill_100k(engine: sa.Engine, world: World) -> None:
     with engine.begin() as conn:
         conn.execute(
@@ -134,12 +152,7 @@ def test_every_dispatcher_statement_walks_a_partial_index_on_100k_rows(
                 *statement._bindparams.values()
             )
             [plan] = conn.execute(explain, params).scalar_one()
-            nodes = list(plan_nodes(plan["Plan"]))
-            scans = [
-                (n["Node Type"], n.get("Index Name"))
-                for n in nodes
-                if n.get("Relation Name") == "background_tasks"
-            ]
+            scans = table_scans(plan["Plan"], "background_tasks")
             assert scans, statement.text
             assert all(kind != "Seq Scan" for kind, _ in scans), (statement.text, scans)
             assert indexes & {name for _, name in scans}, (statement.text, scans)
