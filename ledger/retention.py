@@ -19,10 +19,11 @@ asked. An auditor reading the trail (ledger/audit.py) reads the part younger tha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
+
+from teamdesk.config import Settings
 
 TASK_RETENTION_DAYS = 30.0  # finished tasks are kept this long after they finished
 AUDIT_RETENTION_DAYS = 30.0  # audit rows are kept this long after they were written
@@ -42,13 +43,9 @@ class Retention:
     audit_days: float = AUDIT_RETENTION_DAYS
 
     @classmethod
-    def of(cls, settings: Any) -> Retention:
-        """The configured retention (``TASK_RETENTION_DAYS``, ``AUDIT_RETENTION_DAYS``),
-        or the defaults where the configuration does not name them."""
-        return cls(
-            task_days=float(getattr(settings, "task_retention_days", TASK_RETENTION_DAYS)),
-            audit_days=float(getattr(settings, "audit_retention_days", AUDIT_RETENTION_DAYS)),
-        )
+    def of(cls, settings: Settings) -> Retention:
+        """The configured retention (``TASK_RETENTION_DAYS``, ``AUDIT_RETENTION_DAYS``)."""
+        return cls(task_days=settings.task_retention_days, audit_days=settings.audit_retention_days)
 
 
 @dataclass(frozen=True)

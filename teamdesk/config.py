@@ -69,6 +69,10 @@ class Settings:
     # METRICS_HOST says otherwise (never public by default).
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    # Retention (docs/design.md, "Retention"): finished tasks after they finished, audit
+    # rows after they were written; at least one day (the purge function's own floor).
+    task_retention_days: float = 30.0
+    audit_retention_days: float = 30.0
 
     @property
     def listen_url(self) -> str | None:
@@ -212,6 +216,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         database_prepared_statements=_switch(env, "DATABASE_PREPARED_STATEMENTS", True),
         metrics_port=_port(env, "METRICS_PORT"),
         metrics_host=_text(env, "METRICS_HOST", "127.0.0.1"),
+        task_retention_days=_number(env, "TASK_RETENTION_DAYS", 30.0, float, 1.0),
+        audit_retention_days=_number(env, "AUDIT_RETENTION_DAYS", 30.0, float, 1.0),
     )
 
 

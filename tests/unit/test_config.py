@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from ledger.retention import Retention
 from teamdesk.config import ConfigError, Settings, load_settings
 
 
@@ -88,6 +89,8 @@ def test_rabbitmq_needs_the_clusters_own_virtual_host(url: str) -> None:
         ({"BROKER_URL": "kafka://h"}, "BROKER_URL must start with one of"),
         ({"QUEUE_PREFIX": "a b"}, "QUEUE_PREFIX must not contain spaces"),
         ({"DATABASE_PREPARED_STATEMENTS": "sometimes"}, "DATABASE_PREPARED_STATEMENTS must be on"),
+        ({"TASK_RETENTION_DAYS": "0.5"}, "TASK_RETENTION_DAYS must be at least 1.0"),
+        ({"AUDIT_RETENTION_DAYS": "a month"}, "AUDIT_RETENTION_DAYS must be a number"),
     ],
 )
 def test_bad_values_name_the_variable(env: dict[str, str], needle: str) -> None:
@@ -147,3 +150,9 @@ def test_health_probe_never_exits_2_on_bad_config() -> None:
 def test_prepared_statements_switch(raw: str | None, expected: bool) -> None:
     env = {} if raw is None else {"DATABASE_PREPARED_STATEMENTS": raw}
     assert load_settings(env).database_prepared_statements is expected
+
+
+def test_retention_defaults_and_overrides_reach_the_purge() -> None:
+    assert Retention.of(load_settings({})) == Retention(task_days=30.0, audit_days=30.0)
+    settings = load_settings({"TASK_RETENTION_DAYS": "7", "AUDIT_RETENTION_DAYS": "400"})
+    assert Retention.of(settings) == Retention(task_days=7.0, audit_days=400.0)
