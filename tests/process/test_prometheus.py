@@ -8,8 +8,10 @@ puts ``TeamdeskNoLiveWorker`` in ``pending`` (its ``for: 1m`` not yet over)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import sqlalchemy as sa
 from ledger import service
 from ledger.tokens import create_token
 from teamdesk.config import Settings
+from tests.support.browser import Chromium
 from tests.support.factories import World, add_tickets, insert_task, task_row
 from tests.support.processes import Proc, celery_argv, cluster, free_port, settings_env, worker_argv
 from tests.support.prometheus import Prometheus
@@ -29,6 +32,20 @@ from tests.support.waiting import wait_for
 pytestmark = pytest.mark.slow
 
 EXPORTS_ROUTE = "/api/teams/{team_id}/exports"
+
+
+SCREENSHOT_ENV = "TEAMDESK_OBSERVE_SCREENSHOT"  # a PNG path: docs/observe-prometheus.png
+GRAPHS = (
+    "sum by (kind, outcome) (teamdesk_task_duration_seconds_count)",
+    "sum by (outcome) (teamdesk_dispatcher_recovered_total)",
+)
+
+
+def graph_url(base: str) -> str:
+    params: dict[str, str] = {}
+    for i, expr in enumerate(GRAPHS):
+        params |= {f"g{i}.expr": expr, f"g{i}.tab": "0", f"g{i}.range_input": "1m"}
+    return f"{base}/graph?{urllib.parse.urlencode(params)}"
 
 
 def post_export(base: str, team_id: object, token: str) -> int:
@@ -137,6 +154,12 @@ def test_prometheus_sees_tasks_recovery_and_a_pending_alert(
         assert prom.scalar("teamdesk_dispatcher_leader") == 1.0
         assert prom.scalar("teamdesk_workers_live") == 1.0  # w2 (w1 expired)
         assert not [a for a in prom.alerts() if a["labels"]["alertname"] == "TeamdeskNoLiveWorker"]
+
+        shoot = os.environ.get(SCREENSHOT_ENV)
+        if shoot:  # README "Observe": the graph page, rendered by headless Chromium
+            Chromium(tmp_path / "chromium").screenshot(
+                graph_url(prom.base), Path(shoot), (1280, 1000)
+            )
 
         w2.send(signal.SIGTERM)  # the last worker: no live heartbeat left
         assert w2.wait(timeout=30) == 0

@@ -129,12 +129,16 @@ class Chromium:
         """The page's DOM after load, as HTML text."""
         return self._run(["--dump-dom", url], url, window)
 
-    def screenshot(self, url: str, path: Path, window: tuple[int, int] = (1280, 900)) -> Path:
-        """A PNG of the page's first ``window`` pixels, written to ``path``."""
+    def screenshot(
+        self, url: str, path: Path, window: tuple[int, int] = (1280, 900), settle_ms: int = 0
+    ) -> Path:
+        """A PNG of the page's first ``window`` pixels, written to ``path``; ``settle_ms``
+        lets the page's scripts run that long (virtual time) first."""
         path.parent.mkdir(parents=True, exist_ok=True)
         with suppress(FileNotFoundError):
             path.unlink()
-        self._run([f"--screenshot={path}", url], url, window)
+        settle = [f"--virtual-time-budget={settle_ms}"] if settle_ms else []
+        self._run([*settle, f"--screenshot={path}", url], url, window)
         if not path.exists() or path.read_bytes()[:8] != PNG_SIGNATURE:
             raise AssertionError(f"Chromium wrote no PNG to {path} for {redact(url)}")
         return path
