@@ -118,7 +118,7 @@ def _terminate_and_restart(chaos: Chaos, name: str) -> None:
 
 def stop(chaos: Chaos, record: Record) -> None:
     name = record.target
-    pid = _pid(chaos, name)
+    pid = _pid(chaos, name)  # the process group's
     whole = record.rng.random() < 0.7
     ttl, stale = chaos.timings.heartbeat_ttl_s, chaos.timings.stale_after_s
     frozen_s = round(record.rng.uniform(ttl + 1.0, stale + 2.0), 1)
@@ -130,7 +130,7 @@ def stop(chaos: Chaos, record: Record) -> None:
         if whole:
             os.killpg(pid, signal.SIGSTOP)
         else:
-            os.kill(pid, signal.SIGSTOP)
+            os.kill(inc.main_pid, signal.SIGSTOP)
     record.detail = f"pid {pid}, SIGSTOP {'group' if whole else 'main'} for {frozen_s}s"
     chaos.later(_continue_after, chaos, name, pid, frozen_s, window)
 
