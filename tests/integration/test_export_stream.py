@@ -96,3 +96,31 @@ def test_progress_arrives_while_the_stream_runs_and_the_csv_is_exact(
     assert row["result_summary"] == "10 rows"
     # The hook fires before each batch's progress write: the ledger still shows the last.
     assert seen == [(4, 10, 0), (8, 10, 40), (10, 10, 80)]
+
+
+def test_progress_written_during_the_stream_is_bounded_like_the_read(
+    engine: sa.Engine,
+    world: World,
+    make_app: Callable[..., Celery],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second connection (progress while the COPY holds the execution's) carries the
+    read's statement_timeout, so a progress write stuck on a lock cannot hold the worker
+    process past the budget either."""
+    monkeypatch.setattr(export, "READ_BUDGET_S", 7)
+    bounds: list[str] = []
+    batch_done = export._batch_done
+
+    def observed(ctx: object, done: int, total: int, conn: sa.Connection) -> None:
+        bounds.append(conn.exec_driver_sql("SHOW statement_timeout").scalar_one())
+        batch_done(ctx, done, total, conn)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(export, "_batch_done", observed)
+    app = make_app(export_batch_size=2)
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 5)
+    task_id = create_export(engine, world)
+    with running_cluster(app):
+        wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="COMPLETED")
+    assert bounds == ["7s", "7s"]  # rows 2 and 4 of 5; the last batch goes with the role read
+    assert task_row(engine, task_id)["result_summary"] == "5 rows"
