@@ -36,11 +36,10 @@ from sqlalchemy import exc as sa_exc
 from cli import demo
 from cli.demo import DemoTeam
 from cli.localmanager import ClusterManager
-from cli.slow_exports import HOOKS_MODULE, SLOW_EXPORT_ENV, delay_from_env
 from ledger.migrate import upgrade
+from tasks.demo_pause import SLOW_EXPORT_ENV, delay_from_env
 from teamdesk.config import Settings
 from teamdesk.db import make_engine, sqlalchemy_url
-from teamdesk.hooks import TEST_HOOKS_ENV
 from teamdesk.redis_client import redis_client
 
 PROCFILE = Path(__file__).with_name("Procfile")  # the processes ``make run`` starts
@@ -65,7 +64,7 @@ class LocalOptions:
     password_from_env: bool
     procfile: Path
     tickets: int
-    slow_exports_s: float = 0.0  # demo only: cli/slow_exports.py
+    slow_exports_s: float = 0.0  # demo only: tasks/demo_pause.py
 
 
 def read_procfile(path: Path) -> dict[str, str]:
@@ -97,9 +96,8 @@ def child_env(options: LocalOptions, base: dict[str, str] | None = None) -> dict
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.pop(SLOW_EXPORT_ENV, None)
-    if options.slow_exports_s > 0:  # demo only: the workers load cli/slow_exports.py
+    if options.slow_exports_s > 0:  # demo only: the workers pause (tasks/demo_pause.py)
         env[SLOW_EXPORT_ENV] = f"{options.slow_exports_s:g}"
-        env[TEST_HOOKS_ENV] = HOOKS_MODULE
     return env
 
 

@@ -23,7 +23,7 @@ def _count(text: str) -> int:
 
 
 def _slow_seconds(text: str) -> float:
-    from cli.slow_exports import parse_delay
+    from tasks.demo_pause import parse_delay
 
     try:
         return parse_delay(text)

@@ -1,4 +1,4 @@
-"""The demo-only slow-export knob (cli/slow_exports.py): run-local hands it to its workers
+"""The demo-only slow-export knob (tasks/demo_pause.py): run-local hands it to its workers
 only when asked, its value is bounded, and with it on a real export's progress stops at
 every batch long enough to be seen (``watch`` reads the ledger once a second)."""
 
@@ -12,8 +12,9 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
-from cli import localrun, slow_exports
+from cli import localrun
 from ledger import service
+from tasks import demo_pause as slow_exports
 from teamdesk import hooks
 from tests.support.dispatching import running_cluster
 from tests.support.factories import World, add_tickets, task_row
@@ -29,10 +30,8 @@ def test_run_local_hands_the_knob_to_its_processes_only_when_on() -> None:
     off = localrun.child_env(options(0), inherited)
     assert "TEAMDESK_DEMO_SLOW_EXPORT_S" not in off and "TEAMDESK_TEST_HOOKS" not in off
     on = localrun.child_env(options(2.5), {"PATH": "/usr/bin"})
-    assert (on["TEAMDESK_DEMO_SLOW_EXPORT_S"], on["TEAMDESK_TEST_HOOKS"]) == (
-        "2.5",
-        "cli.slow_exports_hook",
-    )
+    assert on["TEAMDESK_DEMO_SLOW_EXPORT_S"] == "2.5"
+    assert "TEAMDESK_TEST_HOOKS" not in on  # the worker's entry point installs the pause
 
 
 @pytest.mark.parametrize(
@@ -106,4 +105,19 @@ def test_a_worker_that_loads_the_knob_says_so_and_pauses_its_exports(
     )
     monkeypatch.setenv("TEAMDESK_DEMO_SLOW_EXPORT_S", "0")
     slow_exports.install_from_env()
+    assert hooks._hooks.get("export.after_read", []) == before
+
+
+def test_a_bad_value_stops_the_worker_with_one_line_and_exit_code_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TEAMDESK_DEMO_SLOW_EXPORT_S", "9")
+    before = list(hooks._hooks.get("export.after_read", []))
+    with pytest.raises(SystemExit) as stopped:
+        slow_exports.install_from_env()
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == (
+        "teamdesk-tasks: configuration error: "
+        "TEAMDESK_DEMO_SLOW_EXPORT_S must be within 0..5 seconds\n"
+    )
     assert hooks._hooks.get("export.after_read", []) == before

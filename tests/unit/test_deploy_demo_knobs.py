@@ -1,5 +1,5 @@
 """Demo-only knobs never reach a deployment: no file under deploy/ sets the slow-export
-pause (cli/slow_exports.py) or the hook-point seam that loads it."""
+pause (tasks/demo_pause.py) or the test hook-point seam."""
 
 from __future__ import annotations
 

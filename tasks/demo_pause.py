@@ -2,16 +2,16 @@
 
 The demo's 3,000-ticket export takes a fraction of a second, so ``watch`` jumps to 100 %
 and Flower never shows PROGRESS. With ``TEAMDESK_DEMO_SLOW_EXPORT_S=S`` (at most
-:data:`MAX_DELAY_S`), ``run-local`` has its workers load ``cli/slow_exports_hook.py``
-through the hook-point seam (``TEAMDESK_TEST_HOOKS``, teamdesk/hooks.py), which calls
-:func:`install_from_env`; every export then
-pauses ``S`` seconds after reading each batch, before reporting its progress. The pauses
+:data:`MAX_DELAY_S`), which only ``run-local`` sets, the worker's entry point
+(tasks/celery.py) installs the pause at start (:func:`install_from_env`) on the
+``export.after_read`` hook point; every export then pauses ``S`` seconds after reading
+each batch, before reporting its progress. The pauses
 of one export are capped at :data:`TOTAL_BUDGET_S` altogether (shorter per batch when
 there are many batches), under the export's 60 s read transaction (tasks/export.py), so
 the export still completes.
 
 Never in production: nothing but ``run-local`` sets the variable, a worker that loads
-this prints a warning at start, and the deploy checks refuse either variable in
+this prints a warning at start, and the deploy checks refuse the variable in
 deploy/ (tests/unit/test_deploy_demo_knobs.py).
 """
 
@@ -28,7 +28,6 @@ from teamdesk import hooks
 from teamdesk.config import get_settings
 
 SLOW_EXPORT_ENV = "TEAMDESK_DEMO_SLOW_EXPORT_S"
-HOOKS_MODULE = "cli.slow_exports_hook"  # what run-local puts in TEAMDESK_TEST_HOOKS
 MAX_DELAY_S = 5.0
 TOTAL_BUDGET_S = 40.0  # all pauses of one export; its read transaction is bounded to 60 s
 
@@ -67,8 +66,13 @@ def delay_from_env(env: dict[str, str] | None = None) -> float:
 
 
 def install_from_env() -> None:
-    """Install the pause when the variable says so (a worker's start), with a warning."""
-    delay_s = delay_from_env()
+    """Install the pause when the variable says so (a worker's start), with a warning; a
+    bad value stops the process like any configuration error (one line, exit code 2)."""
+    try:
+        delay_s = delay_from_env()
+    except ValueError as exc:
+        print(f"teamdesk-tasks: configuration error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     if delay_s <= 0:
         return
     hooks.install("export.after_read", pauser(delay_s, get_settings().export_batch_size))
