@@ -16,6 +16,7 @@ import os
 import re
 import shlex
 import signal
+import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -135,6 +136,7 @@ class Runner:
     def __init__(self, settings: Settings, tmp_path: Path) -> None:
         self.settings, self.tmp_path = settings, tmp_path
         self.started: list[Proc] = []
+        self.environ: dict[str, str] = {}
 
     def start(
         self, *args: str, tickets: int = TICKETS, env: dict[str, str] | None = None
@@ -157,6 +159,7 @@ class Runner:
             **(env or {}),
         )
         name = f"run-local-{len(self.started)}"
+        self.environ = environ
         runner = Proc(name, argv, environ, self.tmp_path).start()
         self.started.append(runner)
         return runner, api_port, flower_port
@@ -228,9 +231,31 @@ def assert_stopped_cleanly(runner: Proc) -> None:
         assert [e["exit_code"] for e in events(runner, worker, "worker.stopped")] == [0]
 
 
+def probe(runners: Runner, *args: str) -> tuple[int, str, str]:
+    done = subprocess.run(
+        [CLI, "health", *args], env=runners.environ, capture_output=True, text=True, timeout=30
+    )
+    return done.returncode, done.stdout, done.stderr
+
+
 def test_make_run_serves_an_export_end_to_end_and_stops_cleanly(runners: Runner) -> None:
     runner, api_port, flower_port = runners.start()
     wait_until_up(runner, api_port, flower_port)
+    # The probes the banner prints answer "able" for this very cluster.
+    printed = [line.strip() for line in runner.output().splitlines()]
+    assert any(line.startswith(".venv/bin/teamdesk-tasks health --cluster") for line in printed)
+    assert any("`health --scope local-exports`" in line for line in printed)
+    wait_for(
+        lambda: alive(runner) and probe(runners, "--cluster")[0] == 0,
+        timeout=30,
+        interval=0.5,
+        what="health --cluster to say the cluster is able",
+    )
+    code, out, err = probe(runners, "--cluster")
+    report = json.loads(out)
+    assert (code, err, report["problems"], report["missing"]) == (0, "", [], [])
+    assert (report["redis"], report["database"]) == (True, True)
+    assert probe(runners, "--scope", "local-exports")[0] == 0
     task_id, readback = submit_printed_export(runner, api_port)
 
     def task() -> dict[str, Any]:
