@@ -3,9 +3,11 @@
 ``compose_problems`` checks one beat service with a hot standby and no ``-S`` replacing
 the dispatcher (and why bare ``celery beat`` runs it), every task queue consumed by some
 worker and no worker naming another queue, the 90 s grace above the 75 s drain, health
-checks, log rotation through one YAML anchor, the migrate one-shot, and Flower auth from
-the environment; every check is shown to fail on a copy of the file broken in exactly
-that point. Validation against the Compose schema: test_deploy_compose_schema.py.
+checks, log rotation through one YAML anchor, the migrate one-shot, Flower auth from
+the environment, and the metrics of api, worker and beat on the compose network only
+(METRICS_PORT and METRICS_HOST set, the port not published, no host network); every
+check is shown to fail on a copy of the file broken in exactly that point. Validation
+against the Compose schema: test_deploy_compose_schema.py.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from tests.support.deploy_files import (
 )
 
 TEAMDESK_SERVICES = ("migrate", "api", "worker", "beat", "flower")
+METRICS_SERVICES = ("api", "worker", "beat")  # README "Observe"
 COMPOSE_SERVICES = ("postgres", "redis", *TEAMDESK_SERVICES)
 EXPECTED_LOGGING = {"driver": "json-file", "options": {"max-size": "10m", "max-file": "3"}}
 FLOWER_AUTH_RE = re.compile(r"^\$\{FLOWER_USER:\?[^}]*\}:\$\{FLOWER_PASSWORD:\?[^}]*\}$")
@@ -58,6 +61,38 @@ def _duration_s(value: Any) -> float:
         return float("nan")
     scale = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
     return sum(float(n) * scale[u] for n, u in parts)
+
+
+def _target_port(published: Any) -> int | None:
+    """The container port of a `ports:` entry ("127.0.0.1:8000:8000", "9101", long form)."""
+    if isinstance(published, dict):
+        target = published.get("target")
+    else:
+        target = str(published).split("/")[0].rsplit(":", 1)[-1]
+    try:
+        return int(str(target))
+    except ValueError:
+        return None
+
+
+def metrics_problems(name: str, svc: dict[str, Any]) -> list[str]:
+    """/metrics on for the service, reachable on the compose network and nowhere else."""
+    env = env_map(svc.get("environment"))
+    port = default_of(env.get("METRICS_PORT", 0))
+    if not port:
+        return [f"{name}: no METRICS_PORT, its metrics are off"]
+    problems = []
+    if not env.get("METRICS_HOST"):
+        problems.append(f"{name}: METRICS_HOST unset, the metrics are on the container's loopback")
+    for published in svc.get("ports") or []:
+        if _target_port(published) == int(port):
+            problems.append(f"{name}: metrics port {int(port)} published")
+    if svc.get("network_mode") == "host":
+        problems.append(f"{name}: network_mode host puts the metrics on the host's interfaces")
+    own = flag_value(svc.get("command") or [], "--port")
+    if own is not None and default_of(own) == port:
+        problems.append(f"{name}: metrics on the API's own port")
+    return problems
 
 
 # --------------------------------------------------------------------------- compose
@@ -177,6 +212,9 @@ def compose_problems(doc: dict[str, Any]) -> list[str]:
     for port in flower.get("ports") or []:
         if not str(port).startswith("127.0.0.1:"):
             problems.append(f"flower: port {port} published beyond loopback")
+
+    for name in METRICS_SERVICES:
+        problems.extend(metrics_problems(name, services[name]))
     return problems
 
 
@@ -225,6 +263,15 @@ def _set_env(name: str, var: str, value: str) -> Callable[[dict[str, Any]], None
     def mutate(doc: dict[str, Any]) -> None:
         env = dict(doc["services"][name].get("environment") or {})
         env[var] = value
+        doc["services"][name]["environment"] = env
+
+    return mutate
+
+
+def _drop_env(name: str, var: str) -> Callable[[dict[str, Any]], None]:
+    def mutate(doc: dict[str, Any]) -> None:
+        env = dict(doc["services"][name].get("environment") or {})
+        del env[var]
         doc["services"][name]["environment"] = env
 
     return mutate
@@ -368,6 +415,25 @@ COMPOSE_BREAKS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         "flower: basic auth",
     ),
     ("flower public port", _set("flower", "ports", ["5555:5555"]), "beyond loopback"),
+    (
+        "worker metrics published",
+        _set("worker", "ports", ["9101:9101"]),
+        "worker: metrics port 9101 published",
+    ),
+    (
+        "api metrics published on loopback",
+        _set("api", "ports", ["127.0.0.1:8000:8000", {"target": 9103, "published": 9103}]),
+        "api: metrics port 9103 published",
+    ),
+    ("beat metrics off", _drop_env("beat", "METRICS_PORT"), "beat: no METRICS_PORT"),
+    ("worker metrics port 0", _set_env("worker", "METRICS_PORT", "0"), "worker: no METRICS_PORT"),
+    (
+        "worker metrics on loopback only",
+        _drop_env("worker", "METRICS_HOST"),
+        "worker: METRICS_HOST unset",
+    ),
+    ("api metrics on the API's port", _set_env("api", "METRICS_PORT", "8000"), "API's own port"),
+    ("beat on the host network", _set("beat", "network_mode", "host"), "beat: network_mode host"),
 ]
 
 
@@ -397,6 +463,14 @@ def test_compose_flower_auth_accepts_the_command_line_form(compose_doc: dict[str
         "--basic-auth=${FLOWER_USER:?required}:${FLOWER_PASSWORD:?required}",
     ]
     assert compose_problems(doc) == []
+
+
+def test_target_port_parsing() -> None:
+    assert _target_port("127.0.0.1:${API_PORT:-8000}:8000") == 8000
+    assert _target_port("9101") == 9101
+    assert _target_port("9101:9101/tcp") == 9101
+    assert _target_port({"target": 9103, "published": "9103"}) == 9103
+    assert _target_port("9000-9001:9000-9001") is None
 
 
 def test_duration_parsing() -> None:

@@ -5,8 +5,11 @@ error) against the Kubernetes schemas that package ships. ``k8s_problems`` check
 operational points (non-root, exec-form commands, one beat Deployment with a hot standby
 and no ``-S`` replacing the dispatcher, every task queue consumed by some worker
 Deployment and none naming another, the 90 s grace above the 75 s drain, exec health
-probes, Services that match their pods, Flower auth built from the Secret), and every
-check is shown to fail on a copy of the manifests broken in exactly that point.
+probes, Services that match their pods, Flower auth built from the Secret, the metrics of
+api, worker and beat: a container port named ``metrics``, METRICS_PORT on it, METRICS_HOST
+the pod's IP, ``prometheus.io/*`` annotations that agree, and no Service or host port
+carrying it), and every check is shown to fail on a copy of the manifests broken in
+exactly that point.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ from tests.support.deploy_files import (
 
 # Oldest Kubernetes minor the manifests are written for; kubernetes-validate ships its schemas.
 K8S_VERSION = "1.31.0"
+
+# Each component serving /metrics (README "Observe"; deploy/README.md, "Metrics").
+METRICS_DEPLOYMENTS = ("teamdesk-api", "teamdesk-worker", "teamdesk-beat")
 
 # Each component's own Secret (deploy/README.md, "Who gets which secret").
 SECRETS = [("Secret", f"teamdesk-{component}") for component in COMPONENTS]
@@ -168,12 +174,56 @@ def k8s_problems(docs: list[dict[str, Any]]) -> list[str]:
     if fsvc.get("spec", {}).get("type", "ClusterIP") != "ClusterIP":
         problems.append("flower: Service exposed beyond the cluster")
 
+    for name in METRICS_DEPLOYMENTS:
+        deployment = find(docs, "Deployment", name)
+        assert deployment is not None
+        problems.extend(_metrics_problems(docs, name, deployment))
+
     # migrate
     mc = main_container(migrate)
     if argv(mc)[:2] != ["teamdesk-tasks", "migrate"] or not migrate_app_role(argv(mc)):
         problems.append("migrate: command is not teamdesk-tasks migrate --app-role NAME")
     if pod_spec(migrate).get("restartPolicy") not in ("Never", "OnFailure"):
         problems.append("migrate: restartPolicy must be Never or OnFailure")
+    return problems
+
+
+def _metrics_problems(
+    docs: list[dict[str, Any]], name: str, deployment: dict[str, Any]
+) -> list[str]:
+    """/metrics on the pod's address, announced by the annotations, never published."""
+    container = main_container(deployment)
+    ports = [p for p in container.get("ports") or [] if p.get("name") == "metrics"]
+    if not ports:
+        return [f"{name}: no container port named metrics"]
+    port = ports[0]["containerPort"]
+    problems = []
+    if "hostPort" in ports[0]:
+        problems.append(f"{name}: the metrics port is published on the node (hostPort)")
+    env = {e["name"]: e for e in container.get("env") or []}
+    if (env.get("METRICS_PORT") or {}).get("value") != str(port):
+        problems.append(f"{name}: METRICS_PORT is not the metrics container port {port}")
+    host = ((env.get("METRICS_HOST") or {}).get("valueFrom") or {}).get("fieldRef") or {}
+    if host.get("fieldPath") != "status.podIP":
+        problems.append(f"{name}: METRICS_HOST is not the pod's IP (downward API)")
+    annotations = deployment["spec"]["template"]["metadata"].get("annotations") or {}
+    wanted = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": "/metrics",
+    }
+    if any(annotations.get(k) != v for k, v in wanted.items()):
+        problems.append(f"{name}: prometheus.io annotations do not announce /metrics on {port}")
+    labels = deployment["spec"]["template"]["metadata"].get("labels", {})
+    for svc in docs:
+        if svc.get("kind") != "Service":
+            continue
+        selector = svc["spec"].get("selector") or {}
+        if not selector or any(labels.get(k) != v for k, v in selector.items()):
+            continue
+        for svc_port in svc["spec"].get("ports", []):
+            if svc_port.get("targetPort", svc_port.get("port")) in ("metrics", port):
+                problems.append(f"{name}: Service {svc['metadata']['name']} carries /metrics")
     return problems
 
 
@@ -281,6 +331,15 @@ def _k8s_root(doc: dict[str, Any]) -> None:
 
 def _k8s_flower_literal(doc: dict[str, Any]) -> None:
     main_container(doc)["env"] = [{"name": "FLOWER_BASIC_AUTH", "value": "admin:secret"}]
+
+
+def _env_entry(deployment: dict[str, Any], var: str) -> dict[str, Any]:
+    return next(e for e in main_container(deployment)["env"] if e["name"] == var)
+
+
+def _annotations(deployment: dict[str, Any]) -> dict[str, str]:
+    annotations: dict[str, str] = deployment["spec"]["template"]["metadata"]["annotations"]
+    return annotations
 
 
 K8S_BREAKS: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
@@ -413,6 +472,67 @@ K8S_BREAKS: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
         "migrate: command",
     ),
     ("no configmap", _k8s_drop_configmap, "manifests missing"),
+    (
+        "worker metrics on every interface",
+        _k8s_edit(
+            "Deployment",
+            "teamdesk-worker",
+            lambda d: _env_entry(d, "METRICS_HOST").update(valueFrom=None, value="0.0.0.0"),
+        ),
+        "teamdesk-worker: METRICS_HOST is not the pod's IP",
+    ),
+    (
+        "beat metrics port differs from the container port",
+        _k8s_edit(
+            "Deployment",
+            "teamdesk-beat",
+            lambda d: _env_entry(d, "METRICS_PORT").__setitem__("value", "9999"),
+        ),
+        "teamdesk-beat: METRICS_PORT",
+    ),
+    (
+        "beat not annotated",
+        _k8s_edit(
+            "Deployment",
+            "teamdesk-beat",
+            lambda d: d["spec"]["template"]["metadata"].pop("annotations"),
+        ),
+        "teamdesk-beat: prometheus.io annotations",
+    ),
+    (
+        "api annotation names the API's port",
+        _k8s_edit(
+            "Deployment",
+            "teamdesk-api",
+            lambda d: _annotations(d).__setitem__("prometheus.io/port", "8000"),
+        ),
+        "teamdesk-api: prometheus.io annotations",
+    ),
+    (
+        "worker without a metrics port",
+        _k8s_edit("Deployment", "teamdesk-worker", lambda d: main_container(d).pop("ports")),
+        "teamdesk-worker: no container port named metrics",
+    ),
+    (
+        "worker metrics on the node",
+        _k8s_edit(
+            "Deployment",
+            "teamdesk-worker",
+            lambda d: main_container(d)["ports"][0].__setitem__("hostPort", 9101),
+        ),
+        "teamdesk-worker: the metrics port is published on the node",
+    ),
+    (
+        "api Service carries metrics",
+        _k8s_edit(
+            "Service",
+            "teamdesk-api",
+            lambda s: s["spec"]["ports"].append(
+                {"name": "metrics", "port": 9103, "targetPort": "metrics"}
+            ),
+        ),
+        "teamdesk-api: Service teamdesk-api carries /metrics",
+    ),
 ]
 
 

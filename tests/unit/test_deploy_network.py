@@ -3,9 +3,10 @@ from the NetworkPolicies that select its pod template (deploy/README.md, "Networ
 policies"), checked offline.
 
 - A default deny selects every TeamDesk pod, both ways; every workload is isolated.
-- Ingress: the API on 8000, Flower on 5555, nothing else reaches any pod. Flower only from
-  inside the cluster: every rule names its sources by selector (never an ``ipBlock``, never
-  "from anywhere").
+- Ingress: the API on 8000, Flower on 5555, the metrics port (named ``metrics``) of the
+  API, the workers and beat; nothing else reaches any pod. Flower and the metrics ports only
+  from inside the cluster: every such rule names its sources by selector (never an
+  ``ipBlock``, never "from anywhere"): both answer without authentication.
 - Egress: DNS for every pod; PostgreSQL (5432) for migrate, api, worker and beat; Redis
   (6379) for api, worker, beat and flower; nothing else. Every egress rule names its
   destinations and ports.
@@ -29,11 +30,12 @@ Port = tuple[str, object]  # (protocol, port); ("*", "*") for a rule without por
 DNS: set[Port] = {("UDP", 53), ("TCP", 53)}
 POSTGRES: Port = ("TCP", 5432)
 REDIS: Port = ("TCP", 6379)
+METRICS: Port = ("TCP", "metrics")  # the container port named `metrics` (README "Observe")
 INGRESS: dict[str, set[Port]] = {
     "migrate": set(),
-    "api": {("TCP", 8000)},
-    "worker": set(),
-    "beat": set(),
+    "api": {("TCP", 8000), METRICS},
+    "worker": {METRICS},
+    "beat": {METRICS},
     "flower": {("TCP", 5555)},
 }
 EGRESS: dict[str, set[Port]] = {
@@ -114,11 +116,12 @@ def _workload_problems(workload: dict[str, Any], policies: list[dict[str, Any]])
         peers = rule.get("to") or []
         if not peers or any((p.get("ipBlock") or {}).get("cidr") in ANYWHERE for p in peers):
             problems.append(f"{name}: egress to any address")
-    if component == "flower":
-        for rule in ingress:
-            peers = rule.get("from") or []
-            if not peers or any("ipBlock" in peer for peer in peers):
-                problems.append(f"{name}: ingress from outside the cluster")
+    for rule in ingress:
+        if component != "flower" and METRICS not in _ports([rule]):
+            continue  # the API's own port: the ingress controller, from anywhere in the cluster
+        peers = rule.get("from") or []
+        if not peers or any("ipBlock" in peer for peer in peers):
+            problems.append(f"{name}: ingress from outside the cluster")
     return problems
 
 
@@ -176,6 +179,17 @@ def _flower_from(peer: dict[str, Any] | None) -> Callable[[list[Any]], None]:
     return _policy("teamdesk-flower-ingress", edit)
 
 
+def _metrics_from(peer: dict[str, Any] | None) -> Callable[[list[Any]], None]:
+    def edit(spec: dict[str, Any]) -> None:
+        rule = spec["ingress"][0]
+        if peer is None:
+            rule.pop("from")
+        else:
+            rule["from"] = [peer]
+
+    return _policy("teamdesk-metrics-ingress", edit)
+
+
 NETWORK_BREAKS: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
     ("no default deny", _drop_policy("teamdesk-default-deny"), "no default-deny"),
     (
@@ -195,6 +209,27 @@ NETWORK_BREAKS: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = 
         "teamdesk-api: ingress ports",
     ),
     ("worker reachable", _worker_ingress, "teamdesk-worker: ingress ports"),
+    ("metrics from anywhere", _metrics_from(None), "teamdesk-worker: ingress from outside"),
+    (
+        "metrics from an address block",
+        _metrics_from({"ipBlock": {"cidr": "0.0.0.0/0"}}),
+        "teamdesk-beat: ingress from outside",
+    ),
+    (
+        "metrics rule on every port",
+        _policy("teamdesk-metrics-ingress", lambda s: s["ingress"][0].pop("ports")),
+        "teamdesk-api: ingress ports",
+    ),
+    (
+        "no metrics policy",
+        _drop_policy("teamdesk-metrics-ingress"),
+        "teamdesk-worker: ingress ports",
+    ),
+    (
+        "flower's metrics policy",
+        _components("teamdesk-metrics-ingress", lambda v: v.append("flower")),
+        "teamdesk-flower: ingress ports",
+    ),
     (
         "flower may reach PostgreSQL",
         _components("teamdesk-postgres-egress", lambda v: v.append("flower")),
