@@ -112,6 +112,24 @@ class TeamdeskJsonFormatter(JsonFormatter):
 _configured_service: str | None = None
 
 
+# Celery and kombu log these at CRITICAL while the broker connection is down, and carry on:
+# the consumer sleeps a second and reconnects; an ack that could not be sent leaves the
+# message unacked, so it comes back and the lease absorbs the repeat. "fatal" is kept for
+# what ends a process, so they print as warnings.
+RECOVERABLE_CRITICAL = (
+    "Frequent restarts detected: %r",  # celery.worker.consumer.consumer
+    "Couldn't ack %r, reason:%r",  # kombu.message
+)
+
+
+class _RecoverableAsWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.CRITICAL and record.msg in RECOVERABLE_CRITICAL:
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            return logging.getLogger().isEnabledFor(logging.WARNING)
+        return True
+
+
 class _JsonHandler(logging.StreamHandler):
     """Ours, so a second setup replaces it and leaves other handlers (pytest's) alone."""
 
@@ -125,6 +143,7 @@ def setup_logging(service: str, level: str = "info", stream: Any = None) -> None
             root.removeHandler(old)
     handler = _JsonHandler(stream or sys.stderr)
     handler.setFormatter(TeamdeskJsonFormatter(service))
+    handler.addFilter(_RecoverableAsWarning())
     root.addHandler(handler)
     root.setLevel(LEVELS[level])
     logging.captureWarnings(True)  # Python warnings become JSON lines too

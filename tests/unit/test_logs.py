@@ -3,12 +3,15 @@ captured output."""
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import logging
 from collections.abc import Iterator
 
 import pytest
+from celery.worker.consumer.consumer import Consumer
+from kombu.message import Message
 
 from teamdesk.logs import REDACTED, log_event, redact_text, setup_logging
 
@@ -86,3 +89,37 @@ def test_unknown_events_are_refused() -> None:
 def test_redact_text_leaves_plain_urls() -> None:
     assert redact_text("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
     assert redact_text("postgresql://u@h/db") == "postgresql://u@h/db"
+
+
+class _ChannelThatLostItsConnection:
+    no_ack_consumers = None
+
+    def basic_ack(self, delivery_tag: object, multiple: bool = False) -> None:
+        raise ConnectionError("Connection closed by server.")
+
+
+def test_broker_hiccups_celery_and_kombu_call_critical_print_as_warnings(
+    capture: io.StringIO,
+) -> None:
+    """An ack the lost connection could not send (kombu's own code path) and Celery's
+    consumer restart throttle: the worker carries on after both, so neither is "fatal"."""
+    setup_logging("worker", "info", capture)
+    message = Message(channel=_ChannelThatLostItsConnection(), delivery_tag="7")
+    message.ack_log_error(logging.getLogger("kombu.message"), (ConnectionError,))
+    assert "crit('Frequent restarts detected: %r'" in inspect.getsource(Consumer.start)
+    consumer_log = logging.getLogger("celery.worker.consumer.consumer")
+    consumer_log.critical("Frequent restarts detected: %r", RuntimeError("5 in 1s"))
+    logging.getLogger("t").critical("the worker cannot start")
+    got = [(line["level"], str(line["message"]).split(",")[0]) for line in lines(capture)]
+    assert got == [
+        ("warn", "Couldn't ack '7'"),
+        ("warn", "Frequent restarts detected: RuntimeError('5 in 1s')"),
+        ("fatal", "the worker cannot start"),
+    ]
+
+
+def test_at_fatal_the_recoverable_ones_are_not_printed(capture: io.StringIO) -> None:
+    setup_logging("worker", "fatal", capture)
+    logging.getLogger("kombu.message").critical("Couldn't ack %r, reason:%r", "7", "gone")
+    logging.getLogger("t").critical("the worker cannot start")
+    assert [line["message"] for line in lines(capture)] == ["the worker cannot start"]
