@@ -9,7 +9,10 @@ after the other on one connection, as a worker does (``lease.claim`` then
 ``lease.complete_export``: each writes its audit row). The two databases take turns,
 ``ROUNDS`` times, so neither gets the warmer cache; the figure is the ratio of the median
 per-task times. One retention purge call (``teamdesk_purge_ledger``, nothing past its
-retention: a read of the trail's head) is timed on each.
+retention: a read of the trail's head) is timed on each. Then one dispatcher scan of each
+(P3's scan: 10 stale RUNNING rows recovered, each writing its audit row, 60 runs
+published, the purge step) is timed ``SCANS`` times, alternating:
+``p8_scan_ratio_10m_audit`` is the ratio of the medians.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench.env import BenchEnv, Part
+from bench.scan_cost import Ledger, Scanner, clear_broker, scan_once
 from ledger import lease
 from ledger.retention import Retention, purge_retired
 
@@ -29,6 +33,7 @@ AUDIT_ROWS = 10_000_000
 TASKS = 500
 ROUNDS = 3
 FILLER_TASKS = 1000
+SCANS = 9
 
 
 def seed_owner(engine: sa.Engine) -> tuple[uuid.UUID, uuid.UUID]:
@@ -100,6 +105,31 @@ def purge_ms(engine: sa.Engine) -> float:
     return (time.perf_counter() - started) * 1000
 
 
+def scan_seconds(env: BenchEnv, parts: dict[str, Part]) -> dict[str, list[float]]:
+    """Seconds per dispatcher scan of each part, the parts taking turns (first round
+    untimed: it warms connections and caches)."""
+    ledgers: dict[str, Ledger] = {}
+    scanners: dict[str, Scanner] = {}
+    times: dict[str, list[float]] = {name: [] for name in parts}
+    try:
+        for name, part in parts.items():
+            env.activate(part)
+            ledgers[name] = Ledger(part)
+        for name, part in parts.items():
+            scanners[name] = Scanner(env, part)
+        names = list(parts)
+        for i in range(SCANS + 1):
+            for name in names if i % 2 == 0 else names[::-1]:
+                elapsed, _ = scan_once(env, scanners[name], ledgers[name])
+                if i:
+                    times[name].append(elapsed)
+    finally:
+        for scanner in scanners.values():
+            clear_broker(env, scanner.part)
+            scanner.close()
+    return times
+
+
 def run_p8(env: BenchEnv, audit_rows: int = AUDIT_ROWS) -> dict[str, Any]:
     parts: dict[str, Part] = {"empty": env.part("p8-empty"), "full": env.part("p8-full")}
     owners = {name: seed_owner(part.engine) for name, part in parts.items()}
@@ -112,8 +142,11 @@ def run_p8(env: BenchEnv, audit_rows: int = AUDIT_ROWS) -> dict[str, Any]:
             medians[name].append(claim_and_complete(part.engine, tasks))
             purges[name].append(purge_ms(part.engine))
     empty, full = statistics.median(medians["empty"]), statistics.median(medians["full"])
+    scans = scan_seconds(env, parts)
+    scan_empty, scan_full = (statistics.median(scans[name]) for name in ("empty", "full"))
     return {
         "p8_claim_ratio_10m_audit": round(full / empty, 3),
+        "p8_scan_ratio_10m_audit": round(scan_full / scan_empty, 3),
         "p8_detail": {
             "audit_rows": audit_rows,
             "fill_s": round(fill_s, 1),
@@ -122,5 +155,7 @@ def run_p8(env: BenchEnv, audit_rows: int = AUDIT_ROWS) -> dict[str, Any]:
             "claim_complete_ms_10m": [round(m * 1000, 3) for m in medians["full"]],
             "purge_ms_empty": [round(p, 2) for p in purges["empty"]],
             "purge_ms_10m": [round(p, 2) for p in purges["full"]],
+            "scan_ms_empty": [round(t * 1000, 2) for t in scans["empty"]],
+            "scan_ms_10m": [round(t * 1000, 2) for t in scans["full"]],
         },
     }

@@ -21,6 +21,7 @@ GOALS: list[tuple[str, str, Any]] = [
     ("p1_export_ratio", ">= 0.75", lambda r: r["p1_export_ratio"] >= 0.75),
     ("p1_reminder_ratio", ">= 0.6", lambda r: r["p1_reminder_ratio"] >= 0.6),
     ("p1_overhead_cpu_us", "<= 2000 us", lambda r: r["p1_overhead_cpu_us"] <= 2000),
+    ("p1_metrics_cost", ">= 0.97", lambda r: r["p1_metrics_cost"] >= 0.97),
     ("p2_export_ratio_to_copy", ">= 0.6", lambda r: r["p2_export_ratio_to_copy"] >= 0.6),
     ("p3_scan_ratio_1m_10k", "<= 1.5", lambda r: r["p3_scan_ratio_1m_10k"] <= 1.5),
     ("p3_scan_ms_1m", "< 10 ms", lambda r: r["p3_scan_ms_1m"] < 10),
@@ -40,6 +41,7 @@ GOALS: list[tuple[str, str, Any]] = [
     ),
     ("p7_api_creates_per_s", ">= 400/s", lambda r: r["p7_api_creates_per_s"] >= 400),
     ("p8_claim_ratio_10m_audit", "<= 1.2", lambda r: r["p8_claim_ratio_10m_audit"] <= 1.2),
+    ("p8_scan_ratio_10m_audit", "<= 1.2", lambda r: r["p8_scan_ratio_10m_audit"] <= 1.2),
 ]
 
 ROWS: list[tuple[str, str, str]] = [  # key, what, unit
@@ -49,6 +51,9 @@ ROWS: list[tuple[str, str, str]] = [  # key, what, unit
     ("p1_export_tasks_per_s", "P1 small exports, -c 2", "tasks/s"),
     ("p1_reminder_tasks_per_s", "P1 reminders, -c 2", "tasks/s"),
     ("p1_overhead_cpu_us", "P1 CPU per small export over a bare task, all processes", "us"),
+    ("p1_metrics_cost", "P1 small exports, worker metrics on / off (throughput)", "ratio"),
+    ("p1_export_metrics_tasks_per_s", "P1 small exports, -c 2, metrics on", "tasks/s"),
+    ("p1_metrics_cpu_us", "P1 CPU per small export, metrics on minus off", "us"),
     ("p2_export_ratio_to_copy", "P2 COPY time / 10k-row export execution time", "ratio"),
     ("p2_export_10k_ms", "P2 10k-row export, claim to completion", "ms"),
     ("p2_copy_10k_ms", "P2 COPY (same query) TO STDOUT WITH CSV HEADER", "ms"),
@@ -79,6 +84,7 @@ ROWS: list[tuple[str, str, str]] = [  # key, what, unit
     ("p6_broker_depth_bound", "P6 window cap: 4 x live worker processes", "msgs"),
     ("p7_api_creates_per_s", "P7 API export creations, 8 clients, 2 API processes", "/s"),
     ("p8_claim_ratio_10m_audit", "P8 claim + completion, 10M audit rows / empty trail", "ratio"),
+    ("p8_scan_ratio_10m_audit", "P8 dispatcher scan, 10M audit rows / empty trail", "ratio"),
 ]
 
 
@@ -232,10 +238,16 @@ own Redis key prefix (`tdbench-<hex>-<part>`, deleted at the end); it never touc
   the same queue. Each batch is drained by one fresh `celery -A tasks worker -c 2 --pool
   prefork -Q exports,reminders,maintenance --without-mingle --without-gossip`, LOG_LEVEL
   info. Throughput = tasks / (last task end - first task start), taken inside the pool
-  children (Celery `task_prerun`/`task_postrun`). Order: (bare, exports, reminders) x 2,
-  then bare once more; each ratio is the median of its kind over the median of the bare
-  runs. A batch during which other processes kept more than 0.5 cores busy is run once
-  more (at most 3 reruns) and the quieter of the two kept. CPU per task is read from /proc
+  children (Celery `task_prerun`/`task_postrun`). Order: (bare, exports, exports with
+  metrics on, reminders) x 2, the two export batches swapped in the second round, then
+  bare once more; each ratio is the median of its kind over the median of the bare runs.
+  *Metrics cost* (`p1_metrics_cost`): 5,000 small exports drained by a worker with
+  `METRICS_PORT` set (prometheus_client's multiprocess mode, its directory under the
+  bench's work directory), whose `/metrics` this process GETs every second meanwhile (a
+  Prometheus scrapes every 15 s by default); the median of these runs over the median of
+  the metrics-off export runs; the last scrape must count every export `completed`. A
+  batch during which other processes kept more than 0.5 cores busy is run once more (at
+  most 3 reruns) and the quieter of the two kept. CPU per task is read from /proc
   for the worker's processes and the PostgreSQL backends of the bench database, and from
   `INFO cpu` for Redis; `foreign_cpu_cores` is what the rest of the machine used meanwhile.
 - **P2** — 10,000 and 100,000 tickets with commas, quotes, newlines, formula-like starts
@@ -285,6 +297,18 @@ own Redis key prefix (`tdbench-<hex>-<part>`, deleted at the end); it never touc
   *Broker depth*: `LLEN <prefix>:exports` + `LLEN <prefix>:reminders` every 50 ms during
   that whole drain; the bound is the window's cap, 4 x the live worker processes in the
   heartbeats (2 per process, up to 4 when 50 ms of the tasks' throughput is more).
+- **P7** — `POST /api/teams/{team}/exports` through real `teamdesk-tasks api` processes
+  (one uvicorn process each, 2 as deploy/k8s/api.yaml's replicas, and 1 in the detail),
+  8 client threads, each with its own token, team and keep-alive connection, sent to the
+  processes in turn; the rate limit stays on with a budget no client reaches; no worker
+  runs; creations counted for 5 s after a 1 s warm-up.
+- **P8** — two databases, one with an empty `task_audit`, one with 10,000,000 rows
+  (one `INSERT ... SELECT`, over 1,000 finished tasks, dated a day ago). *Claim*: 500
+  WAITING exports claimed and completed one after the other on one connection
+  (`lease.claim`, `lease.complete_export`), the databases taking turns 3 times; ratio of
+  the median per-task times. *Scan*: P3's scan (10 stale RUNNING rows recovered, 60 runs
+  published, the purge step) on each, alternating, 9 timed after one warm-up; ratio of
+  the medians. One retention purge call is timed on each (detail).
 """
 
 
@@ -309,7 +333,7 @@ def details_md(results: dict[str, Any]) -> list[str]:
             "cores busy (of 2) |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
-        for kind in ("noop", "export", "reminder"):
+        for kind in ("noop", "export", "export_metrics", "reminder"):
             if not runs.get(kind):
                 continue
             cpu = _median_cpu(runs[kind])

@@ -9,18 +9,25 @@ stamped (``dispatched_at = now()``) in one statement and committed, then its mes
 the dispatcher would have sent for that row; no dispatcher runs during a drain. All
 messages are in the queue before the worker starts; throughput is counted inside the
 worker, from its first task start to its last task end.
+
+P1 also drains small exports with the worker's Prometheus metrics on (``METRICS_PORT``,
+multiprocess mode, ``/metrics`` scraped every second) next to the same exports with them
+off: ``p1_metrics_cost`` is the ratio of the two throughputs (issue 15: at least 0.97).
 """
 
 from __future__ import annotations
 
 import statistics
+import threading
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 from celery import Celery
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import FLUSH_EVERY_S, NOOP_TASK
 from bench.env import BenchEnv, Part, cpu_snapshot, read_stats, stop, wait_until
@@ -29,6 +36,7 @@ from ledger.dispatch import RunRef
 from tasks import queueing
 from tasks.names import EXPORTS_QUEUE
 from teamdesk import config
+from tests.support.processes import free_port
 
 TEAMS = 100
 TICKETS_PER_TEAM = 50  # 5,000 tickets: one per export and one per reminder
@@ -37,6 +45,7 @@ DRAIN_TIMEOUT_S = 600
 NOISY_CORES = 0.5  # other load during a P1 batch above which it is run once more
 MAX_RERUNS = 3  # ... at most this many times per run (the 15-minute budget)
 PUBLISH_CHUNK = 500  # messages per publish_batch call (one pipeline each)
+SCRAPE_EVERY_S = 1.0  # a metrics-on worker is scraped this often while it drains
 
 # Every ready run (WAITING, unpublished, due by the database's clock) stamped at once, as
 # the dispatcher stamps a window's runs (the stamp is what the queued marker carries).
@@ -160,6 +169,51 @@ def completed(engine: sa.Engine, ids: list[uuid.UUID]) -> int:
         )
 
 
+class Scraper:
+    """GETs a worker's ``/metrics`` every :data:`SCRAPE_EVERY_S` from a thread (more often
+    than a Prometheus would), so a metrics-on drain pays for serving them too."""
+
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.scrapes = 0
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bench-scraper", daemon=True)
+        self._thread.start()
+
+    def get(self) -> str:
+        with urllib.request.urlopen(self.url, timeout=5) as answer:
+            return str(answer.read().decode())
+
+    def _loop(self) -> None:
+        while not self._stop.wait(SCRAPE_EVERY_S):
+            try:
+                self.get()
+                self.scrapes += 1
+            except OSError:
+                self.failures += 1
+
+    def completed(self) -> float:
+        """Stops the thread; one last scrape: executions counted ``completed``."""
+        self._stop.set()
+        self._thread.join()
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(self.get())
+            if family.name == "teamdesk_task_duration_seconds"
+            for sample in family.samples
+            if sample.name.endswith("_count") and sample.labels.get("outcome") == "completed"
+        )
+
+
+def metrics_env(env: BenchEnv, label: str) -> dict[str, Any]:
+    """A worker's metrics on (README "Observe"): a loopback port, multiprocess mode in a
+    directory of the bench's own."""
+    directory = env.workdir / "prometheus" / label
+    directory.mkdir(parents=True, exist_ok=True)
+    return {"METRICS_PORT": free_port(), "PROMETHEUS_MULTIPROC_DIR": str(directory)}
+
+
 def drain(
     env: BenchEnv,
     part: Part,
@@ -168,12 +222,13 @@ def drain(
     concurrency: int = 2,
     extra_env: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Start one worker on the pre-filled queues, wait until it drained them, stop it."""
+    """Start one worker on the pre-filled queues, wait until it drained them, stop it.
+    With ``METRICS_PORT`` in ``extra_env``, its ``/metrics`` is scraped meanwhile."""
     stats_dir = env.stats_dir(label)
-    worker = env.worker(
-        part, f"w-{label}", concurrency=concurrency, stats=stats_dir, **(extra_env or {})
-    )
+    extra = {"METRICS_PORT": 0, **(extra_env or {})}  # off unless asked for
+    worker = env.worker(part, f"w-{label}", concurrency=concurrency, stats=stats_dir, **extra)
     worker.wait_event("worker.started", timeout=WORKER_START_TIMEOUT_S)
+    scraper = Scraper(int(extra["METRICS_PORT"])) if extra["METRICS_PORT"] else None
     before = cpu_snapshot(env, part, worker)
     wait_until(lambda: env.backlog(part) == 0, DRAIN_TIMEOUT_S, 0.1, f"{label} to drain")
     time.sleep(0.2)
@@ -181,6 +236,7 @@ def drain(
     after = cpu_snapshot(env, part, worker)
     cpu = after.minus(before)
     time.sleep(3 * FLUSH_EVERY_S)  # the children write their stats every FLUSH_EVERY_S
+    scraped = None if scraper is None else scraper.completed()
     exit_code = stop(worker)
     stats = [s for s in read_stats(stats_dir) if "count" in s]
     count = sum(s["count"] for s in stats)
@@ -203,6 +259,12 @@ def drain(
     }
     if durations:
         result["execute_ms_median"] = round(durations[len(durations) // 2] * 1000, 2)
+    if scraper is not None:
+        result["metrics"] = {
+            "scrapes": scraper.scrapes,
+            "scrape_failures": scraper.failures,
+            "completed_counted": scraped,
+        }
     if count != n:
         result["error"] = f"worker ran {count} tasks, expected {n}"
     return result
@@ -211,32 +273,54 @@ def drain(
 def one_batch(
     env: BenchEnv, part: Part, app: Celery, refs: list[TicketRef], kind: str, n: int, label: str
 ) -> tuple[dict[str, Any], float]:
-    """Publish ``n`` messages of ``kind`` and drain them; returns (result, publish seconds)."""
+    """Publish ``n`` messages of ``kind`` and drain them; returns (result, publish seconds).
+    ``export_metrics``: small exports drained by a worker with its metrics on."""
     ids: list[uuid.UUID] = []
     if kind == "noop":
         _, publish_s = publish_noops(app, n)
     else:
-        ids = (create_exports if kind == "export" else create_reminders)(part.engine, refs, n)
+        create = create_reminders if kind == "reminder" else create_exports
+        ids = create(part.engine, refs, n)
         sent, publish_s = publish_ready(part, app)
         assert sent == n, f"published {sent} of {n}"
-    result = drain(env, part, label, n)
+    on = metrics_env(env, label) if kind == "export_metrics" else None
+    result = drain(env, part, label, n, extra_env=on)
     if ids:
         done = completed(part.engine, ids)
         if done != n:
             result["error"] = f"{done} of {n} rows COMPLETED"
+    counted = result.get("metrics", {}).get("completed_counted")
+    if on is not None and counted != n:
+        result["error"] = f"the worker's /metrics counted {counted} completed of {n}"
     return result, publish_s
 
 
+def p1_order(rounds: int) -> list[str]:
+    """Bare no-ops, exports with metrics off and on (the pair's order swapped every other
+    round, so a drift of the machine does not favour one side), reminders; x rounds, then
+    bare no-ops again: the baseline brackets the runs."""
+    order: list[str] = []
+    for i in range(rounds):
+        pair = ["export", "export_metrics"] if i % 2 == 0 else ["export_metrics", "export"]
+        order += ["noop", *pair, "reminder"]
+    return [*order, "noop"]
+
+
 def run_p1(env: BenchEnv, n: int = 5000, rounds: int = 2) -> dict[str, Any]:
-    """Bare no-ops, exports, reminders (x rounds), bare no-ops again: the baseline brackets
-    the runs. A batch during which the rest of the machine kept more than NOISY_CORES busy
-    is run once more and the quieter of the two kept (both are in the detail)."""
+    """The batches of :func:`p1_order`. A batch during which the rest of the machine kept
+    more than NOISY_CORES busy is run once more and the quieter of the two kept (both are
+    in the detail)."""
     part = env.part("p1")
     app = env.activate(part)
     refs = seed_world(part.engine)
-    runs: dict[str, list[dict[str, Any]]] = {"noop": [], "export": [], "reminder": []}
+    runs: dict[str, list[dict[str, Any]]] = {
+        "noop": [],
+        "export": [],
+        "export_metrics": [],
+        "reminder": [],
+    }
     publish: dict[str, float] = {}
-    order = ["noop", "export", "reminder"] * rounds + ["noop"]
+    order = p1_order(rounds)
     reruns = MAX_RERUNS
     for index, kind in enumerate(order):
         label = f"p1-{index}-{kind}"
@@ -270,7 +354,20 @@ def summarise_p1(
     reminder = _median_rate(runs["reminder"])
     rates = [r["tasks_per_s"] for r in runs["noop"]]
     bare_cpu = _median_cpu_us(runs["noop"])
+    with_metrics: dict[str, Any] = {}
+    if runs.get("export_metrics"):
+        on = _median_rate(runs["export_metrics"])
+        with_metrics = {
+            # Issue 15: small exports with the worker's metrics on (multiprocess mode,
+            # scraped every SCRAPE_EVERY_S) over the same exports with them off.
+            "p1_metrics_cost": round(on / export, 3),
+            "p1_export_metrics_tasks_per_s": round(on, 1),
+            "p1_metrics_cpu_us": round(
+                _median_cpu_us(runs["export_metrics"]) - _median_cpu_us(runs["export"])
+            ),
+        }
     return {
+        **with_metrics,
         # CPU per small export of every process (worker main + children, PostgreSQL, Redis)
         # over a bare task's, medians of the runs.
         "p1_overhead_cpu_us": round(_median_cpu_us(runs["export"]) - bare_cpu),

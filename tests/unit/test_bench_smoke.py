@@ -36,6 +36,9 @@ ISSUE_KEYS = {
     "p1_overhead_cpu_us",
     "p7_api_creates_per_s",
     "p8_claim_ratio_10m_audit",
+    "p8_scan_ratio_10m_audit",
+    # Issue 15: what the worker's Prometheus metrics cost.
+    "p1_metrics_cost",
 }
 GOAL_KEYS = {
     "p1_export_ratio",
@@ -56,6 +59,8 @@ GOAL_KEYS = {
     "p1_overhead_cpu_us",
     "p7_api_creates_per_s",
     "p8_claim_ratio_10m_audit",
+    "p8_scan_ratio_10m_audit",
+    "p1_metrics_cost",
 }
 
 
@@ -152,6 +157,8 @@ def test_table_and_goals_from_sample_results() -> None:
         "p1_overhead_cpu_us": 2500,
         "p7_api_creates_per_s": 450.0,
         "p8_claim_ratio_10m_audit": 1.1,
+        "p8_scan_ratio_10m_audit": 1.05,
+        "p1_metrics_cost": 0.96,
         "scaling": [{"processes": 1, "tasks_per_s": 10.0}],
     }
     goals = report.goals(sample)
@@ -166,11 +173,29 @@ def test_table_and_goals_from_sample_results() -> None:
         "p6_start_ms_p95",
         "p6_dispatch_ratio_3w",
         "p6_broker_depth_max",
+        "p1_metrics_cost",  # issue 15: >= 0.97
     }
     text = report.table(sample)
     assert "`p1_export_ratio` | 0.71" in text.replace(")", "")
     assert "`p6_broker_depth_bound` | 12" in text.replace(")", "")
     assert "`-c 1`" in text
+    assert "`p1_metrics_cost` | 0.96 | ratio | >= 0.97 | **no**" in text.replace(")", "")
+
+
+def test_p1_pairs_metrics_off_and_on_in_both_orders() -> None:
+    from bench.throughput import p1_order
+
+    assert p1_order(2) == [
+        "noop",
+        "export",
+        "export_metrics",
+        "reminder",
+        "noop",
+        "export_metrics",
+        "export",
+        "reminder",
+        "noop",
+    ]
 
 
 def test_p6_detail_renders() -> None:
