@@ -54,6 +54,8 @@ ROWS: list[tuple[str, str, str]] = [  # key, what, unit
     ("p1_metrics_cost", "P1 small exports, worker metrics on / off (throughput)", "ratio"),
     ("p1_export_metrics_tasks_per_s", "P1 small exports, -c 2, metrics on", "tasks/s"),
     ("p1_metrics_cpu_us", "P1 CPU per small export, metrics on minus off", "us"),
+    ("p1_metrics_us_per_task", "P1 metrics' CPU per task in the pool child (direct)", "us"),
+    ("p1_metrics_share", "P1 that CPU / a pool child's time per small export", "ratio"),
     ("p2_export_ratio_to_copy", "P2 COPY time / 10k-row export execution time", "ratio"),
     ("p2_export_10k_ms", "P2 10k-row export, claim to completion", "ms"),
     ("p2_copy_10k_ms", "P2 COPY (same query) TO STDOUT WITH CSV HEADER", "ms"),
@@ -245,7 +247,11 @@ own Redis key prefix (`tdbench-<hex>-<part>`, deleted at the end); it never touc
   `METRICS_PORT` set (prometheus_client's multiprocess mode, its directory under the
   bench's work directory), whose `/metrics` this process GETs every second meanwhile (a
   Prometheus scrapes every 15 s by default); the median of these runs over the median of
-  the metrics-off export runs; the last scrape must count every export `completed`. A
+  the metrics-off export runs; the last scrape must count every export `completed`.
+  Under that ratio, which moves by several per cent between batches, the direct figure
+  (`p1_metrics_us_per_task`, bench/metrics_cost.py): CPU per task of what a pool child
+  records for one small export, in multiprocess mode, 20,000 times in a fresh process;
+  `p1_metrics_share` is it over a child's time per small export (2 / exports per s). A
   batch during which other processes kept more than 0.5 cores busy is run once more (at
   most 3 reruns) and the quieter of the two kept. CPU per task is read from /proc
   for the worker's processes and the PostgreSQL backends of the bench database, and from

@@ -44,6 +44,7 @@ REQUIRED_KEYS = (
     "p1_reminder_tasks_per_s",
     "p1_overhead_cpu_us",
     "p1_metrics_cost",
+    "p1_metrics_us_per_task",
     "p2_export_ratio_to_copy",
     "p2_peak_rss_mib",
     "p3_scan_ms_10k",

@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench import FLUSH_EVERY_S, NOOP_TASK
+from bench import FLUSH_EVERY_S, NOOP_TASK, metrics_cost
 from bench.env import BenchEnv, Part, cpu_snapshot, read_stats, stop, wait_until
 from ledger import service
 from ledger.dispatch import RunRef
@@ -366,6 +366,12 @@ def summarise_p1(
                 _median_cpu_us(runs["export_metrics"]) - _median_cpu_us(runs["export"])
             ),
         }
+        # The direct figure under that noisy ratio: CPU the metrics take per task in the
+        # pool child, over the child's time per small export (concurrency / throughput).
+        child_us = metrics_cost.per_task_us()
+        with_metrics["p1_metrics_us_per_task"] = round(child_us, 1)
+        children = runs["export"][0]["concurrency"]
+        with_metrics["p1_metrics_share"] = round(child_us * export / (children * 1e6), 5)
     return {
         **with_metrics,
         # CPU per small export of every process (worker main + children, PostgreSQL, Redis)

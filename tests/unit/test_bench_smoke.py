@@ -39,6 +39,7 @@ ISSUE_KEYS = {
     "p8_scan_ratio_10m_audit",
     # Issue 15: what the worker's Prometheus metrics cost.
     "p1_metrics_cost",
+    "p1_metrics_us_per_task",
 }
 GOAL_KEYS = {
     "p1_export_ratio",
@@ -80,6 +81,7 @@ GOAL_KEYS = {
         "bench.dispatch_path",
         "bench.api_rate",
         "bench.audit_growth",
+        "bench.metrics_cost",
     ],
 )
 def test_bench_module_imports(module: str) -> None:
@@ -237,3 +239,13 @@ def test_p6_detail_renders() -> None:
     assert "| 3 x `-c 2` | 100.0 | 100.0 | 0.97 | 0.3 | 0.1 + 0.05 | 0.0 |" in text
     assert "bound 12" in text
     assert report.p6_md({}) == []
+
+
+def test_the_metrics_cost_is_measured_in_a_fresh_process() -> None:
+    from bench import metrics_cost
+    from teamdesk import metrics
+
+    before = metrics._multiprocess_dir
+    us = metrics_cost.per_task_us(2000)
+    assert 0 < us < 1000  # microseconds per task: a few dozen at most on any machine
+    assert metrics._multiprocess_dir == before  # this process was not switched
