@@ -60,7 +60,7 @@ demo-seed: install services ## create+migrate the database, seed the demo team o
 	$(VENV)/bin/teamdesk-tasks demo-seed
 .PHONY: demo-seed
 
-bench: install services ## side-by-side performance ratios (~8 min): bench/RESULTS.md, bench/results/
+bench: install services ## side-by-side performance ratios (~15 min): bench/RESULTS.md, bench/results/
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	$(PY) -m bench.run
 
