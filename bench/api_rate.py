@@ -8,7 +8,10 @@ connection open (keep-alive) and has its own token and team, so the per-team cap
 (``TEAM_MAX_UNFINISHED``, default 1,000) is never reached; the per-token rate limit stays
 on, with a budget no client reaches, so its Redis round trip is part of every request.
 Creations are counted for ``MEASURE_S`` after a ``WARMUP_S`` warm-up; the figure with one
-process is in the detail. The clients share the machine's two cores with the API.
+process is in the detail. The clients share the machine's two cores with the API. What a
+creation costs is in the detail too: CPU microseconds per creation of the API processes,
+the database's backends, Redis, this process (the clients) and the rest of the machine,
+from /proc over the counting window.
 """
 
 from __future__ import annotations
@@ -23,7 +26,17 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from bench.env import BenchEnv, Part, stop, wait_until
+from bench.env import (
+    BenchEnv,
+    Part,
+    backend_pids,
+    children,
+    cpu_seconds,
+    machine_busy_s,
+    redis_cpu,
+    stop,
+    wait_until,
+)
 from ledger.tokens import create_token
 from tests.support.processes import Proc, free_port, settings_env
 
@@ -39,6 +52,40 @@ class Tally:
     ok: int = 0
     errors: dict[int, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class CpuAt:
+    """CPU seconds used so far by each side of P7."""
+
+    api: float
+    postgres: dict[int, float]
+    redis: float
+    clients: float
+    machine: float
+
+
+def cpu_at(env: BenchEnv, part: Part, apis: list[Proc]) -> CpuAt:
+    return CpuAt(
+        api=sum(cpu_seconds(pid) for p in apis for pid in (p.pid, *children(p.pid))),
+        postgres={pid: cpu_seconds(pid) for pid in backend_pids(part.engine, part.db_name)},
+        redis=redis_cpu(env.redis),
+        clients=time.process_time(),  # this process: the client threads, and little else
+        machine=machine_busy_s(),
+    )
+
+
+def cpu_split_us(before: CpuAt, after: CpuAt, creations: int) -> dict[str, int]:
+    """CPU microseconds per creation of each side between two snapshots."""
+    postgres = sum(s - before.postgres.get(pid, 0.0) for pid, s in after.postgres.items())
+    sides = {
+        "api": after.api - before.api,
+        "postgres": postgres,
+        "redis": after.redis - before.redis,
+        "clients": after.clients - before.clients,
+    }
+    sides["rest_of_machine"] = max(0.0, after.machine - before.machine - sum(sides.values()))
+    return {k: round(v / max(creations, 1) * 1e6) for k, v in sides.items()}
 
 
 def seed_clients(engine: sa.Engine, n: int) -> list[tuple[str, str]]:
@@ -102,8 +149,11 @@ def client(port: int, team: str, token: str, until: list[float], tally: Tally) -
     conn.close()
 
 
-def measure(ports: list[int], clients: list[tuple[str, str]]) -> dict[str, Any]:
+def measure(
+    env: BenchEnv, part: Part, apis: list[tuple[Proc, int]], clients: list[tuple[str, str]]
+) -> dict[str, Any]:
     tally = Tally()
+    ports = [port for _, port in apis]
     start = time.monotonic()
     window = [start + WARMUP_S, start + WARMUP_S + MEASURE_S]
     threads = [
@@ -112,12 +162,17 @@ def measure(ports: list[int], clients: list[tuple[str, str]]) -> dict[str, Any]:
     ]
     for thread in threads:
         thread.start()
+    time.sleep(max(0.0, window[0] - time.monotonic()))
+    before = cpu_at(env, part, [proc for proc, _ in apis])
+    time.sleep(max(0.0, window[1] - time.monotonic()))
+    after = cpu_at(env, part, [proc for proc, _ in apis])
     for thread in threads:
         thread.join()
     return {
         "processes": len(ports),
         "creates_per_s": round(tally.ok / MEASURE_S, 1),
         "errors": {str(k): v for k, v in tally.errors.items()},
+        "cpu_us_per_create": cpu_split_us(before, after, tally.ok),
     }
 
 
@@ -127,7 +182,7 @@ def run_p7(env: BenchEnv) -> dict[str, Any]:
         part = env.part(f"p7-{processes}")
         clients = seed_clients(part.engine, CLIENTS)
         apis = [start_api(env, part, i) for i in range(processes)]
-        results.append(measure([port for _, port in apis], clients))
+        results.append(measure(env, part, apis, clients))
         for proc, _ in apis:
             stop(proc)
     production = results[-1]

@@ -401,6 +401,7 @@ def details_md(results: dict[str, Any]) -> list[str]:
         statements = p3.get("sql_statements_per_scan", {})
         lines += ["", f"SQL statements per scan: {sum(statements.values())} ({statements}).", ""]
     lines += p6_md(results.get("p6_detail", {}))
+    lines += p7_md(results.get("p7_detail", {}))
     p2 = results.get("p2_detail", {})
     if p2:
         lines += [
@@ -414,6 +415,28 @@ def details_md(results: dict[str, Any]) -> list[str]:
             "",
         ]
     return lines
+
+
+def p7_md(p7: dict[str, Any]) -> list[str]:
+    """P7's detail: creations per second and CPU per creation, by side."""
+    runs = [r for r in p7.get("runs", []) if "cpu_us_per_create" in r]
+    if not runs:
+        return []
+    sides = list(runs[0]["cpu_us_per_create"])
+    lines = [
+        "## P7: what an API creation costs (CPU µs per creation, /proc)",
+        "",
+        "| API processes | creations/s | " + " | ".join(sides) + " |",
+        "|---:|---:|" + "---:|" * len(sides),
+    ]
+    for run in runs:
+        cpu = run["cpu_us_per_create"]
+        lines.append(
+            f"| {run['processes']} | {run['creates_per_s']} | "
+            + " | ".join(str(cpu.get(side, "")) for side in sides)
+            + " |"
+        )
+    return [*lines, ""]
 
 
 def p6_md(p6: dict[str, Any]) -> list[str]:

@@ -249,3 +249,23 @@ def test_the_metrics_cost_is_measured_in_a_fresh_process() -> None:
     us = metrics_cost.per_task_us(2000)
     assert 0 < us < 1000  # microseconds per task: a few dozen at most on any machine
     assert metrics._multiprocess_dir == before  # this process was not switched
+
+
+def test_p7_detail_renders() -> None:
+    from bench import report
+
+    detail = {
+        "runs": [
+            {
+                "processes": 2,
+                "creates_per_s": 250.0,
+                "cpu_us_per_create": {"api": 3000, "postgres": 2500, "clients": 900},
+            }
+        ]
+    }
+    assert report.p7_md(detail)[2:4] == [
+        "| API processes | creations/s | api | postgres | clients |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    assert report.p7_md(detail)[4] == "| 2 | 250.0 | 3000 | 2500 | 900 |"
+    assert report.p7_md({"runs": [{"processes": 1, "creates_per_s": 1.0}]}) == []
