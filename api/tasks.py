@@ -91,11 +91,11 @@ def create_export(
     with res.engine.begin() as conn:
         caller = authenticate(conn, token)
         limits.throttle_token(caller)
-        task_id = service.create_export(
+        task = service.submit_export(
             conn, team_id, caller.user_id, body.scope, body.filters, max_unfinished=cap
         )
-        view = service.get_task(conn, task_id, caller.user_id).as_dict()
-    response.headers["Location"] = f"/api/tasks/{task_id}"
+    view = task.as_dict()
+    response.headers["Location"] = f"/api/tasks/{task.id}"
     return _explained([view], res)[0]
 
 
@@ -118,11 +118,11 @@ def create_reminder(
     with res.engine.begin() as conn:
         caller = authenticate(conn, token)
         limits.throttle_token(caller)
-        task_id = service.create_reminder(
+        task = service.submit_reminder(
             conn, team_id, caller.user_id, body.ticket_id, body.run_at, max_unfinished=cap
         )
-        view = service.get_task(conn, task_id, caller.user_id).as_dict()
-    response.headers["Location"] = f"/api/tasks/{task_id}"
+    view = task.as_dict()
+    response.headers["Location"] = f"/api/tasks/{task.id}"
     return _explained([view], res)[0]
 
 

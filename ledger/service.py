@@ -41,15 +41,6 @@ MSG_CANCEL_STATE = "only WAITING or RUNNING tasks can be cancelled"
 
 ROLE = text("SELECT role FROM memberships WHERE team_id = :team_id AND user_id = :user_id")
 
-# The insert wakes the dispatcher through the table's statement trigger (ledger/wake.py).
-# With no run_at, or one in the past, the task is ready at once by the database's clock.
-INSERT_TASK = text("""
-    INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters, run_at)
-    VALUES (:kind, :team_id, :owner_id, :scope, CAST(:filters AS jsonb),
-            greatest(coalesce(CAST(:run_at AS timestamptz), now()), now()))
-    RETURNING id
-""")
-
 # The window a reminder's run_at may fall in, by the database's clock: a year ahead at most
 # (a reminder in year 9999 would never fire), a day in the past at most (a late request).
 RUN_AT_IN_WINDOW = text("""
@@ -66,6 +57,17 @@ TASK_COLUMNS = """id, kind, team_id, owner_id, scope, filters, status, run, atte
          THEN CAST(floor(extract(epoch FROM now() - run_at)) AS integer) END AS waiting_s"""
 
 SELECT_TASK = text(f"SELECT {TASK_COLUMNS} FROM background_tasks WHERE id = :task_id")
+
+# The insert wakes the dispatcher through the table's statement trigger (ledger/wake.py).
+# With no run_at, or one in the past, the task is ready at once by the database's clock.
+# It returns the new task's view: whoever may create a task may see it (a MINE export is
+# its creator's; a TEAM export and a reminder need staff, who see TEAM tasks).
+INSERT_TASK = text(f"""
+    INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters, run_at)
+    VALUES (:kind, :team_id, :owner_id, :scope, CAST(:filters AS jsonb),
+            greatest(coalesce(CAST(:run_at AS timestamptz), now()), now()))
+    RETURNING {TASK_COLUMNS}
+""")
 SELECT_TASK_FOR_UPDATE = text(
     f"SELECT {TASK_COLUMNS} FROM background_tasks WHERE id = :task_id FOR UPDATE"
 )
@@ -130,6 +132,10 @@ class TaskView:
 
     row: RowMapping
 
+    @property
+    def id(self) -> uuid.UUID:
+        return uuid.UUID(str(self.row["id"]))
+
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, value in self.row.items():
@@ -173,19 +179,23 @@ def _insert(
     scope: str,
     filters: dict[str, Any],
     run_at: datetime | None,
-) -> uuid.UUID:
-    row = conn.execute(
-        INSERT_TASK,
-        {
-            "kind": kind,
-            "team_id": team_id,
-            "owner_id": owner_id,
-            "scope": scope,
-            "filters": json.dumps(filters),
-            "run_at": run_at,
-        },
-    ).one()
-    return uuid.UUID(str(row.id))
+) -> TaskView:
+    row = (
+        conn.execute(
+            INSERT_TASK,
+            {
+                "kind": kind,
+                "team_id": team_id,
+                "owner_id": owner_id,
+                "scope": scope,
+                "filters": json.dumps(filters),
+                "run_at": run_at,
+            },
+        )
+        .mappings()
+        .one()
+    )
+    return TaskView(row)
 
 
 def create_export(
@@ -196,8 +206,21 @@ def create_export(
     filters: Any,
     max_unfinished: int = NO_CAP,
 ) -> uuid.UUID:
+    """:func:`submit_export`'s new task id."""
+    return submit_export(conn, team_id, user_id, scope, filters, max_unfinished).id
+
+
+def submit_export(
+    conn: Connection,
+    team_id: uuid.UUID,
+    user_id: uuid.UUID,
+    scope: Any,
+    filters: Any,
+    max_unfinished: int = NO_CAP,
+) -> TaskView:
     """Validate and insert a WAITING export; nothing is written when anything is wrong,
-    or when the team already has ``max_unfinished`` unfinished tasks (ledger/quota.py)."""
+    or when the team already has ``max_unfinished`` unfinished tasks (ledger/quota.py).
+    Returns the new task as its creator sees it (read back by the insert itself)."""
     if scope not in SCOPES:
         raise InvalidInput(MSG_SCOPE)
     validate_filters(filters)
@@ -215,8 +238,21 @@ def create_reminder(
     run_at: datetime | None = None,
     max_unfinished: int = NO_CAP,
 ) -> uuid.UUID:
+    """:func:`submit_reminder`'s new task id."""
+    return submit_reminder(conn, team_id, user_id, ticket_id, run_at, max_unfinished).id
+
+
+def submit_reminder(
+    conn: Connection,
+    team_id: uuid.UUID,
+    user_id: uuid.UUID,
+    ticket_id: Any,
+    run_at: datetime | None = None,
+    max_unfinished: int = NO_CAP,
+) -> TaskView:
     """Validate and insert a WAITING reminder for one ticket, due at ``run_at`` (default now);
-    refused like :func:`create_export` when the team is at ``max_unfinished``."""
+    refused like :func:`submit_export` when the team is at ``max_unfinished``. Returns the
+    new task as its creator sees it."""
     try:
         ticket = uuid.UUID(str(ticket_id))
     except ValueError:

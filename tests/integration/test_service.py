@@ -331,3 +331,32 @@ def test_list_and_get_respect_visibility(engine: sa.Engine, world: World) -> Non
             service.get_task(conn, team_task, world.customer_id)
         with pytest.raises(NotFound):
             service.list_tasks(conn, world.team_id, world.outsider_id)
+
+
+@pytest.mark.parametrize(
+    ("kind", "scope", "creator"),
+    [
+        ("EXPORT", "MINE", "customer_id"),
+        ("EXPORT", "TEAM", "staff_id"),
+        ("REMINDER", "TEAM", "staff_id"),
+    ],
+)
+def test_a_creation_returns_the_view_a_read_returns(
+    engine: sa.Engine, world: World, kind: str, scope: str, creator: str
+) -> None:
+    """The API answers a creation with the insert's own RETURNING (no read-back): it must be
+    the very view get_task gives the creator, in the same transaction and a later one."""
+    user = getattr(world, creator)
+    with engine.begin() as conn:
+        if kind == "EXPORT":
+            view = service.submit_export(conn, world.team_id, user, scope, {"q": "x"})
+        else:
+            ticket = add_ticket(conn, world.team_id, world.customer_id)
+            view = service.submit_reminder(conn, world.team_id, user, str(ticket))
+        assert view.as_dict() == service.get_task(conn, view.id, user).as_dict()
+    with engine.begin() as conn:
+        later = service.get_task(conn, view.id, user).as_dict()
+    same = {k: v for k, v in later.items() if k != "waiting_s"}  # it grows with the clock
+    assert {k: v for k, v in view.as_dict().items() if k != "waiting_s"} == same
+    assert (view.row["kind"], view.row["scope"], view.row["status"]) == (kind, scope, "WAITING")
+    assert view.row["waiting_s"] == 0 and view.row["has_csv"] is False
