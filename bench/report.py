@@ -245,9 +245,10 @@ own Redis key prefix (`tdbench-<hex>-<part>`, deleted at the end); it never touc
   bare once more; each ratio is the median of its kind over the median of the bare runs.
   *Metrics cost* (`p1_metrics_cost`): 5,000 small exports drained by a worker with
   `METRICS_PORT` set (prometheus_client's multiprocess mode, its directory under the
-  bench's work directory), whose `/metrics` this process GETs every second meanwhile (a
-  Prometheus scrapes every 15 s by default); the median of these runs over the median of
-  the metrics-off export runs; the last scrape must count every export `completed`.
+  bench's work directory), whose `/metrics` this process GETs every second meanwhile
+  (Prometheus's default interval is a minute, 15 s a common setting); the median of
+  these runs over the median of the metrics-off export runs; the last scrape must count
+  every export `completed`.
   Under that ratio, which moves by several per cent between batches, the direct figure
   (`p1_metrics_us_per_task`, bench/metrics_cost.py): CPU per task of what a pool child
   records for one small export, in multiprocess mode, 20,000 times in a fresh process;
