@@ -68,6 +68,7 @@ INSERT_TASK = text(f"""
             greatest(coalesce(CAST(:run_at AS timestamptz), now()), now()))
     RETURNING {TASK_COLUMNS}
 """)
+
 SELECT_TASK_FOR_UPDATE = text(
     f"SELECT {TASK_COLUMNS} FROM background_tasks WHERE id = :task_id FOR UPDATE"
 )
