@@ -35,9 +35,10 @@ TASKS = 500
 ROUNDS = 3
 FILLER_TASKS = 1000
 SCANS = 9
-# Untimed scans of each part first: right after the fill, the first four scans of the 10M
-# trail took 40-44 ms and every later one 20-24 ms (the empty trail's: 21-27 ms); a
-# dispatcher scans every few seconds, so its pages are warm: that is what is measured.
+# Untimed scans of each part first: right after the fill, the first scans of the 10M trail
+# are slower (40-44 ms for four rounds in one run, 34-43 ms for eight in another; later
+# ones 14-24 ms, as the empty trail's); the figure is meant for a dispatcher that has been
+# scanning every few seconds, and is reported as measured either way.
 SCAN_WARMUP = 4
 
 

@@ -315,7 +315,7 @@ own Redis key prefix (`tdbench-<hex>-<part>`, deleted at the end); it never touc
   (`lease.claim`, `lease.complete_export`), the databases taking turns 3 times; ratio of
   the median per-task times. *Scan*: P3's scan (10 stale RUNNING rows recovered, 60 runs
   published, the purge step) on each, alternating, 9 timed after 4 untimed rounds
-  (right after the fill the first scans of the 10M trail read cold pages); ratio of the
+  (right after the fill the first scans of the 10M trail are slower); ratio of the
   medians. One retention purge call is timed on each (detail).
 """
 
