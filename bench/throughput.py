@@ -31,8 +31,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import FLUSH_EVERY_S, NOOP_TASK, metrics_cost
 from bench.env import BenchEnv, Part, cpu_snapshot, read_stats, stop, wait_until
-from ledger import service
+from ledger import dispatch, service
 from ledger.dispatch import RunRef
+from ledger.states import KINDS
 from tasks import queueing
 from tasks.names import EXPORTS_QUEUE
 from teamdesk import config
@@ -45,20 +46,8 @@ DRAIN_TIMEOUT_S = 600
 NOISY_CORES = 0.5  # other load during a P1 batch above which it is run once more
 MAX_RERUNS = 3  # ... at most this many times per run (the 15-minute budget)
 PUBLISH_CHUNK = 500  # messages per publish_batch call (one pipeline each)
+STAMP_ALL = 100_000  # runs stamped per dispatch.stamp_ready call: a whole pre-filled queue
 SCRAPE_EVERY_S = 1.0  # a metrics-on worker is scraped this often while it drains
-
-# Every ready run (WAITING, unpublished, due by the database's clock) stamped at once, as
-# the dispatcher stamps a window's runs (the stamp is what the queued marker carries).
-STAMP_ALL_READY = sa.text("""
-    WITH ready AS (
-        SELECT id FROM background_tasks
-         WHERE status = 'WAITING' AND dispatched_at IS NULL AND run_at <= now()
-           FOR UPDATE SKIP LOCKED
-    )
-    UPDATE background_tasks t SET dispatched_at = now(), updated_at = now()
-      FROM ready WHERE t.id = ready.id
-    RETURNING t.id, t.run, t.kind, t.dispatched_at AS stamp, t.run_at
-""")
 
 
 @dataclass(frozen=True)
@@ -125,14 +114,17 @@ def create_reminders(engine: sa.Engine, refs: list[TicketRef], n: int) -> list[u
 
 
 def publish_ready(part: Part, app: Celery, chunk: int = PUBLISH_CHUNK) -> tuple[int, float]:
-    """Publish every ready row of ``part`` (a pre-filled queue, no window): stamp them in
-    one statement and commit, then ``publish_batch`` + ``set_markers`` per chunk, oldest
-    ``run_at`` first. Returns (count, seconds)."""
+    """Publish every ready row of ``part`` (a pre-filled queue, no window): stamp them with
+    the dispatcher's own statement (``dispatch.stamp_ready``, with room for all of them,
+    in its publish order) and commit, then ``publish_batch`` + ``set_markers`` per chunk.
+    Returns (count, seconds)."""
     started = time.perf_counter()
     config.set_settings(part.settings)  # the markers' Redis client reads the settings
+    refs: list[RunRef] = []
     with part.engine.begin() as conn:
-        rows = sorted(conn.execute(STAMP_ALL_READY).all(), key=lambda r: (r.run_at, str(r.id)))
-    refs = [RunRef(r.id, r.run, r.kind, stamp=r.stamp) for r in rows]
+        for kind in KINDS:
+            while stamped := dispatch.stamp_ready(conn, kind=kind, n=STAMP_ALL, team_cap=0).refs:
+                refs += stamped
     for i in range(0, len(refs), chunk):
         batch = refs[i : i + chunk]
         queueing.publish_batch(app, batch)
