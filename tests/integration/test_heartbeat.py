@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable
 
 import pytest
 import redis
@@ -22,6 +20,7 @@ from dispatcher.heartbeat import (
     tombstone_key,
 )
 from dispatcher.scan import read_heartbeats
+from tests.support.waiting import wait_for
 
 SCOPE = "host-a"
 TTL_S = 20.0
@@ -34,16 +33,6 @@ def redis_now(client: redis.Redis) -> float:
 
 def both_sets(prefix: str, scope: str = SCOPE) -> list[str]:
     return [active_key(prefix), active_key(prefix, scope)]
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    """Poll ``condition`` until it is true or the deadline passes (detects, never orders)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_renewal_adds_member_to_both_sets_scored_by_redis_time(

@@ -65,6 +65,9 @@ def test_an_exports_pauses_stay_under_its_read_budget() -> None:
     assert slept == [2.0, 2.0, 0.2]
 
 
+SAMPLE_FOR_AT_MOST_S = 60.0  # four pauses of 0.6 s: a detector for a stuck export only
+
+
 def test_with_the_knob_an_exports_progress_can_be_watched(
     engine: sa.Engine, world: World, make_app: Callable[..., Celery]
 ) -> None:
@@ -75,7 +78,9 @@ def test_with_the_knob_an_exports_progress_can_be_watched(
     seen: list[tuple[float, int]] = []
     pause = slow_exports.pauser(0.6, 250)
     with hooks.installed("export.after_read", pause), running_cluster(app):
+        deadline = time.monotonic() + SAMPLE_FOR_AT_MOST_S
         while (row := task_row(engine, task_id))["status"] in ("WAITING", "RUNNING"):
+            assert time.monotonic() < deadline, f"still {row['status']} after the deadline"
             seen.append((time.monotonic(), row["progress"]))
             time.sleep(0.1)  # sampling the ledger as watch does (it reads every second)
         wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="COMPLETED")
