@@ -10,11 +10,14 @@ the stamp and the send, ...): the dispatcher publishes it again.
 
 The marker is set *after* the send: a dispatcher killed in between leaves a message with
 no marker, which costs a duplicate message (the lease absorbs it), never a run stranded
-behind a marker whose message was never sent. Markers live ``MARKER_TTL_FACTOR`` x
-``STALE_AFTER_S``: far longer than a message waits in a window of two messages per
-worker process, and short enough that a message lost while its marker survived (a worker
-killed between taking it off the list and registering it as unacknowledged) is published
-again within minutes.
+behind a marker whose message was never sent. A worker can be quicker than that: a
+message whose claim fails before its marker exists leaves an *ended* marker instead
+(``ended <stamp>``), and the dispatcher's late marker does not replace it, so the run is
+published again rather than stranded behind a marker for a message that has ended.
+Markers live ``MARKER_TTL_FACTOR`` x ``STALE_AFTER_S``: far longer than a message waits
+in a window of two messages per worker process, and short enough that a message lost
+while its marker survived (a worker killed between taking it off the list and
+registering it as unacknowledged) is published again within minutes.
 """
 
 from __future__ import annotations
@@ -69,25 +72,43 @@ def marker_redis() -> redis.Redis:
         return _client
 
 
-# KEYS: the marker. ARGV: the message's stamp. Deletes the marker only if it stands for
-# this message: a message of an earlier publish must not erase the current one's marker.
-_DELETE_IF_MINE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+# KEYS: the marker. ARGV: the message's stamp, the marker TTL. The message no longer
+# stands for its run. Its marker goes; a marker of another publish stays (that message
+# stands); with no marker yet (the dispatcher sets it just after the send and this
+# message was quicker), an ended marker keeps the late one from being set.
+_MESSAGE_ENDED = """
+local current = redis.call('GET', KEYS[1])
+if current == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
+if not current then
+  redis.call('SET', KEYS[1], 'ended ' .. ARGV[1], 'EX', ARGV[2])
+end
 return 0
+"""
+
+# KEYS: the marker. ARGV: the publish's stamp, the marker TTL. Set unless that very
+# message has already ended.
+_SET_MARKER = """
+if redis.call('GET', KEYS[1]) == 'ended ' .. ARGV[1] then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return 1
 """
 
 
 def message_started(task_id: uuid.UUID, run: int, stamp: str | None = None) -> None:
     """The run is claimed (or could not be): this message no longer stands for it. Its
-    marker goes, unless it carries another publish's stamp (that message stands)."""
+    marker goes, unless it carries another publish's stamp (that message stands); if its
+    marker is not set yet, it is set as ended (see the module's docstring)."""
     try:
         key = marker_key(task_id, run)
         if stamp is None:
             marker_redis().delete(key)
         else:
-            marker_redis().eval(_DELETE_IF_MINE, 1, key, stamp)
+            ttl = marker_ttl_s(get_settings())
+            marker_redis().eval(_MESSAGE_ENDED, 1, key, stamp, ttl)
     except redis.RedisError:
         # Harmless: the marker carries its publish's stamp, and a later publish of this
         # run carries a new one.
@@ -153,13 +174,17 @@ def _batches(app: Celery) -> bool:
 
 
 def set_markers(runs: Sequence[RunRef], settings: Settings) -> None:
-    """Say "the broker holds this run's message, sent with this stamp" (one round trip)."""
+    """Say "the broker holds this run's message, sent with this stamp" (one round trip),
+    except for a message that has already ended (see the module's docstring)."""
     if not runs:
         return
     ttl = marker_ttl_s(settings)
-    with marker_redis().pipeline(transaction=False) as pipe:
+    client = marker_redis()
+    set_marker = client.register_script(_SET_MARKER)
+    with client.pipeline(transaction=False) as pipe:
         for run in runs:
-            pipe.set(marker_key(run.task_id, run.run, settings.queue_prefix), _stamp(run), ex=ttl)
+            key = marker_key(run.task_id, run.run, settings.queue_prefix)
+            set_marker(keys=[key], args=[_stamp(run), ttl], client=pipe)
         pipe.execute()
 
 

@@ -86,4 +86,8 @@ def resend_stamped(
 
 
 def marker_present(client: redis.Redis, prefix: str, task_id: uuid.UUID, run: int) -> bool:
-    return bool(client.exists(marker_key(task_id, run, prefix)))
+    """A marker stands for a queued message (an ``ended <stamp>`` marker does not: its
+    message has ended, tasks/queueing.py)."""
+    value = client.get(marker_key(task_id, run, prefix))
+    text = value.decode() if isinstance(value, bytes) else value
+    return text is not None and not str(text).startswith("ended ")
