@@ -19,7 +19,9 @@ EXPORT_BATCH_SIZE = 20  # 1-10 batches per export; a long export 15
 STALE_AFTER_S = 6.0
 HEARTBEAT_TTL_S = 3.0
 SCAN_INTERVAL_S = 1.0
-LONG_EXPORT_S = 52.0  # >= 50 s, and under the export's 60 s read budget (tasks/export.py)
+# A long export: >= 50 s, and under the export's 60 s read budget (tasks/export.py); the
+# short soak's is half as long (still eight heartbeat TTLs and four STALE_AFTER_S).
+LONG_EXPORT_S, SHORT_LONG_EXPORT_S = 52.0, 26.0
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class Options:
     faults: int
     fault_gap_s: float
     quiesce_timeout_s: float
+    long_export_s: float
     keep: bool
     short: bool
     kinds: tuple[str, ...] = KINDS
@@ -75,6 +78,7 @@ def parse(argv: list[str] | None, description: str) -> Options:
         else (SHORT_FAULTS if short else DEFAULT_FAULTS),
         fault_gap_s=args.fault_gap or (SHORT_FAULT_GAP_S if short else DEFAULT_FAULT_GAP_S),
         quiesce_timeout_s=args.quiesce_timeout or (SHORT_QUIESCE_S if short else DEFAULT_QUIESCE_S),
+        long_export_s=SHORT_LONG_EXPORT_S if short else LONG_EXPORT_S,
         keep=bool(args.keep),
         short=short,
         kinds=_kinds(parser, args.kinds),

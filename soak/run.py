@@ -47,7 +47,6 @@ from soak.leases import LeaseJudge
 from soak.options import (
     EXPORT_BATCH_SIZE,
     EXPORT_MAX_ROWS,
-    LONG_EXPORT_S,
     Options,
     parse,
     soak_settings,
@@ -125,7 +124,7 @@ class Soak:
             **{
                 hooks.EXPORT_PAUSE_ENV: EXPORT_PAUSE_S,
                 hooks.REMINDER_PAUSE_ENV: REMINDER_PAUSE_S,
-                hooks.LONG_EXPORT_ENV: LONG_EXPORT_S,
+                hooks.LONG_EXPORT_ENV: self.opts.long_export_s,
                 beacons.BEACON_DIR_ENV: beacon_dir,
             },
         )

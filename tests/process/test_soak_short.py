@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 SUMMARY = re.compile(r"^soak: (\d+) tasks, (\d+) faults, (\d+) violations$", re.MULTILINE)
 PER_KIND = re.compile(r"^soak: faults (?!skipped )(.+)$", re.MULTILINE)  # not the skipped line
-BUDGET_S = 240  # the short soak takes about 2 minutes alone, under 4 on a busy machine
+BUDGET_S = 240  # the short soak takes about 1.5 minutes alone, under 4 on a busy machine
 
 
 def run_short_soak() -> tuple[int, str, float]:
