@@ -143,7 +143,7 @@ class DispatchLoop:
             self._next_purge = now + PURGE_INTERVAL_S
         self.last_scan = counts
         self._report(counts.redis_error)
-        level = logging.INFO if counts.did_something else logging.DEBUG
+        level = logging.INFO if counts.of_note else logging.DEBUG
         log_event(log, "dispatcher.scan", level, **counts.as_dict())
         for queue in counts.no_consumers:
             self._warn_no_consumers(now, queue)

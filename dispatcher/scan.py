@@ -89,6 +89,16 @@ class ScanCounts:
         return asdict(self)
 
     @property
+    def of_note(self) -> bool:
+        """Worth a line at info: work beyond routine publishing (a recovery, a lost message
+        published again, a purge, a failure). Publishing due runs is the dispatcher's
+        steady state and logs at debug, as a fill does."""
+        work = ("recovered", "failed_recoveries", "redispatched", "purged")
+        return any(getattr(self, name) for name in work) or bool(
+            self.publish_failed or self.redis_error
+        )
+
+    @property
     def did_something(self) -> bool:
         work = ("recovered", "failed_recoveries", "redispatched", "dispatched", "purged")
         return any(getattr(self, name) for name in work) or bool(
