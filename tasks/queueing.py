@@ -74,14 +74,15 @@ def marker_redis() -> redis.Redis:
 
 # KEYS: the marker. ARGV: the message's stamp, the marker TTL. The message no longer
 # stands for its run. Its marker goes; a marker of another publish stays (that message
-# stands); with no marker yet (the dispatcher sets it just after the send and this
-# message was quicker), an ended marker keeps the late one from being set.
+# stands); with no marker yet, or only an earlier publish's ended one (the dispatcher
+# sets it just after the send and this message was quicker), an ended marker keeps the
+# late one from being set.
 _MESSAGE_ENDED = """
 local current = redis.call('GET', KEYS[1])
 if current == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
-if not current then
+if not current or string.sub(current, 1, 6) == 'ended ' then
   redis.call('SET', KEYS[1], 'ended ' .. ARGV[1], 'EX', ARGV[2])
 end
 return 0

@@ -134,22 +134,27 @@ def test_a_claim_that_fails_before_its_marker_is_set_never_strands_the_run(
         add_tickets(conn, world.team_id, world.customer_id, 2)
         task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
     message = queueing.message_id(task_id, 0)
+    stamped = Gate("the run stamped, its message not sent")
     sent = Gate("the message sent, its marker not set")
     marker = queueing.marker_key(task_id, 0, queue_prefix)
     with (
         EventLog(app) as events,
+        hooks.installed("dispatcher.before_publish", stamped.hook()),
         hooks.installed("dispatcher.before_markers", sent.hook()),
         running_cluster(app),
     ):
         try:
-            sent.wait_reached()
+            stamped.wait_reached()
             with connections_refused(database_url):
+                stamped.release()  # the message goes out only now: its claim cannot connect
+                sent.wait_reached()
                 wait_for(lambda: events.of_type("task-retried", message), what="the claim to fail")
                 assert str(redis_client.get(marker)).startswith("ended ")  # the message ended
                 sent.release()
             engine.dispose()  # its pooled connections were ended too
             wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="COMPLETED")
         finally:
+            stamped.release()
             sent.release()
     row = task_row(engine, task_id)
     assert (row["run"], row["attempts"], row["result_summary"]) == (0, 1, "2 rows")
