@@ -59,11 +59,13 @@ def test_a_read_that_waits_past_its_budget_is_a_failed_attempt(
     with engine.begin() as conn:
         add_tickets(conn, world.team_id, world.customer_id, 3)
     task_id = create_export(engine, world)
-    with engine.connect() as locker, running_cluster(app):
+    with engine.connect() as locker:
+        # Locked before the cluster starts: its first scan publishes the export.
         locker.exec_driver_sql("BEGIN; LOCK TABLE tickets IN ACCESS EXCLUSIVE MODE")
         try:
-            wait_for(lambda: task_row(engine, task_id)["attempts"] == 1, what="the claim")
-            wait_for(lambda: task_row(engine, task_id)["status"] == "WAITING", what="a failure")
+            with running_cluster(app):
+                wait_for(lambda: task_row(engine, task_id)["attempts"] == 1, what="the claim")
+                wait_for(lambda: task_row(engine, task_id)["status"] == "WAITING", what="a failure")
         finally:
             locker.exec_driver_sql("ROLLBACK")
     row = task_row(engine, task_id)

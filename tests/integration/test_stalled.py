@@ -115,7 +115,11 @@ def test_stalled_execution_is_taken_over_and_its_late_error_writes_nothing(
         wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="B to finish")
         done = task_row(engine, task_id)
         assert (done["attempts"], done["progress"], done["execution_id"]) == (1, 100, None)
-        finished = [e for e in worker_b.events("task.completed") if e["task_id"] == str(task_id)]
+        # B logs task.completed just after its completion committed: wait for the line.
+        finished = wait_for(
+            lambda: [e for e in worker_b.events("task.completed") if e["task_id"] == str(task_id)],
+            what="B's task.completed",
+        )
         assert [e["execution"] for e in finished] == [str(e2)[:8]]
         wait_for(
             lambda: broker_state(redis_client, prefix, queue) == (0, 0), what="both acknowledged"

@@ -284,9 +284,9 @@ def test_reminder_failure_after_event_insert_rolls_back_and_second_attempt_is_th
     _, second = nth_claim(2)
     with (
         EventLog(app) as events,
-        running_cluster(app),
         hooks.installed("reminder.after_event_insert", fail_once),
         hooks.installed("task.claimed", gate_retry.hook(when=second)),
+        running_cluster(app),  # after the hooks: its first scan publishes the reminder
     ):
         try:
             gate_retry.wait_reached()

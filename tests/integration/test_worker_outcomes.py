@@ -80,9 +80,9 @@ def test_transient_error_retries_once_after_backoff(
 
     with (
         EventLog(app) as events,
-        running_cluster(app),
         hooks.installed("export.after_read", fail_first_read),
         hooks.installed("task.claimed", lambda **_: claimed_at.append(time.monotonic())),
+        running_cluster(app),  # after the hooks: its first scan publishes the export
     ):
         row = run_to_end(engine, task_id)
         message = queueing.message_id(task_id, 0)
@@ -161,12 +161,19 @@ def test_exhausted_attempts_then_manual_retry_opens_run_1(
         add_tickets(conn, world.team_id, world.customer_id, 3)
     task_id = create_export(engine, world)
 
-    def always_fail(**_: object) -> None:
-        raise TimeoutError("upstream timed out")
+    failing = [True]
 
-    with EventLog(app) as events, running_cluster(app):
-        with hooks.installed("export.after_read", always_fail):
-            row = run_to_end(engine, task_id)
+    def always_fail(**_: object) -> None:
+        if failing:
+            raise TimeoutError("upstream timed out")
+
+    with (
+        EventLog(app) as events,
+        hooks.installed("export.after_read", always_fail),
+        running_cluster(app),  # after the hook: its first scan publishes the export
+    ):
+        row = run_to_end(engine, task_id)
+        failing.clear()
         old = queueing.message_id(task_id, 0)
         wait_for(lambda: events.of_type("task-failed", old), what="run 0 to end failed")
         assert (row["status"], row["attempts"]) == ("FAILED", 3)
@@ -206,8 +213,8 @@ def test_cancel_while_running_stops_at_next_write(
     gate = Gate("after read")
     with (
         EventLog(celery_app) as events,
-        running_cluster(celery_app),
         hooks.installed("export.after_read", gate.hook()),
+        running_cluster(celery_app),
     ):
         try:
             gate.wait_reached()

@@ -11,6 +11,7 @@ import base64
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,14 @@ def flower_sees_worker(port: int) -> bool:
     return 'flower_worker_online{worker="w1@' in metrics
 
 
+def flower_result(port: int, message: str) -> object:
+    return (flower_task(port, message) or {}).get("result")
+
+
+def shows(port: int, message: str, text: str) -> Callable[[], bool]:
+    return lambda: flower_result(port, message) == text
+
+
 def test_export_progress_moves_in_flower(
     engine: sa.Engine, world: World, settings: Settings, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
@@ -93,11 +102,15 @@ def test_export_progress_moves_in_flower(
             for batch in range(1, 11):
                 gate.wait_reached()
                 if batch > 1:
-                    shown = wait_for(
-                        lambda: (flower_task(port, message) or {}).get("result"),
-                        what="Flower to show progress",
+                    # Flower may still show the previous batch's text for a moment: wait
+                    # for this one's (a wrong or missing text times out).
+                    percent = (batch - 1) * 10
+                    expected = f"{percent}% ({percent * 50}/5000 rows)"
+                    wait_for(
+                        shows(port, message, expected),
+                        what=f"Flower to show {expected}",
                     )
-                    seen.append(str(shown))
+                    seen.append(str(flower_result(port, message)))
                     assert task_row(engine, task_id)["progress"] == (batch - 1) * 10
                 gate.release()
             wait_for(

@@ -83,8 +83,8 @@ def test_sigterm_drains_in_flight_export_with_its_lease(
         procs.append(w1)
         member = w1.wait_event("worker.started")["member"]
         assert member in live_members(redis_client, s.queue_prefix, s.worker_instance_id)
-        # The scan below must apply the heartbeat rule: the record is one TTL old (and
-        # the run, claimed after, is not yet stale by STALE_AFTER_S when it runs).
+        # The scan below must apply the heartbeat rule: the record is one TTL old (the
+        # scan itself runs with a long STALE_AFTER_S, so only that rule can take the run).
         wait_for(
             lambda: read_heartbeats(redis_client, s.queue_prefix, s.heartbeat_ttl_s).trusted,
             what="the heartbeat record to be trusted",
@@ -108,7 +108,7 @@ def test_sigterm_drains_in_flight_export_with_its_lease(
         # Draining, its lease is still alive: a dispatcher scan now does not take the run
         # back (and it publishes the later run, which the stopping worker must not take).
         assert member in lease_holders_alive(redis_client, s.queue_prefix)
-        counts = run_once(app, settings=s)
+        counts = run_once(app, settings=s.with_overrides(stale_after_s=600.0))
         assert (counts.heartbeat_rule, counts.recovered, counts.dispatched) == (True, 0, 1)
         held = task_row(engine, task_id)
         assert (held["status"], str(held["execution_id"])) == ("RUNNING", parked["execution_id"])
@@ -265,17 +265,21 @@ def test_two_processes_in_one_scope_and_a_frozen_one(
     assert live_members(redis_client, s.queue_prefix, s.worker_instance_id) == set()
 
 
-def test_idle_worker_exits_0_within_3_seconds(settings: Settings, tmp_path: Path) -> None:
+def test_idle_worker_exits_0_without_waiting_out_its_drain_budget(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """SIGTERM to an idle worker: it exits 0 at once, not after SHUTDOWN_TIMEOUT_S (75 s).
+    How fast is a speed target, measured by make bench (P5 ``p5_idle_exit_s`` <= 3 s), not
+    here: a slower machine must not fail this test."""
+    assert settings.shutdown_timeout_s >= 60
     with cluster(tmp_path) as procs:
         w1 = Proc("w1", worker_argv("w1", concurrency=2), settings_env(settings), tmp_path).start()
         procs.append(w1)
         w1.wait_event("worker.started")
-        signalled = time.monotonic()
         w1.send(signal.SIGTERM)
-        assert w1.wait(timeout=10) == 0
-        took = time.monotonic() - signalled
-    assert took < 3.0
+        assert w1.wait(timeout=30) == 0  # far under the drain budget
     assert w1.events("worker.stopped")[-1]["exit_code"] == 0
+    assert w1.events("worker.shutdown_timeout") == []
 
 
 @pytest.mark.parametrize("where", ["start", "stop"])
