@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -37,9 +40,9 @@ def running_worker(
 class EventLog:
     """Captures the cluster's Celery events in a thread, the way Flower receives them."""
 
-    def __init__(self, app: Celery) -> None:
-        import threading
+    READY_TIMEOUT_S = 10.0
 
+    def __init__(self, app: Celery) -> None:
         self.app = app
         self.events: list[dict[str, Any]] = []
         self.state = app.events.State()
@@ -65,8 +68,16 @@ class EventLog:
 
     def __enter__(self) -> EventLog:
         self._thread.start()
-        assert self.ready.wait(10), "event receiver did not start"
-        # Wait until the receiver's subscription is live: it sees its own test event.
+        assert self.ready.wait(self.READY_TIMEOUT_S), "event receiver did not start"
+        # Wait until the receiver's subscription is live (events sent before it are not
+        # delivered to it): it sees an event of its own, of a type no test counts.
+        probe = uuid.uuid4().hex
+        deadline = time.monotonic() + self.READY_TIMEOUT_S
+        with self.app.events.default_dispatcher() as dispatcher:
+            while not self.of_type("eventlog-ready", probe):
+                assert time.monotonic() < deadline, "event receiver never saw its own event"
+                dispatcher.send("eventlog-ready", uuid=probe)
+                time.sleep(0.05)  # then send again: polling with a deadline
         return self
 
     def __exit__(self, *exc: object) -> None:
