@@ -17,7 +17,7 @@ the details):
                 or behind; restarted on the real clock later.
 - ``txfreeze``  SIGSTOP of the pool process inside a reminder's transaction (its team's
                 advisory lock held) for longer than ``STALE_AFTER_S``; SIGCONT.
-- ``longterm``  SIGTERM of the worker running a >= 50 s export: the drain must finish it.
+- ``longterm``  SIGTERM of the worker running a 52 s export (26 s short): the drain must finish it.
 - ``pgrestart`` ``pg_ctl stop -m fast|immediate`` and start of the soak's own PostgreSQL.
 
 soak/outages.py holds the Redis and PostgreSQL faults, soak/probes.py the three that work

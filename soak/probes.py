@@ -9,7 +9,7 @@
   (only it: the worker's main process keeps its heartbeat) for ``STALE_AFTER_S + 1`` ..
   ``3 x STALE_AFTER_S``, then SIGCONT. Two more reminders of the same team are created
   while it is frozen: they queue for the team's lock it holds.
-- ``longterm``: the fault creates an export marked ``long`` (>= 50 s, soak/hooks.py), waits
+- ``longterm``: the fault creates an export marked ``long`` (52 s, 26 s short: soak/hooks.py), waits
   until an execution of it has run a few seconds, and SIGTERMs the worker running it: the
   drain (``SHUTDOWN_TIMEOUT_S``) must let it finish under its lease.
 

@@ -280,14 +280,16 @@ class Soak:
         prefix = self.run_id
         client = redis.Redis.from_url(self.redis.url, socket_timeout=2, decode_responses=True)
         try:
-            marker = bool(client.exists(f"{prefix}:queued:{message}"))
+            marker = client.get(f"{prefix}:queued:{message}")
             meta = client.get(f"{prefix}:celery-task-meta-{message}")
         except redis.RedisError as exc:
             return f"Redis unreadable ({type(exc).__name__})"
         finally:
             client.close()
         state = json.loads(meta).get("status") if meta else None
-        return f"queued marker {'present' if marker else 'absent'}, message state {state}"
+        text = None if marker is None else str(marker)  # decode_responses: a str
+        shown = "absent" if text is None else "ended" if text.startswith("ended ") else "set"
+        return f"queued marker {shown}, message state {state}"
 
     def close(self, passed: bool) -> None:
         if self.cluster is not None:

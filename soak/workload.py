@@ -16,7 +16,7 @@ Cases (shares of ``--tasks``):
 
 Cases a fault creates at its own time (``by_fault``), each expected COMPLETED:
 
-- ``long``            marked ``long``: an export of 281..300 rows that takes >= 50 s
+- ``long``            marked ``long``: an export of 281..300 rows that takes 52 s (26 s short)
                       (``longterm`` SIGTERMs its worker while it runs);
 - ``frozen``          marked ``freeze``: a reminder whose first execution is SIGSTOPped
                       inside its transaction (``txfreeze``);

@@ -3,17 +3,19 @@
 Only the dispatcher publishes (docs/design.md, "Dispatch"). It stamps a run's
 ``dispatched_at`` in the ledger first, then publishes the window's messages in one batch
 (one round trip to a Redis broker), then sets each run's *queued marker*
-``<prefix>:queued:<id>-<run>`` to that stamp. A worker deletes the marker once it has
-claimed the run. A published run that is still WAITING while its marker is missing or
-carries another stamp has lost its message (a Redis restart, a dispatcher killed between
-the stamp and the send, ...): the dispatcher publishes it again.
+``<prefix>:queued:<id>-<run>`` to that stamp. A worker ends the marker once it has
+claimed the run (below). A published run that is still WAITING while its marker is
+missing or carries another stamp has lost its message (a Redis restart, a dispatcher
+killed between the stamp and the send, ...): the dispatcher publishes it again.
 
 The marker is set *after* the send: a dispatcher killed in between leaves a message with
 no marker, which costs a duplicate message (the lease absorbs it), never a run stranded
-behind a marker whose message was never sent. A worker can be quicker than that: a
-message whose claim fails before its marker exists leaves an *ended* marker instead
-(``ended <stamp>``), and the dispatcher's late marker does not replace it, so the run is
-published again rather than stranded behind a marker for a message that has ended.
+behind a marker whose message was never sent. A worker can be quicker than that, so a
+message that has been claimed (or whose claim failed) does not delete its marker but
+turns it into an *ended record*, ``ended <stamp> [<stamp> ...]``, kept ``ENDED_TTL_S``:
+a marker the dispatcher sets late for one of those stamps is not set, and after a failed
+claim the run is published again rather than stranded behind a marker for a message
+that has ended (a marker carrying another publish's stamp stays: that message stands).
 Markers live ``MARKER_TTL_FACTOR`` x ``STALE_AFTER_S``: far longer than a message waits
 in a window of two messages per worker process, and short enough that a message lost
 while its marker survived (a worker killed between taking it off the list and
@@ -40,6 +42,9 @@ from teamdesk.redis_client import redis_client
 log = logging.getLogger("teamdesk.queue")
 
 MARKER_TTL_FACTOR = 5  # a marker lives this many STALE_AFTER_S
+# An ended record only has to outlive its message's late marker write (one pipeline just
+# after the send, retried once within MARKER_TIMEOUT_S).
+ENDED_TTL_S = 60
 MARKER_TIMEOUT_S = 5
 
 _client: redis.Redis | None = None
@@ -72,26 +77,34 @@ def marker_redis() -> redis.Redis:
         return _client
 
 
-# KEYS: the marker. ARGV: the message's stamp, the marker TTL. The message no longer
-# stands for its run. Its marker goes; a marker of another publish stays (that message
-# stands); with no marker yet, or only an earlier publish's ended one (the dispatcher
-# sets it just after the send and this message was quicker), an ended marker keeps the
-# late one from being set.
+# KEYS: the marker. ARGV: the message's stamp, ENDED_TTL_S. The message no longer stands
+# for its run. A marker of another publish stays (that message stands); otherwise the
+# marker becomes (or is added to) the ended record "ended <stamp> <stamp> ...", so that a
+# marker the dispatcher sets for this message later (it sets markers just after the send,
+# and a worker can be quicker; a retried pipeline may set one again) is not set.
 _MESSAGE_ENDED = """
 local current = redis.call('GET', KEYS[1])
-if current == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
+local ended = 'ended'
+if current then
+  if string.sub(current, 1, 6) == 'ended ' then
+    ended = current
+  elseif current ~= ARGV[1] then
+    return 0
+  end
 end
-if not current or string.sub(current, 1, 6) == 'ended ' then
-  redis.call('SET', KEYS[1], 'ended ' .. ARGV[1], 'EX', ARGV[2])
+if not string.find(ended .. ' ', ' ' .. ARGV[1] .. ' ', 1, true) then
+  ended = ended .. ' ' .. ARGV[1]
 end
-return 0
+redis.call('SET', KEYS[1], ended, 'EX', ARGV[2])
+return 1
 """
 
 # KEYS: the marker. ARGV: the publish's stamp, the marker TTL. Set unless that very
 # message has already ended.
 _SET_MARKER = """
-if redis.call('GET', KEYS[1]) == 'ended ' .. ARGV[1] then
+local current = redis.call('GET', KEYS[1])
+if current and string.sub(current, 1, 6) == 'ended '
+    and string.find(current .. ' ', ' ' .. ARGV[1] .. ' ', 1, true) then
   return 0
 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
@@ -101,19 +114,18 @@ return 1
 
 def message_started(task_id: uuid.UUID, run: int, stamp: str | None = None) -> None:
     """The run is claimed (or could not be): this message no longer stands for it. Its
-    marker goes, unless it carries another publish's stamp (that message stands); if its
-    marker is not set yet, it is set as ended (see the module's docstring)."""
+    marker is replaced by the ended record, unless it carries another publish's stamp
+    (that message stands); see the module's docstring."""
     try:
         key = marker_key(task_id, run)
         if stamp is None:
             marker_redis().delete(key)
         else:
-            ttl = marker_ttl_s(get_settings())
-            marker_redis().eval(_MESSAGE_ENDED, 1, key, stamp, ttl)
+            marker_redis().eval(_MESSAGE_ENDED, 1, key, stamp, ENDED_TTL_S)
     except redis.RedisError:
-        # Harmless: the marker carries its publish's stamp, and a later publish of this
-        # run carries a new one.
-        log.debug("queued marker not deleted", extra={"task_id": str(task_id), "run": run})
+        # Rarely costly: after a failed claim the marker outlives its message until it
+        # expires (MARKER_TTL_FACTOR x STALE_AFTER_S), then the run is published again.
+        log.debug("queued marker not ended", extra={"task_id": str(task_id), "run": run})
 
 
 class PublishFailed(Exception):
@@ -180,12 +192,10 @@ def set_markers(runs: Sequence[RunRef], settings: Settings) -> None:
     if not runs:
         return
     ttl = marker_ttl_s(settings)
-    client = marker_redis()
-    set_marker = client.register_script(_SET_MARKER)
-    with client.pipeline(transaction=False) as pipe:
+    with marker_redis().pipeline(transaction=False) as pipe:
         for run in runs:
             key = marker_key(run.task_id, run.run, settings.queue_prefix)
-            set_marker(keys=[key], args=[_stamp(run), ttl], client=pipe)
+            pipe.eval(_SET_MARKER, 1, key, _stamp(run), ttl)  # EVAL: no NOSCRIPT round trip
         pipe.execute()
 
 

@@ -73,11 +73,15 @@ class EventLog:
         # delivered to it): it sees an event of its own, of a type no test counts.
         probe = uuid.uuid4().hex
         deadline = time.monotonic() + self.READY_TIMEOUT_S
-        with self.app.events.default_dispatcher() as dispatcher:
-            while not self.of_type("eventlog-ready", probe):
-                assert time.monotonic() < deadline, "event receiver never saw its own event"
-                dispatcher.send("eventlog-ready", uuid=probe)
-                time.sleep(0.05)  # then send again: polling with a deadline
+        try:
+            with self.app.events.default_dispatcher() as dispatcher:
+                while not self.of_type("eventlog-ready", probe):
+                    assert time.monotonic() < deadline, "event receiver never saw its own event"
+                    dispatcher.send("eventlog-ready", uuid=probe)
+                    time.sleep(0.05)  # then send again: polling with a deadline
+        except BaseException:
+            self.__exit__()  # stop the receiver: the with-block's exit will not run
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
