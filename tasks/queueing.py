@@ -224,10 +224,19 @@ def report_progress(task: Task, percent: int, done: int, total: int) -> None:
     (the API and the CLI), and a backend write would cost a read and a write per batch."""
     if task.request.called_directly:
         return
-    task.send_event(
-        "task-progress",
-        result=f"{percent}% ({done}/{total} rows)",
-        percent=percent,
-        done=done,
-        total=total,
-    )
+    try:
+        task.send_event(
+            "task-progress",
+            result=f"{percent}% ({done}/{total} rows)",
+            percent=percent,
+            done=done,
+            total=total,
+        )
+    except (KombuError, OSError, redis.RedisError) as exc:
+        # Best effort: Flower misses this step, the ledger (written first) has it. A broker
+        # restart must not fail the export (its attempts are for the task's own errors).
+        log.warning(
+            "progress event not sent: %s",
+            type(exc).__name__,
+            extra={"task_id": str(task.request.id), "percent": percent},
+        )

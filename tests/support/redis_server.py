@@ -37,7 +37,7 @@ class RedisServer:
     def restart(self, down_s: float = 0.0) -> None:
         """Stop the server (everything in it is lost: no persistence), stay down for
         ``down_s``, then start it again on the same port and wait until it answers."""
-        _stop(self.process)
+        stop(self.process)
         time.sleep(down_s)  # the outage itself, not an ordering wait
         self.process = subprocess.Popen(
             list(self.args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -92,11 +92,12 @@ def dedicated_redis() -> Iterator[RedisServer]:
         _wait_until_answering(server)
         yield server
     finally:
-        _stop(server.process)
+        stop(server.process)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """Stop a redis-server process (thawed first if frozen)."""
     if process.poll() is not None:
         return
     os.kill(process.pid, signal.SIGCONT)

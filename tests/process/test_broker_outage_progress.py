@@ -1,0 +1,100 @@
+"""An export's progress events (for Flower) are best effort: a broker that goes away in the
+middle of an export must not fail the attempt, since the ledger, written first, has the
+progress. Found by the soak: a long export lost two of its three attempts to a Redis
+restart (kombu's OperationalError from ``task.send_event``) and to database faults, and
+ended FAILED.
+
+A real ``celery worker`` subprocess whose broker is a dedicated ``redis-server``; the
+export parks at its first batch (the gate lives on the shared Redis, which is never
+stopped), the broker is stopped, the gate is let go: the export completes in the ledger
+in its first attempt."""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+from ledger import service
+from tasks.celery_app import create_app
+from teamdesk.config import Settings
+from tests.support.factories import World, add_tickets, task_row
+from tests.support.processes import Proc, cluster, settings_env, worker_argv
+from tests.support.queues import send_message
+from tests.support.redis_server import dedicated_redis, stop
+from tests.support.remote_gates import RemoteGate
+from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.slow
+
+GATE = "export.after_read"
+
+
+def audit(engine: sa.Engine, task_id: uuid.UUID) -> list[str]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT event FROM task_audit WHERE task_id = :t ORDER BY id"), {"t": task_id}
+        )
+        return [r.event for r in rows]
+
+
+def test_a_broker_outage_during_an_export_costs_progress_events_not_the_attempt(
+    engine: sa.Engine, world: World, settings: Settings, tmp_path: Path
+) -> None:
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 5)
+        task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+    with dedicated_redis() as server:
+        # Batches of 2 rows: progress (ledger, then a Flower event) after rows 2 and 4.
+        s = settings.with_overrides(
+            redis_url=server.url, broker_url=server.url, export_batch_size=2
+        )
+        gate_client = redis.Redis.from_url(settings.redis_url)
+        gate = RemoteGate(gate_client, s.queue_prefix, GATE)
+        env = settings_env(
+            s,
+            TEAMDESK_TEST_HOOKS="tests.support.steady_gates",
+            TEAMDESK_STEADY_GATES=GATE,
+            TEAMDESK_STEADY_GATE_REDIS_URL=settings.redis_url,
+            TEAMDESK_TEST_GATE_TIMEOUT_S="120",
+        )
+        app = create_app(s)
+        with cluster(tmp_path) as procs:
+            w1 = Proc("w1", worker_argv("w1", concurrency=1), env, tmp_path)
+            procs.append(w1.start())
+            w1.wait_event("worker.started")
+            send_message(app, task_id, 0, "EXPORT")
+            assert gate.wait_reached()["done"] == 2
+            try:
+                stop(server.process)  # the broker goes away
+                gate.release(times=3)  # rows 2 and 4, then the last batch
+                wait_for(
+                    lambda: task_row(engine, task_id)["status"] != "RUNNING",
+                    timeout=60,
+                    what="the export to end its attempt",
+                )
+            finally:
+                gate.release(times=3)
+                server.restart()
+            w1.wait_event("task.completed")
+            w1.send(signal.SIGTERM)
+            assert w1.wait(timeout=30) == 0
+        app.close()
+        gate_client.close()
+
+    row = task_row(engine, task_id)
+    assert (row["status"], row["run"], row["attempts"], row["progress"]) == (
+        "COMPLETED",
+        0,
+        1,
+        100,
+    )
+    assert (row["result_summary"], row["last_error"]) == ("5 rows", None)
+    assert str(row["result_csv"]).count("\n") == 6  # the header and 5 rows
+    assert audit(engine, task_id) == ["CLAIM", "COMPLETE"]
+    assert w1.events("task.attempt_failed") == []
+    assert "progress event not sent" in w1.output()
