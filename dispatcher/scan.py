@@ -100,10 +100,7 @@ class ScanCounts:
 
     @property
     def did_something(self) -> bool:
-        work = ("recovered", "failed_recoveries", "redispatched", "dispatched", "purged")
-        return any(getattr(self, name) for name in work) or bool(
-            self.publish_failed or self.redis_error
-        )
+        return self.of_note or bool(self.dispatched)
 
     def summary(self) -> str:
         text = (

@@ -22,22 +22,19 @@ from tasks import reminder as reminder_module
 from teamdesk import hooks
 from tests.support.databases import admin_engine
 from tests.support.dispatching import running_cluster
-from tests.support.factories import World, add_ticket, add_tickets, make_world, task_row
+from tests.support.factories import (
+    World,
+    add_ticket,
+    add_tickets,
+    audit_events,
+    make_world,
+    task_row,
+)
 from tests.support.gates import Gate
 from tests.support.queues import marker_present
 from tests.support.scenario import event_records, side_effects
 from tests.support.waiting import wait_for
 from tests.support.workers import EventLog
-
-
-def audit_events(engine: sa.Engine, task_id: uuid.UUID) -> list[str]:
-    with engine.connect() as conn:
-        return list(
-            conn.execute(
-                sa.text("SELECT event FROM task_audit WHERE task_id = :t ORDER BY id"),
-                {"t": task_id},
-            ).scalars()
-        )
 
 
 @contextmanager

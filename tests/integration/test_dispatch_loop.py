@@ -35,6 +35,7 @@ from tests.support.factories import (
     add_ticket,
     add_tickets,
     add_user,
+    audit_events,
     insert_task,
     task_row,
 )
@@ -45,16 +46,6 @@ from tests.support.workers import running_worker
 
 NEVER_S = 3600.0  # a scan interval that never comes round during a test
 WAKE_TRIGGER = "background_tasks_wake"
-
-
-def audit(engine: sa.Engine, task_id: uuid.UUID) -> list[str]:
-    with engine.connect() as conn:
-        return list(
-            conn.execute(
-                sa.text("SELECT event FROM task_audit WHERE task_id = :t ORDER BY id"),
-                {"t": task_id},
-            ).scalars()
-        )
 
 
 def claim_order(engine: sa.Engine) -> list[uuid.UUID]:
@@ -96,7 +87,7 @@ def test_a_created_task_runs_on_the_notification_alone(
         wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="COMPLETED")
         scans = loop.last_scan
     assert scans is not None and scans.dispatched == 0  # the first scan found nothing
-    assert audit(engine, task_id) == ["CLAIM", "COMPLETE"]
+    assert audit_events(engine, task_id) == ["CLAIM", "COMPLETE"]
 
 
 def test_a_scheduled_reminder_starts_when_due_by_the_database_clock(
@@ -136,7 +127,7 @@ def test_a_notification_that_never_arrives_costs_one_scan(
                 sa.text("ALTER TABLE background_tasks ENABLE TRIGGER background_tasks_wake")
             )
         wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="COMPLETED")
-    assert audit(engine, task_id) == ["CLAIM", "COMPLETE"]
+    assert audit_events(engine, task_id) == ["CLAIM", "COMPLETE"]
 
 
 def listeners(engine: sa.Engine) -> int:
@@ -318,8 +309,8 @@ def test_a_task_cancelled_outside_the_window_never_reaches_a_worker(
         wait_for(lambda: completed(engine, rows), timeout=60, what="all to end")
     cancelled = task_row(engine, outside[-1])
     assert (cancelled["status"], cancelled["dispatched_at"]) == ("CANCELLED", None)
-    assert audit(engine, outside[-1]) == ["CANCEL"]
-    assert all(audit(engine, t) == ["CLAIM", "COMPLETE"] for t in rows if t != outside[-1])
+    assert audit_events(engine, outside[-1]) == ["CANCEL"]
+    assert all(audit_events(engine, t) == ["CLAIM", "COMPLETE"] for t in rows if t != outside[-1])
 
 
 def test_a_standby_takes_over_from_a_leader_that_died_and_nothing_runs_twice(
@@ -364,7 +355,7 @@ def test_a_standby_takes_over_from_a_leader_that_died_and_nothing_runs_twice(
             a.cluster.close()
     assert took_over <= a.leadership.ttl_s + 3
     for task_id in before + after:
-        assert audit(engine, task_id) == ["CLAIM", "COMPLETE"]
+        assert audit_events(engine, task_id) == ["CLAIM", "COMPLETE"]
     assert not redis_client.exists(leader_key(settings.queue_prefix))  # B released it
 
 
@@ -391,4 +382,4 @@ def test_the_dispatcher_survives_its_database_connections_being_cut(
         second = create_export(engine, world.team_id, world.staff_id)
         wait_for(lambda: completed(engine, [second]), what="the export after the cut")
         assert loop.leadership.leading
-    assert audit(engine, second) == ["CLAIM", "COMPLETE"]
+    assert audit_events(engine, second) == ["CLAIM", "COMPLETE"]

@@ -12,7 +12,6 @@ in its first attempt."""
 from __future__ import annotations
 
 import signal
-import uuid
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,8 @@ import sqlalchemy as sa
 from ledger import service
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
-from tests.support.factories import World, add_tickets, task_row
+from tests.support import steady_gates
+from tests.support.factories import World, add_tickets, audit_events, task_row
 from tests.support.processes import Proc, cluster, settings_env, worker_argv
 from tests.support.queues import send_message
 from tests.support.redis_server import dedicated_redis, stop
@@ -32,14 +32,6 @@ from tests.support.waiting import wait_for
 pytestmark = pytest.mark.slow
 
 GATE = "export.after_read"
-
-
-def audit(engine: sa.Engine, task_id: uuid.UUID) -> list[str]:
-    with engine.connect() as conn:
-        rows = conn.execute(
-            sa.text("SELECT event FROM task_audit WHERE task_id = :t ORDER BY id"), {"t": task_id}
-        )
-        return [r.event for r in rows]
 
 
 def test_a_broker_outage_during_an_export_costs_progress_events_not_the_attempt(
@@ -55,13 +47,7 @@ def test_a_broker_outage_during_an_export_costs_progress_events_not_the_attempt(
         )
         gate_client = redis.Redis.from_url(settings.redis_url)
         gate = RemoteGate(gate_client, s.queue_prefix, GATE)
-        env = settings_env(
-            s,
-            TEAMDESK_TEST_HOOKS="tests.support.steady_gates",
-            TEAMDESK_STEADY_GATES=GATE,
-            TEAMDESK_STEADY_GATE_REDIS_URL=settings.redis_url,
-            TEAMDESK_TEST_GATE_TIMEOUT_S="120",
-        )
+        env = settings_env(s, **steady_gates.worker_env(GATE, settings.redis_url, 120))
         app = create_app(s)
         with cluster(tmp_path) as procs:
             w1 = Proc("w1", worker_argv("w1", concurrency=1), env, tmp_path)
@@ -95,6 +81,6 @@ def test_a_broker_outage_during_an_export_costs_progress_events_not_the_attempt(
     )
     assert (row["result_summary"], row["last_error"]) == ("5 rows", None)
     assert str(row["result_csv"]).count("\n") == 6  # the header and 5 rows
-    assert audit(engine, task_id) == ["CLAIM", "COMPLETE"]
+    assert audit_events(engine, task_id) == ["CLAIM", "COMPLETE"]
     assert w1.events("task.attempt_failed") == []
     assert "progress event not sent" in w1.output()

@@ -27,6 +27,7 @@ from dispatcher.scan import run_once
 from ledger import service
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
+from tests.support import steady_gates
 from tests.support.factories import World, add_tickets, task_row
 from tests.support.processes import Proc, cluster, settings_env, worker_argv
 from tests.support.queues import send_message
@@ -93,13 +94,7 @@ def draining_worker(
         task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
     gate_client = redis.Redis.from_url(gates.redis_url)
     gate = RemoteGate(gate_client, s.queue_prefix, GATE)
-    env = settings_env(
-        s,
-        TEAMDESK_TEST_HOOKS="tests.support.steady_gates",
-        TEAMDESK_STEADY_GATES=GATE,
-        TEAMDESK_STEADY_GATE_REDIS_URL=gates.redis_url,
-        TEAMDESK_TEST_GATE_TIMEOUT_S="600",
-    )
+    env = settings_env(s, **steady_gates.worker_env(GATE, gates.redis_url, 600))
     app = create_app(s)
     with cluster(tmp_path) as procs:
         w1 = Proc("w1", worker_argv("w1", concurrency=1), env, tmp_path)

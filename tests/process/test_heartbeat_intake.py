@@ -26,7 +26,7 @@ from dispatcher.heartbeat import live_members
 from ledger import service
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
-from tests.support.factories import World, add_tickets, task_row
+from tests.support.factories import World, add_tickets, audit_events, task_row
 from tests.support.processes import Proc, cluster, settings_env, worker_argv
 from tests.support.queues import queued_ids, send_message
 from tests.support.tcp_proxy import tcp_proxy
@@ -54,14 +54,6 @@ def started(proc: Proc, task_id: uuid.UUID) -> list[str]:
     return [e["execution"] for e in proc.events("task.started") if e["task_id"] == str(task_id)]
 
 
-def audit(engine: sa.Engine, task_id: uuid.UUID) -> list[str]:
-    with engine.connect() as conn:
-        rows = conn.execute(
-            sa.text("SELECT event FROM task_audit WHERE task_id = :t ORDER BY id"), {"t": task_id}
-        )
-        return [r.event for r in rows]
-
-
 def completed(engine: sa.Engine, task_id: uuid.UUID) -> bool:
     return bool(task_row(engine, task_id)["status"] == "COMPLETED")
 
@@ -86,7 +78,7 @@ def test_a_worker_takes_messages_only_while_its_heartbeat_is_registered(
             attempts = proxy.refused
             wait_for(lambda: proxy.refused >= attempts + 2, what="two more renewal attempts")
             assert queued_ids(redis_client, s.queue_prefix, "exports") == [f"{first}-0"]
-            assert audit(engine, first) == []
+            assert audit_events(engine, first) == []
 
             # Registered: it takes the message (its pool child keeps that connection).
             proxy.accept_new()
@@ -128,7 +120,7 @@ def test_a_worker_takes_messages_only_while_its_heartbeat_is_registered(
     assert w1.events("worker.stopped")[-1]["exit_code"] == 0
     assert len(started(w1, first)) == 1
     for task_id in (first, second, third):
-        assert audit(engine, task_id) == ["CLAIM", "COMPLETE"]
+        assert audit_events(engine, task_id) == ["CLAIM", "COMPLETE"]
         row = task_row(engine, task_id)
         assert (row["status"], row["attempts"], row["recoveries"]) == ("COMPLETED", 1, 0)
     app.close()

@@ -12,7 +12,6 @@ unrecoverable error and the worker exited 1 (found by the soak's memory squeeze)
 from __future__ import annotations
 
 import signal
-import uuid
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,8 @@ import sqlalchemy as sa
 from ledger import service
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
-from tests.support.factories import World, add_tickets, task_row
+from tests.support import steady_gates
+from tests.support.factories import World, add_tickets, audit_events, task_row
 from tests.support.processes import Proc, cluster, settings_env, worker_argv
 from tests.support.queues import send_message
 from tests.support.redis_server import dedicated_redis
@@ -32,14 +32,6 @@ from tests.support.waiting import wait_for
 pytestmark = pytest.mark.slow
 
 GATE = "export.after_read"
-
-
-def audit(engine: sa.Engine, task_id: uuid.UUID) -> list[str]:
-    with engine.connect() as conn:
-        rows = conn.execute(
-            sa.text("SELECT event FROM task_audit WHERE task_id = :t ORDER BY id"), {"t": task_id}
-        )
-        return [r.event for r in rows]
 
 
 def refused_write_logged(w1: Proc) -> bool:
@@ -65,13 +57,7 @@ def test_a_worker_outlives_a_redis_that_refuses_writes(
         client = server.client()
         gate_client = redis.Redis.from_url(settings.redis_url)
         gate = RemoteGate(gate_client, s.queue_prefix, GATE)
-        env = settings_env(
-            s,
-            TEAMDESK_TEST_HOOKS="tests.support.steady_gates",
-            TEAMDESK_STEADY_GATES=GATE,
-            TEAMDESK_STEADY_GATE_REDIS_URL=settings.redis_url,
-            TEAMDESK_TEST_GATE_TIMEOUT_S="120",
-        )
+        env = settings_env(s, **steady_gates.worker_env(GATE, settings.redis_url, 120))
         app = create_app(s)
         with cluster(tmp_path) as procs:
             w1 = Proc("w1", worker_argv("w1", concurrency=1), env, tmp_path)
@@ -107,6 +93,6 @@ def test_a_worker_outlives_a_redis_that_refuses_writes(
             1,
             "5 rows",
         )
-        assert audit(engine, task_id) == ["CLAIM", "COMPLETE"]
+        assert audit_events(engine, task_id) == ["CLAIM", "COMPLETE"]
     assert [e["task_id"] for e in w1.events("task.completed")] == [str(first), str(second)]
     assert w1.events("worker.stopped")[-1]["exit_code"] == 0

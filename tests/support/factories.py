@@ -150,6 +150,17 @@ def task_row(engine: Engine, task_id: uuid.UUID) -> dict[str, Any]:
     return dict(row)
 
 
+def audit_events(engine: Engine, task_id: uuid.UUID) -> list[str]:
+    """The task's audit trail, oldest first: its events only (CLAIM, COMPLETE, ...)."""
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                sa.text("SELECT event FROM task_audit WHERE task_id = :t ORDER BY id"),
+                {"t": task_id},
+            ).scalars()
+        )
+
+
 def age_task(engine: Engine, task_id: uuid.UUID, seconds: float) -> None:
     """Move updated_at into the past (compresses the staleness clock; no waiting)."""
     with engine.begin() as conn:

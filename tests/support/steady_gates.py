@@ -43,4 +43,15 @@ def _install_from_env() -> None:
         hooks.install(point, park)
 
 
+def worker_env(points: str, gate_redis_url: str, timeout_s: float) -> dict[str, str]:
+    """The environment that makes a worker subprocess park at ``points`` (comma-separated)
+    on ``gate_redis_url``; a gate not released within ``timeout_s`` fails the worker's task."""
+    return {
+        "TEAMDESK_TEST_HOOKS": __name__,
+        POINTS_ENV: points,
+        URL_ENV: gate_redis_url,
+        TIMEOUT_ENV: str(timeout_s),
+    }
+
+
 _install_from_env()
