@@ -94,11 +94,27 @@ CLAIM = """
 # the completion's own guard is what makes it safe.
 CHECK_LEASE = f"SELECT 1 FROM background_tasks WHERE {_LEASE}"
 
-# Guard: the lease. Progress need not survive a crash (the next claim resets it to 0 and
-# the completion writes 100), so its commit does not wait for the WAL flush; the claim,
-# the completion and failure reports keep synchronous commits.
-REPORT_PROGRESS = f"""
-    SELECT set_config('synchronous_commit', 'off', true);
+# How a progress write commits. The value need not survive a crash (the next claim resets
+# it to 0 and the completion writes 100), but its ``updated_at`` is what the staleness rule
+# measures. A crash loses the asynchronous commits of its last moments (up to three WAL
+# writer delays), which moves ``updated_at`` back to the write before them. So a write
+# whose previous write is less than ``durable_after_s`` old does not wait for the WAL
+# flush (the hot path: an export's batches follow each other closely), and one after a
+# longer silence commits as the session's setting says, as a completion does: a crash
+# never makes a run look more than ``durable_after_s`` (plus the WAL writer's window)
+# more silent than it was (docs/design.md, "Lease"). A missing row commits durably and
+# changes nothing.
+_PROGRESS_COMMIT = """
+    SELECT set_config('synchronous_commit',
+                      CASE WHEN (SELECT updated_at FROM background_tasks
+                                  WHERE id = %(task_id)s)
+                                >= now() - make_interval(secs => %(durable_after_s)s)
+                           THEN 'off' ELSE current_setting('synchronous_commit') END,
+                      true);"""
+
+# Guard: the lease. The claim, the completion and failure reports keep synchronous
+# commits; progress commits as _PROGRESS_COMMIT says.
+REPORT_PROGRESS = f"""{_PROGRESS_COMMIT}
     UPDATE background_tasks SET progress = %(progress)s, updated_at = now()
      WHERE {_LEASE}
 """
@@ -106,8 +122,7 @@ REPORT_PROGRESS = f"""
 # Guard: the lease. An export's last progress write (99) before its completion, which
 # also reads the owner's role in the task's team now, for the final permission check.
 # Returns nothing when the lease is lost.
-REPORT_LAST_PROGRESS = f"""
-    SELECT set_config('synchronous_commit', 'off', true);
+REPORT_LAST_PROGRESS = f"""{_PROGRESS_COMMIT}
     WITH reported AS (
         UPDATE background_tasks SET progress = %(progress)s, updated_at = now()
          WHERE {_LEASE}
@@ -308,19 +323,23 @@ def check_lease(conn: Connection, lease: Lease) -> None:
         raise LeaseLost(lease.task_id)
 
 
-def report_progress(conn: Connection, lease: Lease, progress: int) -> None:
-    """Write progress; on an autocommit connection the statement commits by itself."""
+def report_progress(conn: Connection, lease: Lease, progress: int, durable_after_s: float) -> None:
+    """Write progress; on an autocommit connection the statement commits by itself,
+    durably when the row's previous write is ``durable_after_s`` old or older."""
     if not 0 <= progress <= 100:
         raise ValueError("progress must be within 0..100")
-    _write_or_lose(conn, REPORT_PROGRESS, lease, progress=progress)
+    _write_or_lose(conn, REPORT_PROGRESS, lease, progress=progress, durable_after_s=durable_after_s)
 
 
-def report_last_progress(conn: Connection, lease: Lease, progress: int) -> str | None:
-    """Write progress and read the owner's current role in the task's team, in one
-    statement; LeaseLost when the lease is gone."""
+def report_last_progress(
+    conn: Connection, lease: Lease, progress: int, durable_after_s: float
+) -> str | None:
+    """Write progress (committed as :func:`report_progress` commits) and read the owner's
+    current role in the task's team, in one statement; LeaseLost when the lease is gone."""
     if not 0 <= progress <= 100:
         raise ValueError("progress must be within 0..100")
-    row = _execute(conn, REPORT_LAST_PROGRESS, {**lease.params(), "progress": progress}).fetchone()
+    params = {**lease.params(), "progress": progress, "durable_after_s": durable_after_s}
+    row = _execute(conn, REPORT_LAST_PROGRESS, params).fetchone()
     if row is None:
         raise LeaseLost(lease.task_id)
     return None if row[0] is None else str(row[0])

@@ -48,7 +48,10 @@ def _bindir() -> Path:
 
 
 class SoakPostgres:
-    def __init__(self, workdir: Path) -> None:
+    """``extra_options``: more ``name=value`` server settings, after the soak's own."""
+
+    def __init__(self, workdir: Path, extra_options: tuple[str, ...] = ()) -> None:
+        self.options = SERVER_OPTIONS + extra_options
         self.port = free_port()
         self.home = workdir / "postgres"
         self.data = self.home / "data"
@@ -84,7 +87,7 @@ class SoakPostgres:
         self.start()
 
     def _options(self) -> str:
-        sets = " ".join(f"-c {option}" for option in SERVER_OPTIONS)
+        sets = " ".join(f"-c {option}" for option in self.options)
         return f"-p {self.port} -k {self.home} -c listen_addresses=127.0.0.1 {sets}"
 
     def start(self) -> None:
@@ -93,7 +96,7 @@ class SoakPostgres:
             "pg_ctl", "start", "-D", str(self.data), "-w", "-t", str(START_TIMEOUT_S),
             "-l", str(log), "-o", self._options(),
         )  # fmt: skip
-        self._wait_answering()
+        self.wait_answering()
 
     def stop(self, mode: str = "fast") -> None:
         """``fast`` (sessions ended, a checkpoint) or ``immediate`` (no checkpoint: crash
@@ -106,7 +109,8 @@ class SoakPostgres:
         time.sleep(down_s)
         self.start()
 
-    def _wait_answering(self) -> None:
+    def wait_answering(self) -> None:
+        """Until the server takes connections (after a start, or its crash recovery)."""
         deadline = time.monotonic() + ANSWER_TIMEOUT_S
         while True:
             try:

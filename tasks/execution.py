@@ -123,7 +123,7 @@ def execute(
         fields = _fields(task_id, run, held.attempt, execution=str(held.execution_id)[:8])
         log_event(log, "task.started", kind=claimed.kind, **fields)
         hooks.fire("task.claimed", claim=claimed)
-        context = Context(claimed, settings, conn, engine, _progress_reporter(task, held))
+        context = Context(claimed, settings, conn, engine, _progress_reporter(task, held, settings))
         try:
             summary = body(context)
         except LeaseLost:
@@ -235,13 +235,13 @@ def _failed_attempt(
 
 
 def _progress_reporter(
-    task: Task, held: lease.Lease
+    task: Task, held: lease.Lease, settings: Settings
 ) -> Callable[[Connection, int, int, int], None]:
     """Ledger first (the truth the API shows), then the queue (so Flower shows it too). The
     body says on which connection (an export's is busy streaming its COPY)."""
 
     def report(conn: Connection, percent: int, done: int, total: int) -> None:
-        lease.report_progress(conn, held, percent)
+        lease.report_progress(conn, held, percent, settings.durable_progress_after_s)
         if done < total:  # after the last batch the queue's next word is the task's end
             queueing.report_progress(task, percent, done, total)
 

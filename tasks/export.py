@@ -209,7 +209,9 @@ def _last_batch(ctx: Context, rows: int) -> str | None:
     if not rows:
         return role_of(ctx.conn, claim.team_id, claim.owner_id)
     hooks.fire("export.after_read", claim=claim, done=rows, total=rows)
-    return lease.report_last_progress(ctx.conn, claim.lease, 99)
+    return lease.report_last_progress(
+        ctx.conn, claim.lease, 99, ctx.settings.durable_progress_after_s
+    )
 
 
 def _batch_done(ctx: Context, done: int, total: int, conn: Connection) -> None:

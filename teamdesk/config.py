@@ -33,6 +33,11 @@ def is_redis_url(url: str) -> bool:
     return urlsplit(url).scheme in REDIS_SCHEMES
 
 
+# A quarter of STALE_AFTER_S: an execution writing at least every half of it keeps its
+# lease through a crash whose lost writes moved its last write back by this much.
+DURABLE_PROGRESS_FRACTION = 4
+
+
 class ConfigError(Exception):
     """A configuration variable has a value the process cannot run with."""
 
@@ -80,6 +85,12 @@ class Settings:
         if self.dispatch_listen_url == "":
             return self.database_url
         return self.dispatch_listen_url
+
+    @property
+    def durable_progress_after_s(self) -> float:
+        """A progress write this long after the run's previous write commits durably, so a
+        database crash cannot make a live run look stale (docs/design.md, "Lease")."""
+        return self.stale_after_s / DURABLE_PROGRESS_FRACTION
 
     def with_overrides(self, **changes: object) -> Settings:
         return replace(self, **changes)  # type: ignore[arg-type]

@@ -35,7 +35,7 @@ def test_watch_a_completed_task_exits_0_at_100_percent(
 ) -> None:
     held = _claimed_export(engine, world)
     with engine.begin() as conn:
-        lease.report_progress(conn, held, 40)
+        lease.report_progress(conn, held, 40, 30.0)
         lease.complete_export(conn, held, "id,title\n", "3 rows")
     result = cli("watch", str(held.task_id), "--interval", "0.05", "--timeout", "10")
     assert result.code == 0, result.err
@@ -47,7 +47,7 @@ def test_watch_a_failed_task_exits_1_with_its_last_error(
 ) -> None:
     held = _claimed_export(engine, world)
     with engine.begin() as conn:
-        lease.report_progress(conn, held, 60)
+        lease.report_progress(conn, held, 60, 30.0)
         assert lease.report_failure(conn, held, final=True, message="the export failed; try again")
     staff = email_of(engine, world.staff_id)
     result = cli("watch", str(held.task_id), "--user", staff, "--interval", "0.05")

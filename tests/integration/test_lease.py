@@ -84,12 +84,12 @@ def test_new_claim_replaces_running_lease_and_old_writes_change_nothing(
     assert new.execution_id != old.execution_id
     assert (old.attempt, new.attempt) == (1, 1)  # a takeover continues the attempt
     with engine.begin() as conn:
-        lease.report_progress(conn, new, 40)
+        lease.report_progress(conn, new, 40, 30.0)
     snapshot = task_row(engine, task_id)
     assert snapshot["execution_id"] == new.execution_id and snapshot["lease_holder"] == "host/b"
 
     with pytest.raises(LeaseLost), engine.begin() as conn:
-        lease.report_progress(conn, old, 90)
+        lease.report_progress(conn, old, 90, 30.0)
     with pytest.raises(LeaseLost), engine.begin() as conn:
         lease.complete_export(conn, old, "id\n", "old result")
     with pytest.raises(LeaseLost), engine.begin() as conn:
@@ -168,7 +168,7 @@ def test_progress_out_of_range_is_refused_before_any_write(engine: sa.Engine, wo
     held = claimed(engine, task_id)
     before = task_row(engine, task_id)
     with pytest.raises(ValueError), engine.begin() as conn:
-        lease.report_progress(conn, held, 101)
+        lease.report_progress(conn, held, 101, 30.0)
     assert task_row(engine, task_id) == before
 
 
@@ -286,16 +286,16 @@ def test_the_last_progress_write_reads_the_owners_role_now(engine: sa.Engine, wo
     task_id = insert_task_committed(engine, world)
     held = claimed(engine, task_id)
     with engine.begin() as conn:
-        assert lease.report_last_progress(conn, held, 99) == "STAFF"
+        assert lease.report_last_progress(conn, held, 99, 30.0) == "STAFF"
         conn.execute(
             sa.text("DELETE FROM memberships WHERE team_id = :t AND user_id = :u"),
             {"t": world.team_id, "u": world.staff_id},
         )
     with engine.begin() as conn:
-        assert lease.report_last_progress(conn, held, 99) is None  # the owner left
+        assert lease.report_last_progress(conn, held, 99, 30.0) is None  # the owner left
     newer = claimed(engine, task_id)  # a redelivery takes the run over
     with engine.begin() as conn, pytest.raises(LeaseLost):
-        lease.report_last_progress(conn, held, 99)
+        lease.report_last_progress(conn, held, 99, 30.0)
     row = task_row(engine, task_id)
     assert (row["execution_id"], row["progress"]) == (newer.execution_id, 0)
 

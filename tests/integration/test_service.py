@@ -41,7 +41,7 @@ def failed_task(
         )
         held = lease.claim(conn, task_id, 0, "host/a")
         assert held is not None
-        lease.report_progress(conn, held.lease, 60)
+        lease.report_progress(conn, held.lease, 60, 30.0)
         assert lease.report_failure(conn, held.lease, final=True, message="Export failed.")
         conn.execute(
             sa.text("""UPDATE background_tasks SET result_summary = 'partial',
@@ -278,7 +278,7 @@ def test_cancel_running_revokes_the_lease(engine: sa.Engine, world: World) -> No
         None,
     )
     with pytest.raises(LeaseLost), engine.begin() as conn:
-        lease.report_progress(conn, held.lease, 50)
+        lease.report_progress(conn, held.lease, 50, 30.0)
     with pytest.raises(LeaseLost), engine.begin() as conn:
         lease.complete_export(conn, held.lease, "x", "done")
     with pytest.raises(LeaseLost), engine.begin() as conn:

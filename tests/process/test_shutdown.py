@@ -190,7 +190,7 @@ def test_deadline_exceeded_exits_1_and_another_worker_takes_over(
         assert done["result_summary"] == "1200 rows" and done["progress"] == 100
         old = lease.Lease(task_id=task_id, run=0, execution_id=e1, attempt=1)
         with pytest.raises(LeaseLost), engine.begin() as conn:
-            lease.report_progress(conn, old, 50)
+            lease.report_progress(conn, old, 50, 30.0)
         with engine.begin() as conn:
             assert lease.report_failure(conn, old, final=True, message="late") is False
         assert task_row(engine, task_id) == done

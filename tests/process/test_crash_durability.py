@@ -1,0 +1,137 @@
+"""A progress write after a long silence survives a PostgreSQL crash (docs/design.md, "Lease").
+
+The staleness rule measures a run's silence on ``updated_at``. A progress write that
+commits asynchronously can be lost in a crash, which moves ``updated_at`` back to the
+write before it; when that one is old, a live execution looks silent and the next scan
+takes its run back (the full soak saw this after ``pg_ctl stop -m immediate``). So a
+progress write whose previous write is older than ``durable_after_s`` commits durably;
+one that follows a recent write still commits without waiting for the WAL flush.
+
+The crash is real and its loss certain: a private PostgreSQL server (soak/postgres.py,
+never the machine's shared one) whose WAL writer is stopped (SIGSTOP) while the write
+commits, so no process hands an asynchronous commit to the kernel, is then crashed by
+SIGKILL of that WAL writer. The postmaster's crash recovery replays only the WAL that
+reached the kernel. Nothing else writes WAL meanwhile: autovacuum is off, the background
+writer writes no pages, checkpoints are an hour apart.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from ledger import lease
+from ledger.migrate import upgrade
+from soak.postgres import SoakPostgres
+from teamdesk.db import make_engine
+from tests.support.factories import age_task, insert_task, make_world, task_row
+
+pytestmark = pytest.mark.slow
+
+QUIET = ("autovacuum=off", "bgwriter_lru_maxpages=0", "checkpoint_timeout=1h")
+DURABLE_AFTER_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[SoakPostgres]:
+    workdir = Path(tempfile.mkdtemp(prefix="td-crash-"))
+    postgres = SoakPostgres(workdir, QUIET)
+    try:
+        postgres.create()
+        yield postgres
+    finally:
+        postgres.destroy()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def engine(server: SoakPostgres) -> Iterator[sa.Engine]:
+    url = server.create_database(f"crash_{uuid.uuid4().hex[:8]}")
+    upgrade(url)
+    engine = make_engine(url)
+    yield engine
+    engine.dispose()
+
+
+def _claimed(engine: sa.Engine) -> lease.Lease:
+    world = make_world(engine)
+    with engine.begin() as conn:
+        task_id = insert_task(conn, world)
+    with engine.begin() as conn:
+        claim = lease.claim(conn, task_id, 0, "host/a")
+    assert claim is not None
+    return claim.lease
+
+
+def _report(conn: sa.Connection, held: lease.Lease, progress: int, last: bool) -> None:
+    if last:  # an export's last progress write, which also reads the owner's role
+        assert lease.report_last_progress(conn, held, progress, DURABLE_AFTER_S) == "STAFF"
+    else:
+        lease.report_progress(conn, held, progress, DURABLE_AFTER_S)
+
+
+def _crash_while_reporting(
+    server: SoakPostgres, engine: sa.Engine, held: lease.Lease, progress: int, last: bool
+) -> None:
+    """Report ``progress`` with the WAL writer stopped, then crash the server."""
+    with engine.connect() as conn:
+        walwriter = conn.execute(
+            sa.text("SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'")
+        ).scalar_one()
+    os.kill(walwriter, signal.SIGSTOP)
+    try:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            _report(conn, held, progress, last)
+    finally:
+        os.kill(walwriter, signal.SIGKILL)  # a stopped process dies of it too
+    server.wait_answering()
+
+
+def _durable_baseline(engine: sa.Engine) -> None:
+    """Everything committed so far (the claim's asynchronous commit too) is on disk."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(sa.text("CHECKPOINT"))
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["progress", "last-progress"])
+def test_a_progress_write_after_a_long_silence_survives_a_crash(
+    server: SoakPostgres, engine: sa.Engine, last: bool
+) -> None:
+    held = _claimed(engine)
+    age_task(engine, held.task_id, DURABLE_AFTER_S + 5)  # the last write is 35 s old
+    _durable_baseline(engine)
+    before = task_row(engine, held.task_id)
+
+    _crash_while_reporting(server, engine, held, 99 if last else 40, last)
+
+    row = task_row(engine, held.task_id)
+    assert row["progress"] == (99 if last else 40)
+    assert row["updated_at"] > before["updated_at"]
+    assert (row["status"], row["execution_id"], row["lease_holder"]) == (
+        "RUNNING",
+        held.execution_id,
+        "host/a",
+    )
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["progress", "last-progress"])
+def test_a_progress_write_right_after_another_may_be_lost_in_a_crash(
+    server: SoakPostgres, engine: sa.Engine, last: bool
+) -> None:
+    """The hot path keeps its asynchronous commit (and the crash above is one that loses
+    such a commit): the claim just wrote the row, so this write is not waited for."""
+    held = _claimed(engine)
+    _durable_baseline(engine)
+    before = task_row(engine, held.task_id)
+
+    _crash_while_reporting(server, engine, held, 99 if last else 40, last)
+
+    assert task_row(engine, held.task_id) == before
