@@ -98,34 +98,37 @@ CHECK_LEASE = f"SELECT 1 FROM background_tasks WHERE {_LEASE}"
 # it to 0 and the completion writes 100), but its ``updated_at`` is what the staleness rule
 # measures. A crash loses the asynchronous commits of its last moments (up to three WAL
 # writer delays), which moves ``updated_at`` back to the write before them. So a write
-# whose previous write is less than ``durable_after_s`` old does not wait for the WAL
-# flush (the hot path: an export's batches follow each other closely), and one after a
-# longer silence commits as the session's setting says, as a completion does: a crash
+# whose row's previous write is less than ``durable_after_s`` old does not wait for the
+# WAL flush (the hot path: an export's batches follow each other closely), and one after
+# a longer silence commits as the session's setting says, as a completion does: a crash
 # never makes a run look more than ``durable_after_s`` (plus the WAL writer's window)
-# more silent than it was (docs/design.md, "Lease"). A missing row commits durably and
-# changes nothing.
+# more silent than it was (docs/design.md, "Lease"). The choice is a CTE of the prepared
+# statement itself (one statement, planned once), read before the update (a statement's
+# CTEs share its snapshot); the update requires its row, so it runs whenever the update
+# can write.
 _PROGRESS_COMMIT = """
-    SELECT set_config('synchronous_commit',
-                      CASE WHEN (SELECT updated_at FROM background_tasks
-                                  WHERE id = %(task_id)s)
-                                >= now() - make_interval(secs => %(durable_after_s)s)
-                           THEN 'off' ELSE current_setting('synchronous_commit') END,
-                      true);"""
+    WITH commit_mode AS (
+        SELECT set_config('synchronous_commit',
+                          CASE WHEN updated_at >= now() - make_interval(secs => %(durable_after_s)s)
+                               THEN 'off' ELSE current_setting('synchronous_commit') END,
+                          true)
+          FROM background_tasks WHERE id = %(task_id)s
+    )"""
+_PROGRESS_COMMIT_SET = "EXISTS (SELECT FROM commit_mode)"
 
 # Guard: the lease. The claim, the completion and failure reports keep synchronous
 # commits; progress commits as _PROGRESS_COMMIT says.
 REPORT_PROGRESS = f"""{_PROGRESS_COMMIT}
     UPDATE background_tasks SET progress = %(progress)s, updated_at = now()
-     WHERE {_LEASE}
+     WHERE {_LEASE} AND {_PROGRESS_COMMIT_SET}
 """
 
 # Guard: the lease. An export's last progress write (99) before its completion, which
 # also reads the owner's role in the task's team now, for the final permission check.
 # Returns nothing when the lease is lost.
-REPORT_LAST_PROGRESS = f"""{_PROGRESS_COMMIT}
-    WITH reported AS (
+REPORT_LAST_PROGRESS = f"""{_PROGRESS_COMMIT}, reported AS (
         UPDATE background_tasks SET progress = %(progress)s, updated_at = now()
-         WHERE {_LEASE}
+         WHERE {_LEASE} AND {_PROGRESS_COMMIT_SET}
         RETURNING team_id, owner_id
     )
     SELECT m.role FROM reported r
