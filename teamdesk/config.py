@@ -33,8 +33,9 @@ def is_redis_url(url: str) -> bool:
     return urlsplit(url).scheme in REDIS_SCHEMES
 
 
-# A quarter of STALE_AFTER_S: an execution writing at least every half of it keeps its
-# lease through a crash whose lost writes moved its last write back by this much.
+# A quarter of STALE_AFTER_S: a database crash moves a run's last write back by at most
+# this much (plus the WAL writer's window), so an execution writing at least every half
+# of STALE_AFTER_S is never taken for a stalled one (docs/design.md, "Lease").
 DURABLE_PROGRESS_FRACTION = 4
 
 
