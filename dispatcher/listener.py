@@ -60,9 +60,12 @@ class Listener:
         return self._conn is not None and self._conn.closed == 0
 
     def wait(self, timeout_s: float) -> bool:
-        """Block up to ``timeout_s``; True when woken (a notification, or a reconnect that
-        may have missed some), False when the time ran out."""
-        if not self.connected and not self._connect():
+        """Block up to ``timeout_s``; True when woken (a notification, or a (re)connect:
+        what was notified before its LISTEN took effect was missed), False when the time
+        ran out."""
+        if not self.connected:
+            if self._connect():
+                return True  # the caller looks at the ledger once, from now on LISTENing
             time.sleep(max(0.0, min(timeout_s, POLL_S)))
             return True  # polling while LISTEN is down
         conn = self._conn

@@ -251,7 +251,10 @@ def test_a_redis_restart_costs_seconds_and_no_process_exits(
                     lambda: waiting_in_broker(engine, rows) >= 4,
                     what="the window (two or more per worker process) to fill up",
                 )
-                assert queue.llen(f"{s.queue_prefix}:reminders") >= 1
+                # Messages on the list are lost with the restart; those the frozen worker
+                # had already taken (prefetched) survive in its memory and need no publish.
+                lost = queue.llen(f"{s.queue_prefix}:reminders")
+                assert lost >= 1
                 server.restart(down_s=2.0)
                 answered = time.monotonic()
             finally:
@@ -275,7 +278,7 @@ def test_a_redis_restart_costs_seconds_and_no_process_exits(
             {"ids": rows},
         ).one()
     assert tuple(counts) == (250, 250)  # each completed exactly once
-    assert redispatched >= 4  # the lost window was published again
+    assert redispatched >= lost  # the lost messages were published again
     print(f"all {len(rows)} completed {done_in:.1f} s after Redis answered again")
     assert done_in < 30, done_in
 
