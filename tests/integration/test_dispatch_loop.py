@@ -22,13 +22,12 @@ from celery import Celery
 
 from dispatcher.context import Cluster
 from dispatcher.leader import leader_key
-from dispatcher.listener import APPLICATION_NAME
 from dispatcher.loop import DispatchLoop
 from dispatcher.window import MAX_WINDOW_PER_SLOT
 from ledger import service
 from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
 from teamdesk import config, hooks
-from tests.support.dispatching import running_cluster, running_dispatcher
+from tests.support.dispatching import listener_backends, running_cluster, running_dispatcher
 from tests.support.factories import (
     World,
     add_member,
@@ -130,20 +129,6 @@ def test_a_notification_that_never_arrives_costs_one_scan(
     assert audit_events(engine, task_id) == ["CLAIM", "COMPLETE"]
 
 
-def listeners(engine: sa.Engine) -> int:
-    """The dispatcher's LISTEN connections to this test's database."""
-    with engine.connect() as conn:
-        return int(
-            conn.execute(
-                sa.text(
-                    "SELECT count(*) FROM pg_stat_activity "
-                    "WHERE application_name = :app AND datname = current_database()"
-                ),
-                {"app": APPLICATION_NAME},
-            ).scalar_one()
-        )
-
-
 def listen_states(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         str(getattr(r, "state", ""))
@@ -162,15 +147,8 @@ def test_a_killed_listener_reconnects_and_notifications_work_again(
     with engine.begin() as conn:
         add_tickets(conn, world.team_id, world.customer_id, 2)
     with running_cluster(app):
-        wait_for(lambda: listeners(engine) == 1, what="the listener to connect")
-        with engine.connect() as conn:
-            killed = conn.execute(
-                sa.text(
-                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                    "WHERE application_name = :app AND datname = current_database()"
-                ),
-                {"app": APPLICATION_NAME},
-            ).scalar_one()
+        wait_for(lambda: listener_backends(engine) == 1, what="the listener to connect")
+        killed = listener_backends(engine, terminate=True)
         assert killed == 1
         again = ["listening", "polling", "listening"]
         wait_for(lambda: listen_states(caplog) == again, what="the listener to connect again")

@@ -8,8 +8,9 @@ import time
 
 import sqlalchemy as sa
 
-from dispatcher.listener import APPLICATION_NAME, Listener
+from dispatcher.listener import Listener
 from ledger.wake import WAKE_CHANNEL
+from tests.support.dispatching import listener_backends
 from tests.support.waiting import wait_for
 
 QUIET_S = 0.3  # a wait that must end without a wake: how long it listens
@@ -18,19 +19,6 @@ QUIET_S = 0.3  # a wait that must end without a wake: how long it listens
 def _notify(engine: sa.Engine) -> None:
     with engine.begin() as conn:
         conn.execute(sa.text("SELECT pg_notify(:channel, '')"), {"channel": WAKE_CHANNEL})
-
-
-def _kill_listener(engine: sa.Engine) -> int:
-    with engine.connect() as conn:
-        return int(
-            conn.execute(
-                sa.text(
-                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                    "WHERE application_name = :app AND datname = current_database()"
-                ),
-                {"app": APPLICATION_NAME},
-            ).scalar_one()
-        )
 
 
 def test_every_connect_reports_a_wake_and_then_only_notifications_do(
@@ -46,7 +34,7 @@ def test_every_connect_reports_a_wake_and_then_only_notifications_do(
         assert listener.wait(5.0) is True
         assert listener.wait(QUIET_S) is False
 
-        assert _kill_listener(engine) == 1
+        assert listener_backends(engine, terminate=True) == 1
         wait_for(lambda: listener.wait(QUIET_S), what="the listener to notice its loss")
         assert not listener.connected
         _notify(engine)  # sent while nobody listens: gone

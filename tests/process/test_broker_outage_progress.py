@@ -15,18 +15,13 @@ import signal
 from pathlib import Path
 
 import pytest
-import redis
 import sqlalchemy as sa
 
 from ledger import service
-from tasks.celery_app import create_app
 from teamdesk.config import Settings
-from tests.support import steady_gates
 from tests.support.factories import World, add_tickets, audit_events, task_row
-from tests.support.processes import Proc, cluster, settings_env, worker_argv
-from tests.support.queues import send_message
+from tests.support.gated_worker import gated_export_worker
 from tests.support.redis_server import dedicated_redis, stop
-from tests.support.remote_gates import RemoteGate
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -45,15 +40,8 @@ def test_a_broker_outage_during_an_export_costs_progress_events_not_the_attempt(
         s = settings.with_overrides(
             redis_url=server.url, broker_url=server.url, export_batch_size=2
         )
-        gate_client = redis.Redis.from_url(settings.redis_url)
-        gate = RemoteGate(gate_client, s.queue_prefix, GATE)
-        env = settings_env(s, **steady_gates.worker_env(GATE, settings.redis_url, 120))
-        app = create_app(s)
-        with cluster(tmp_path) as procs:
-            w1 = Proc("w1", worker_argv("w1", concurrency=1), env, tmp_path)
-            procs.append(w1.start())
-            w1.wait_event("worker.started")
-            send_message(app, task_id, 0, "EXPORT")
+        with gated_export_worker(s, settings.redis_url, GATE, 120, task_id, tmp_path) as run:
+            gate, w1 = run.gate, run.worker
             assert gate.wait_reached()["done"] == 2
             try:
                 stop(server.process)  # the broker goes away
@@ -69,8 +57,6 @@ def test_a_broker_outage_during_an_export_costs_progress_events_not_the_attempt(
             w1.wait_event("task.completed")
             w1.send(signal.SIGTERM)
             assert w1.wait(timeout=30) == 0
-        app.close()
-        gate_client.close()
 
     row = task_row(engine, task_id)
     assert (row["status"], row["run"], row["attempts"], row["progress"]) == (

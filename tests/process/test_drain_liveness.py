@@ -25,14 +25,11 @@ from celery import Celery
 from dispatcher.heartbeat import lease_holders_alive, live_members
 from dispatcher.scan import run_once
 from ledger import service
-from tasks.celery_app import create_app
 from teamdesk.config import Settings
-from tests.support import steady_gates
 from tests.support.factories import World, add_tickets, task_row
-from tests.support.processes import Proc, cluster, settings_env, worker_argv
-from tests.support.queues import send_message
+from tests.support.gated_worker import gated_export_worker
+from tests.support.processes import Proc
 from tests.support.redis_server import dedicated_redis
-from tests.support.remote_gates import RemoteGate
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -92,23 +89,20 @@ def draining_worker(
     with engine.begin() as conn:
         add_tickets(conn, world.team_id, world.customer_id, 1200)
         task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
-    gate_client = redis.Redis.from_url(gates.redis_url)
-    gate = RemoteGate(gate_client, s.queue_prefix, GATE)
-    env = settings_env(s, **steady_gates.worker_env(GATE, gates.redis_url, 600))
-    app = create_app(s)
-    with cluster(tmp_path) as procs:
-        w1 = Proc("w1", worker_argv("w1", concurrency=1), env, tmp_path)
-        procs.append(w1.start())
-        member = w1.wait_event("worker.started")["member"]
-        send_message(app, task_id, 0, "EXPORT")
-        parked = gate.wait_reached()
+    with gated_export_worker(s, gates.redis_url, GATE, 600, task_id, tmp_path) as run:
+        w1 = run.worker
+        parked = run.gate.wait_reached()
         try:
-            yield {"app": app, "w1": w1, "member": member, "task_id": task_id, "parked": parked}
+            yield {
+                "app": run.app,
+                "w1": w1,
+                "member": run.member,
+                "task_id": task_id,
+                "parked": parked,
+            }
         finally:
-            gate.release(times=BATCHES)
+            run.gate.release(times=BATCHES)
         assert w1.wait(timeout=30) == 0
-    app.close()
-    gate_client.close()
     execution = parked["execution_id"]
     row = task_row(engine, task_id)
     assert (row["status"], row["attempts"], row["recoveries"]) == ("COMPLETED", 1, 0)

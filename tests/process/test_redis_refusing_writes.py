@@ -15,18 +15,15 @@ import signal
 from pathlib import Path
 
 import pytest
-import redis
 import sqlalchemy as sa
 
 from ledger import service
-from tasks.celery_app import create_app
 from teamdesk.config import Settings
-from tests.support import steady_gates
 from tests.support.factories import World, add_tickets, audit_events, task_row
-from tests.support.processes import Proc, cluster, settings_env, worker_argv
+from tests.support.gated_worker import gated_export_worker
+from tests.support.processes import Proc
 from tests.support.queues import send_message
 from tests.support.redis_server import dedicated_redis
-from tests.support.remote_gates import RemoteGate
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -55,15 +52,8 @@ def test_a_worker_outlives_a_redis_that_refuses_writes(
     with dedicated_redis() as server:
         s = settings.with_overrides(redis_url=server.url, broker_url=server.url)
         client = server.client()
-        gate_client = redis.Redis.from_url(settings.redis_url)
-        gate = RemoteGate(gate_client, s.queue_prefix, GATE)
-        env = settings_env(s, **steady_gates.worker_env(GATE, settings.redis_url, 120))
-        app = create_app(s)
-        with cluster(tmp_path) as procs:
-            w1 = Proc("w1", worker_argv("w1", concurrency=1), env, tmp_path)
-            procs.append(w1.start())
-            w1.wait_event("worker.started")
-            send_message(app, first, 0, "EXPORT")
+        with gated_export_worker(s, settings.redis_url, GATE, 120, first, tmp_path) as run:
+            gate, w1 = run.gate, run.worker
             gate.wait_reached()
             try:
                 client.config_set("maxmemory", 1)  # noeviction: every write is refused
@@ -76,15 +66,13 @@ def test_a_worker_outlives_a_redis_that_refuses_writes(
 
             assert alive(w1), w1.output()[-4000:]
             assert "Unrecoverable error" not in w1.output()
-            send_message(app, second, 0, "EXPORT")
+            send_message(run.app, second, 0, "EXPORT")
             gate.wait_reached()
             gate.release()
             wait_for(lambda: task_row(engine, second)["status"] == "COMPLETED", timeout=60)
 
             w1.send(signal.SIGTERM)
             assert w1.wait(timeout=30) == 0
-        app.close()
-        gate_client.close()
 
     for task_id in (first, second):
         row = task_row(engine, task_id)

@@ -11,14 +11,32 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import sqlalchemy as sa
 from celery import Celery
 
 from dispatcher.context import Cluster
+from dispatcher.listener import APPLICATION_NAME
 from dispatcher.loop import DispatchLoop
 from teamdesk.config import Settings, get_settings
 from tests.support.workers import running_worker
 
 TICK_S = 0.2  # short ticks, so the thread notices the stop quickly
+
+
+def listener_backends(engine: sa.Engine, terminate: bool = False) -> int:
+    """The dispatcher's LISTEN connections to ``engine``'s database: how many there are,
+    or with ``terminate``, how many were cut (``pg_terminate_backend``)."""
+    counted = "pg_terminate_backend(pid)" if terminate else "*"
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    f"SELECT count({counted}) FROM pg_stat_activity "
+                    "WHERE application_name = :app AND datname = current_database()"
+                ),
+                {"app": APPLICATION_NAME},
+            ).scalar_one()
+        )
 
 
 @contextmanager
