@@ -13,11 +13,14 @@ needs none of them:
    docs/design.md "Heartbeats"): "cannot tell" is never "dead".
 2. **Re-publish lost messages**: a published run still WAITING whose queued marker is
    missing or carries another publish's stamp (tasks/queueing.py) lost its message - a
-   Redis restart, a dispatcher killed between its stamp and its send, a refused batch. It
-   is stamped anew and published again, unless no live worker consumes its queue (then
-   its message may simply be waiting). Runs stamped less than ``PUBLISH_GRACE_S`` ago are
-   left alone: their publish may still be under way. The window bounds how many runs are
-   published at once, so this looks at all of them, not the oldest few.
+   Redis restart, a dispatcher killed between its stamp and its send, a refused batch -
+   and so did one whose message the broker itself no longer holds, in two looks a scan
+   apart (tasks/broker_view.py: ``celery purge``, a broker that lost its data; the marker
+   cannot know). It is stamped anew and published again, unless no live worker consumes
+   its queue (then its message may simply be waiting). Runs stamped less than
+   ``PUBLISH_GRACE_S`` ago are left alone: their publish may still be under way. The
+   window bounds how many runs are published at once, so this looks at all of them, not
+   the oldest few.
 3. **Fill** the window (dispatcher/window.py).
 4. **Purge** CSVs past ``expires_at``, then finished tasks and audit rows past their
    retention (:mod:`ledger.retention`), in short batches for at most
@@ -32,8 +35,10 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import Any
 
 import redis
@@ -47,7 +52,7 @@ from ledger import dispatch
 from ledger.dispatch import RunRef
 from ledger.retention import Retention, purge_retired
 from ledger.states import KINDS
-from tasks import queueing
+from tasks import broker_view, queueing
 from tasks.names import QUEUE_OF_KIND
 from teamdesk.config import Settings, get_settings
 from teamdesk.logs import log_event
@@ -74,6 +79,7 @@ class ScanCounts:
     recovered: int = 0
     failed_recoveries: int = 0
     redispatched: int = 0
+    missing_from_broker: int = 0  # of those judged lost, found missing by looking at the broker
     dispatched: int = 0
     publish_failed: int = 0
     purged: int = 0
@@ -105,7 +111,8 @@ class ScanCounts:
     def summary(self) -> str:
         text = (
             f"recovered {self.recovered} (failed {self.failed_recoveries}), "
-            f"re-published {self.redispatched}, dispatched {self.dispatched}, "
+            f"re-published {self.redispatched} (missing from the broker "
+            f"{self.missing_from_broker}), dispatched {self.dispatched}, "
             f"publish failed {self.publish_failed}, purged {self.purged}; "
             f"heartbeat rule {'on' if self.heartbeat_rule else 'off'}"
         )
@@ -225,7 +232,7 @@ def _queue_steps(cluster: Cluster, window: Window, counts: ScanCounts) -> None:
     """Steps 2 and 3; a Redis error ends them for this scan (recorded, not raised)."""
     try:
         slots = window.slots(refresh=True)
-        lost = _republish_lost(cluster, slots, counts)
+        lost = _republish_lost(cluster, window, slots, counts)
         if lost.refused:  # the broker is refusing: filling would only add timeouts
             return
         filled = fill(cluster, window)
@@ -240,13 +247,20 @@ def _queue_steps(cluster: Cluster, window: Window, counts: ScanCounts) -> None:
         counts.no_consumers = _unconsumed(cluster, slots)
 
 
-def _republish_lost(cluster: Cluster, slots: dict[str, int], counts: ScanCounts) -> Published:
-    """Step 2: published runs whose marker is gone or stale, on a consumed queue."""
+def _republish_lost(
+    cluster: Cluster, window: Window, slots: dict[str, int], counts: ScanCounts
+) -> Published:
+    """Step 2: published runs on a consumed queue whose marker is gone or stale, or whose
+    message the broker no longer holds."""
     with transaction(cluster.engine) as conn:
         published = dispatch.published_before(conn, grace_s=PUBLISH_GRACE_S, batch=LOST_BATCH)
     consumed = [ref for ref in published if slots.get(QUEUE_OF_KIND[ref.kind], 0) > 0]
     matches = queueing.marker_matches(consumed, cluster.settings)
     lost = [ref for ref, ok in zip(consumed, matches, strict=True) if not ok]
+    marked = [ref for ref, ok in zip(consumed, matches, strict=True) if ok]
+    missing = _missing_from_broker(cluster, window, marked)
+    counts.missing_from_broker = len(missing)
+    lost += missing
     restamped: list[RunRef] = []
     if lost:
         with transaction(cluster.engine) as conn:
@@ -256,6 +270,32 @@ def _republish_lost(cluster: Cluster, slots: dict[str, int], counts: ScanCounts)
     counts.publish_failed += outcome.refused + outcome.uncertain
     counts.redis_error = counts.redis_error or outcome.error
     return outcome
+
+
+def _missing_from_broker(cluster: Cluster, window: Window, refs: list[RunRef]) -> list[RunRef]:
+    """The runs among ``refs`` (published, marker standing) whose message the broker held
+    in neither of the last two looks, a scan apart (tasks/broker_view.py): purged, lost
+    with the broker's data, discarded by hand. One look can miss a message in transit."""
+    if not refs:
+        window.unseen = {}
+        return []
+    queues = {QUEUE_OF_KIND[ref.kind] for ref in refs}
+    views = broker_view.look(
+        cluster.app, queueing.marker_redis(), cluster.settings.queue_prefix, queues
+    )
+    unseen: dict[tuple[uuid.UUID, int], datetime | None] = {}
+    for ref in refs:
+        view = views.get(QUEUE_OF_KIND[ref.kind])
+        message = queueing.message_id(ref.task_id, ref.run)
+        if view is not None and not view.holds(message, queueing.stamp_text(ref)):
+            unseen[(ref.task_id, ref.run)] = ref.stamp
+    earlier, window.unseen = window.unseen, unseen
+    return [
+        ref
+        for ref in refs
+        if (ref.task_id, ref.run) in unseen
+        and earlier.get((ref.task_id, ref.run), False) == ref.stamp
+    ]
 
 
 def _unconsumed(cluster: Cluster, slots: dict[str, int]) -> list[str]:

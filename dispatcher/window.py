@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import redis
 
@@ -83,6 +84,9 @@ class Window:
         self.cursors: dict[str, uuid.UUID] = dict.fromkeys(KINDS, dispatch.NO_TEAM)
         self.rates: dict[str, float] = dict.fromkeys(KINDS, 0.0)  # messages taken per second
         self._left: dict[str, tuple[int, float]] = {}  # kind -> (in the window, when)
+        # Published runs the broker did not hold at the last scan's look, with their stamp
+        # (dispatcher/scan.py: a run missing from two looks is published again).
+        self.unseen: dict[tuple[uuid.UUID, int], datetime | None] = {}
 
     def observe(self, kind: str, queued: int) -> None:
         """``queued`` messages of ``kind`` are in the window now: what left it since the last

@@ -51,15 +51,19 @@ def _audited(update: str, event: str) -> str:
 
 
 # Guard: the message's run is the ledger's run, the row is not finished, and the message
-# is the run's current publish: its stamp equals the row's ``dispatched_at``. A RUNNING
-# row may be taken over by a delivery of that same message (redelivered after its worker
-# died or its pool process was lost): that is how a silent execution is replaced. A
-# message of an earlier publish (the run was recovered, or judged lost, and published
-# again with a new stamp) claims nothing: it must not take the run from the replacement.
-# A message without a stamp (published by an older version) is not checked against it.
-# Starting a WAITING row starts the run's next attempt
-# (the first, a retry after backoff, or the one after a recovery); a takeover continues
-# the attempt it replaces. Returns the attempt and the owner's current role with the row.
+# is the run's current publish: its stamp equals the row's ``dispatched_at``. A WAITING row
+# is claimed only once it is due (``run_at``, the database's clock), which a current stamp
+# implies; it starts the run's next attempt (the first, a retry after backoff, or the one
+# after a recovery). A RUNNING row is taken over only when its execution is known to be
+# gone: the row is silent for ``stale_after_s`` by the database's clock (the dispatcher's
+# staleness rule), or the caller says so (``takeover``: Celery's re-send after the pool
+# process running it was lost). A redelivery of the same message while its execution is
+# alive (kombu restores a worker's unacknowledged message on a broker reconnect) claims
+# nothing. A takeover continues the attempt it replaces. A message of an earlier publish
+# (the run was recovered, or judged lost, and published again with a new stamp) claims
+# nothing: it must not take the run from the replacement. Without a stamp (a caller inside
+# the ledger's own tests and tools; tasks refuse such messages) the stamp is not checked.
+# Returns the attempt and the owner's current role with the row.
 # Its commit does not wait for the WAL flush: other sessions see the lease at once
 # either way, and only a PostgreSQL crash could lose it - which revokes the lease, so
 # every later write of this execution is refused; the next synchronous commit (the
@@ -77,7 +81,11 @@ CLAIM = """
                attempts = CASE WHEN status = 'WAITING' THEN attempts + 1
                                ELSE greatest(attempts, 1) END,
                progress = 0, updated_at = now()
-         WHERE id = %(task_id)s AND run = %(run)s AND status IN ('WAITING', 'RUNNING')
+         WHERE id = %(task_id)s AND run = %(run)s
+           AND ((status = 'WAITING' AND run_at <= now())
+                OR (status = 'RUNNING'
+                    AND (%(takeover)s
+                         OR updated_at < now() - make_interval(secs => %(stale_after_s)s))))
            AND (CAST(%(stamp)s AS timestamptz) IS NULL
                 OR dispatched_at = CAST(%(stamp)s AS timestamptz))
         RETURNING id, run, kind, team_id, owner_id, scope, filters, attempts
@@ -290,10 +298,15 @@ def claim(
     holder: str | None = None,
     stamp: datetime | None = None,
     statement_timeout_s: float | None = None,
+    *,
+    stale_after_s: float | None = None,
+    takeover: bool = False,
 ) -> Claim | None:
     """Take the lease for ``run`` with a fresh execution id, for the message published with
-    ``stamp`` (its row's ``dispatched_at`` then); None means skip the message. With
-    ``statement_timeout_s``, every later statement on ``conn`` is bounded by it."""
+    ``stamp`` (its row's ``dispatched_at`` then); None means skip the message. A RUNNING
+    row is taken over only when silent for ``stale_after_s`` (database clock; None: never),
+    or with ``takeover`` (its execution is known to be gone). With ``statement_timeout_s``, every
+    later statement on ``conn`` is bounded by it."""
     execution_id = uuid.uuid4()
     params = {
         "task_id": str(task_id),
@@ -301,6 +314,8 @@ def claim(
         "execution_id": str(execution_id),
         "holder": holder,
         "stamp": stamp,
+        "takeover": takeover,
+        "stale_after_s": stale_after_s,
         "statement_timeout": None
         if statement_timeout_s is None
         else f"{max(1, round(statement_timeout_s * 1000))}ms",
@@ -418,3 +433,27 @@ def report_failure(
 def _write_or_lose(conn: Connection, sql: str, lease: Lease, **values: Any) -> None:
     if _execute(conn, sql, {**lease.params(), **values}).rowcount != 1:
         raise LeaseLost(lease.task_id)
+
+
+# Why a claim took nothing (read after it, for the log line; a rare path).
+SKIP_REASON = """
+    SELECT run, status, dispatched_at, run_at > now() AS early
+      FROM background_tasks WHERE id = %(task_id)s
+"""
+
+
+def skip_reason(conn: Connection, task_id: uuid.UUID, run: int, stamp: datetime | None) -> str:
+    """Why :func:`claim` returned None for this message, in words (read after it)."""
+    row = _execute(conn, SKIP_REASON, {"task_id": str(task_id)}).fetchone()
+    if row is None:
+        return "the task does not exist"
+    current_run, status, dispatched_at, early = row
+    if current_run != run:
+        return "the message is for another run"
+    if status not in ("WAITING", "RUNNING"):
+        return f"the run has ended ({status})"
+    if stamp is not None and dispatched_at != stamp:
+        return "the message is not the run's current publish"
+    if status == "RUNNING":
+        return "the run is held by a live execution"
+    return "the run is not due yet" if early else "the run is not claimable"

@@ -105,10 +105,10 @@ RETRY = text("""
 """)
 
 # Guard: not finished. Clearing execution_id revokes a running execution's lease.
-CANCEL = text("""
+_CANCEL = """
     WITH live AS (
         SELECT id, run, execution_id FROM background_tasks
-         WHERE id = :task_id AND status IN ('WAITING', 'RUNNING')
+         WHERE id = :task_id AND status IN ('WAITING', 'RUNNING'){run_guard}
            FOR UPDATE
     ), cancelled AS (
         UPDATE background_tasks t
@@ -120,7 +120,11 @@ CANCEL = text("""
         SELECT id, run, 'CANCEL', revoked FROM cancelled
     )
     SELECT id FROM cancelled
-""")
+"""
+CANCEL = text(_CANCEL.format(run_guard=""))
+# Guard: not finished, and still the run a revoked queue message named (a revoke never
+# reaches a later run: a manual retry is a new run, with a message id of its own).
+CANCEL_RUN = text(_CANCEL.format(run_guard=" AND run = :run"))
 
 WAKE = text(WAKE_SQL)
 
@@ -328,3 +332,12 @@ def cancel(conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID) -> None:
     if conn.execute(CANCEL, {"task_id": task_id}).rowcount != 1:
         raise InvalidState(MSG_CANCEL_STATE)
     conn.execute(WAKE)  # a cancelled run in flight frees a window slot
+
+
+def cancel_run(conn: Connection, task_id: uuid.UUID, run: int) -> bool:
+    """Cancel ``run`` of a task if it is WAITING or RUNNING (an operator revoked its queue
+    message); False when that run has ended or is not the task's current run."""
+    if conn.execute(CANCEL_RUN, {"task_id": task_id, "run": run}).rowcount != 1:
+        return False
+    conn.execute(WAKE)  # a cancelled run in flight frees a window slot
+    return True

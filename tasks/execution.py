@@ -26,7 +26,6 @@ import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, NoReturn
 
 import redis
@@ -36,7 +35,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from ledger import lease
 from ledger.errors import LeaseLost, TaskRejected
-from tasks import queueing
+from tasks import delivery, queueing
 from teamdesk import hooks
 from teamdesk.config import Settings, get_settings
 from teamdesk.db import get_engine
@@ -93,13 +92,22 @@ def _outcome(task_id: uuid.UUID, run: int, outcome: str, **extra: Any) -> dict[s
 
 
 def execute(
-    task: Task, task_id_text: str, run: int, body: Body, stamp: str | None = None
+    task: Task, args: tuple[Any, ...], kwargs: dict[str, Any], body: Body
 ) -> dict[str, Any]:
-    """Run one delivery of ``task_id``/``run``, published with ``stamp``; returns a small
-    JSON result for the queue."""
+    """Run one delivery of the message ``args``/``kwargs`` (``[task_id, run, stamp]``,
+    tasks/delivery.py); returns a small JSON result for the queue. A malformed message is
+    refused with one warning line and nothing written."""
+    try:
+        message = delivery.parse(args, kwargs)
+    except delivery.MessageRefused as exc:
+        log_event(log, "task.refused", logging.WARNING, message_id=task.request.id, reason=str(exc))
+        return {"outcome": "refused", "reason": str(exc)}
+    return _deliver(task, message, body)
+
+
+def _deliver(task: Task, message: delivery.Delivery, body: Body) -> dict[str, Any]:
     settings = get_settings()
-    task_id = uuid.UUID(task_id_text)
-    published = None if stamp is None else datetime.fromisoformat(stamp)
+    task_id, run, stamp = message.task_id, message.run, message.stamp
     engine = get_engine()
     with ExitStack() as stack:
         try:
@@ -110,15 +118,23 @@ def execute(
                 engine.connect().execution_options(isolation_level="AUTOCOMMIT")
             )
             hooks.fire("task.before_claim", task_id=task_id, run=run)
-            claimed = lease.claim(conn, task_id, run, lease_holder(), published, STATEMENT_BUDGET_S)
+            claimed = lease.claim(
+                conn,
+                task_id,
+                run,
+                lease_holder(),
+                message.published,
+                STATEMENT_BUDGET_S,
+                stale_after_s=settings.stale_after_s,
+                takeover=delivery.may_take_over(task.request),
+            )
         except Exception as exc:
             _claim_failed(task_id, run, stamp, exc)
         # After the claim: until it committed the row still said WAITING, and a scan that
         # saw no marker then would publish the run again.
         queueing.message_started(task_id, run, stamp)
         if claimed is None:
-            log_event(log, "task.skipped", **_fields(task_id, run, None, reason="not claimable"))
-            return _outcome(task_id, run, "skipped")
+            return _skipped(conn, message)
         held = claimed.lease
         fields = _fields(task_id, run, held.attempt, execution=str(held.execution_id)[:8])
         log_event(log, "task.started", kind=claimed.kind, **fields)
@@ -135,6 +151,16 @@ def execute(
         # The completion matched its row (else LeaseLost above): no re-read needed.
         log_event(log, "task.completed", **fields)
         return _outcome(task_id, run, "completed", summary=summary)
+
+
+def _skipped(conn: Connection, message: delivery.Delivery) -> dict[str, Any]:
+    """The claim took nothing: say why (one read; a lost connection says so instead)."""
+    try:
+        reason = lease.skip_reason(conn, message.task_id, message.run, message.published)
+    except Exception as exc:
+        reason = f"not claimable (the reason could not be read: {type(exc).__name__})"
+    log_event(log, "task.skipped", **_fields(message.task_id, message.run, None, reason=reason))
+    return _outcome(message.task_id, message.run, "skipped", reason=reason)
 
 
 def _claim_failed(task_id: uuid.UUID, run: int, stamp: str | None, exc: Exception) -> NoReturn:

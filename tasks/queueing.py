@@ -166,7 +166,7 @@ def _send(amqp: object, producer: object, run: RunRef) -> None:
     name = TASK_OF_KIND[run.kind]
     args: list[object] = [str(run.task_id), run.run]
     if run.stamp is not None:
-        args.append(_stamp(run))  # the claim accepts this publish only (ledger/lease.py)
+        args.append(stamp_text(run))  # the claim accepts this publish only (ledger/lease.py)
     message = amqp.create_task_message(  # type: ignore[attr-defined]
         message_id(run.task_id, run.run),
         name,
@@ -195,7 +195,7 @@ def set_markers(runs: Sequence[RunRef], settings: Settings) -> None:
     with marker_redis().pipeline(transaction=False) as pipe:
         for run in runs:
             key = marker_key(run.task_id, run.run, settings.queue_prefix)
-            pipe.eval(_SET_MARKER, 1, key, _stamp(run), ttl)  # EVAL: no NOSCRIPT round trip
+            pipe.eval(_SET_MARKER, 1, key, stamp_text(run), ttl)  # EVAL: no NOSCRIPT round trip
         pipe.execute()
 
 
@@ -208,12 +208,13 @@ def marker_matches(runs: Sequence[RunRef], settings: Settings) -> list[bool]:
             pipe.get(marker_key(run.task_id, run.run, settings.queue_prefix))
         values = pipe.execute()
     return [
-        value is not None and value.decode() == _stamp(run)
+        value is not None and value.decode() == stamp_text(run)
         for run, value in zip(runs, values, strict=True)
     ]
 
 
-def _stamp(run: RunRef) -> str:
+def stamp_text(run: RunRef) -> str:
+    """The stamp as a message carries it (and its marker)."""
     return run.stamp.isoformat() if run.stamp is not None else ""
 
 

@@ -37,6 +37,8 @@ EVENTS = frozenset(
         "task.attempt_failed",
         "task.completed",
         "task.skipped",
+        "task.refused",
+        "task.revoked",
         "task.failed",
         "task.lease_lost",
         "task.stalled",

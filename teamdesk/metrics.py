@@ -38,7 +38,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 # libraries such as Flower fill with their own).
 REGISTRY = CollectorRegistry(auto_describe=True)
 
-OUTCOMES = ("completed", "skipped", "lease_lost", "retried", "failed")
+OUTCOMES = ("completed", "skipped", "refused", "lease_lost", "retried", "failed")
 # Exports take from milliseconds (a few rows) to a minute (10,000 rows, slow database).
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 UNKNOWN_KIND = "unknown"
@@ -168,6 +168,7 @@ _ON_EVENT = {
     "task.started": _started,
     "task.completed": lambda fields: _finish("completed", fields),
     "task.skipped": lambda fields: _finish("skipped", fields),
+    "task.refused": lambda fields: _finish("refused", fields),
     "task.lease_lost": _lease_lost,
     "task.attempt_failed": lambda fields: _finish("retried", fields),
     "task.failed": _failed,

@@ -51,6 +51,7 @@ from teamdesk import db, hooks
 from teamdesk.config import get_settings
 from teamdesk.logs import log_event
 from worker import metrics as worker_metrics
+from worker import revokes
 from worker.liveness import renew_interval_s
 from worker.steps import current_liveness
 
@@ -247,4 +248,5 @@ def connect() -> None:
     signals.worker_process_init.connect(_on_child_init, weak=False)
     signals.task_failure.connect(_on_task_failure, weak=False)
     worker_metrics.connect()
+    revokes.connect()
     _connected = True

@@ -78,8 +78,10 @@ class Liveness:
         delivery_tags: Callable[[], Iterable[str]],
         renew_visibility: bool = True,
         consumes: WorkerSlots | None = None,
+        offer: Callable[[], WorkerSlots] | None = None,
     ) -> None:
         self.settings = settings
+        self.offer = offer  # what the process consumes now, read at every renewal
         self.client = redis_client(settings.redis_url, RENEW_TIMEOUT_S)
         self.heartbeat = Heartbeat(
             self.client,
@@ -119,6 +121,8 @@ class Liveness:
                 self.registered = self._attempt("renew", self._renew) is True
 
     def _renew(self) -> bool:
+        if self.offer is not None:
+            self.heartbeat.consumes = self.offer()
         return self.heartbeat.renew_if_healthy(lambda: ping_database(self.settings.database_url))
 
     def _attempt(self, stage: str, action: Callable[[], T]) -> T | None:

@@ -38,13 +38,18 @@ def lease_holder() -> str | None:
 
 
 def _consumes(worker: Any) -> WorkerSlots:
-    """The task queues this worker consumes (after ``-Q``) and its pool size: the
-    dispatcher sizes each queue's window from what live workers offer."""
+    """The task queues this worker consumes now and its pool size now: the dispatcher
+    sizes each queue's window from what live workers offer. Read at every renewal, so the
+    window follows Celery's own controls: ``-Q`` at start, ``cancel_consumer`` /
+    ``add_consumer`` (they deselect and select the app's queues), ``autoscale`` and
+    ``pool_grow`` / ``pool_shrink`` (the pool's size); a paused intake offers nothing."""
     try:
         queues = tuple(sorted(worker.app.amqp.queues.consume_from))
     except AttributeError:
         queues = ()
-    return WorkerSlots(queues, int(getattr(worker, "concurrency", 0) or 0))
+    pool = getattr(worker, "pool", None)
+    size = getattr(pool, "num_processes", None) if pool is not None else None
+    return WorkerSlots(queues, int(size or getattr(worker, "concurrency", 0) or 0))
 
 
 class Intake:
@@ -73,6 +78,8 @@ class Intake:
         self.liveness = liveness
         self.queues = queues
         self.paused = False
+        # What the pause took away: an operator's cancel_consumer before it stays in force.
+        self.resume: tuple[str, ...] = queues
 
     def follow(self, at_once: bool = False) -> None:
         """After a tick: pause when the heartbeat is not registered, resume once it is.
@@ -106,7 +113,8 @@ class Intake:
         queues = consumer.app.amqp.queues
         if queues.consume_from is queues:  # nothing selected means "all": say which
             queues.select(list(queues))
-        for name in self.queues:
+        self.resume = tuple(name for name in self.queues if name in queues.consume_from)
+        for name in self.resume:
             if consumer.task_consumer is None:
                 queues.deselect(name)
             else:
@@ -120,7 +128,7 @@ class Intake:
         if consumer.blueprint.state in (bootsteps.CLOSE, bootsteps.TERMINATE):
             return  # Celery is stopping the consumer
         queues = consumer.app.amqp.queues
-        for name in self.queues:
+        for name in self.resume:
             if consumer.task_consumer is None:
                 queues.select_add(queues[name])
             else:
@@ -147,6 +155,7 @@ class LivenessStep(bootsteps.StartStopStep):
             held_delivery_tags,
             renew_visibility=teamdesk_renew_visibility,
             consumes=consumes,
+            offer=lambda: _consumes(parent),
         )
         self.intake = Intake(parent, self.liveness, consumes.queues)
         self.tref: Any = None

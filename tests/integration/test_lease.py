@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from datetime import datetime
 
 import pytest
 import sqlalchemy as sa
@@ -12,7 +13,7 @@ import sqlalchemy as sa
 from ledger import dispatch, lease, staging
 from ledger.errors import LeaseLost
 from teamdesk import db
-from tests.support.factories import World, insert_task, task_row
+from tests.support.factories import World, age_task, insert_task, task_row
 
 
 def claim(
@@ -20,9 +21,10 @@ def claim(
     task_id: uuid.UUID,
     run: int = 0,
     holder: str | None = "host/a",
+    **rules: object,
 ) -> lease.Claim | None:
     with engine.begin() as conn:
-        return lease.claim(conn, task_id, run, holder)
+        return lease.claim(conn, task_id, run, holder, **rules)  # type: ignore[arg-type]
 
 
 def claimed(engine: sa.Engine, task_id: uuid.UUID, **kw: object) -> lease.Lease:
@@ -80,7 +82,7 @@ def test_new_claim_replaces_running_lease_and_old_writes_change_nothing(
 ) -> None:
     task_id = insert_task_committed(engine, world)
     old = claimed(engine, task_id, holder="host/a")
-    new = claimed(engine, task_id, holder="host/b")
+    new = claimed(engine, task_id, holder="host/b", takeover=True)
     assert new.execution_id != old.execution_id
     assert (old.attempt, new.attempt) == (1, 1)  # a takeover continues the attempt
     with engine.begin() as conn:
@@ -144,6 +146,11 @@ def test_retryable_failure_sets_waiting_until_retry_is_due(engine: sa.Engine, wo
     assert row["lease_holder"] is None and row["last_error"] == "Temporary error; will retry."
     assert row["dispatched_at"] is None and row["attempts"] == 1
     assert (row["run_at"] - row["updated_at"]).total_seconds() == pytest.approx(4, abs=0.001)
+    assert claim(engine, task_id) is None  # not due before its backoff has passed
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE background_tasks SET run_at = now() WHERE id = :id"), {"id": task_id}
+        )
     assert claimed(engine, task_id).attempt == 2
 
 
@@ -177,7 +184,7 @@ def test_lease_lost_in_a_transaction_rolls_back_its_side_effects(
 ) -> None:
     task_id = insert_task_committed(engine, world, kind="REMINDER")
     old = claimed(engine, task_id)
-    claimed(engine, task_id, holder="host/b")
+    claimed(engine, task_id, holder="host/b", takeover=True)
     snapshot = task_row(engine, task_id)
     with pytest.raises(LeaseLost), engine.begin() as conn:
         conn.execute(
@@ -194,7 +201,8 @@ def test_two_claims_gated_between_read_and_commit_leave_one_lease(
     engine: sa.Engine, world: World
 ) -> None:
     """Both executions read the row, meet at a barrier, then claim. The second UPDATE waits
-    for the first commit and replaces its lease; only the surviving lease may complete."""
+    for the first commit, then finds a RUNNING row whose execution is alive and claims
+    nothing; only the one lease may complete."""
     task_id = insert_task_committed(engine, world)
     barrier = threading.Barrier(2, timeout=10)
     leases: dict[str, lease.Lease] = {}
@@ -207,9 +215,9 @@ def test_two_claims_gated_between_read_and_commit_leave_one_lease(
                     sa.text("SELECT status FROM background_tasks WHERE id = :id"), {"id": task_id}
                 ).one()
                 barrier.wait()
-                got = lease.claim(conn, task_id, 0, f"host/{name}")
-                assert got is not None
-                leases[name] = got.lease
+                got = lease.claim(conn, task_id, 0, f"host/{name}", stale_after_s=60)
+                if got is not None:
+                    leases[name] = got.lease
         except BaseException as exc:  # surfaced below
             errors.append(exc)
             barrier.abort()
@@ -224,12 +232,10 @@ def test_two_claims_gated_between_read_and_commit_leave_one_lease(
     assert not errors, errors
     assert all(not t.is_alive() for t in threads)
     row = task_row(engine, task_id)
+    assert len(leases) == 1
     survivors = [n for n, held in leases.items() if held.execution_id == row["execution_id"]]
     assert len(survivors) == 1
-    loser = "a" if survivors == ["b"] else "b"
-    with pytest.raises(LeaseLost), engine.begin() as conn:
-        lease.complete_export(conn, leases[loser], "loser\r\n", "loser")
-    assert task_row(engine, task_id) == row
+    assert [e for e, _ in audit_events(engine, task_id)] == ["CLAIM"]
     with engine.begin() as conn:
         lease.complete_export(conn, leases[survivors[0]], "winner\r\n", "winner")
     done = task_row(engine, task_id)
@@ -250,7 +256,7 @@ def test_audit_trail_records_every_lease_change(engine: sa.Engine, world: World)
 
     task_id = insert_task_committed(engine, world)
     old = claimed(engine, task_id)
-    new = claimed(engine, task_id, holder="host/b")
+    new = claimed(engine, task_id, holder="host/b", takeover=True)
     with pytest.raises(LeaseLost), engine.begin() as conn:
         lease.complete_export(conn, old, "x", "old")
     with engine.begin() as conn:
@@ -293,7 +299,7 @@ def test_the_last_progress_write_reads_the_owners_role_now(engine: sa.Engine, wo
         )
     with engine.begin() as conn:
         assert lease.report_last_progress(conn, held, 99, 30.0) is None  # the owner left
-    newer = claimed(engine, task_id)  # a redelivery takes the run over
+    newer = claimed(engine, task_id, takeover=True)  # a re-send takes the run over
     with engine.begin() as conn, pytest.raises(LeaseLost):
         lease.report_last_progress(conn, held, 99, 30.0)
     row = task_row(engine, task_id)
@@ -351,7 +357,7 @@ def test_a_large_csv_of_a_lost_lease_is_rolled_back(
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         held = lease.claim(conn, task_id, 0)
         assert held is not None
-        newer = claimed(engine, task_id)
+        newer = claimed(engine, task_id, takeover=True)
         with pytest.raises(LeaseLost):
             lease.complete_export(conn, held.lease, bytearray(b"x" * (2 << 20)), "late")
         assert not in_transaction(conn)
@@ -384,3 +390,60 @@ def test_with_prepared_statements_off_nothing_is_prepared(database_url: str, wor
         assert (row["status"], row["result_csv"]) == ("COMPLETED", "id\n")
     finally:
         engine.dispose()
+
+
+def test_a_redelivery_never_takes_over_a_live_execution(engine: sa.Engine, world: World) -> None:
+    """A delivery of the same publish while its execution writes (kombu restored the
+    message after a broker reconnect) claims nothing; once the row is silent for
+    stale_after_s by the database's clock, or with ``takeover`` (Celery's re-send after a
+    lost pool process), it takes the run over and continues the attempt."""
+    task_id = insert_task_committed(engine, world)
+    stamp = publish(engine, task_id)
+    live = claimed(engine, task_id, holder="host/a", stamp=stamp)
+    before = task_row(engine, task_id)
+    assert claim(engine, task_id, holder="host/b", stamp=stamp, stale_after_s=60) is None
+    assert task_row(engine, task_id) == before
+    with engine.connect() as conn:
+        reason = lease.skip_reason(conn, task_id, 0, stamp)
+    assert reason == "the run is held by a live execution"
+
+    age_task(engine, task_id, 61)
+    stale = claimed(engine, task_id, holder="host/b", stamp=stamp, stale_after_s=60)
+    assert stale.attempt == live.attempt == 1
+    resent = claimed(engine, task_id, holder="host/c", stamp=stamp, takeover=True)
+    row = task_row(engine, task_id)
+    assert (row["execution_id"], row["lease_holder"]) == (resent.execution_id, "host/c")
+    assert [e for e, _ in audit_events(engine, task_id)] == ["CLAIM", "CLAIM", "CLAIM"]
+
+
+def test_a_run_scheduled_later_is_never_claimed(engine: sa.Engine, world: World) -> None:
+    """Even a message carrying the row's stamp claims a WAITING row only once it is due."""
+    task_id = insert_task_committed(engine, world)
+    stamp = publish(engine, task_id)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE background_tasks SET run_at = now() + interval '1 hour' WHERE id = :id"
+            ),
+            {"id": task_id},
+        )
+    before = task_row(engine, task_id)
+    assert claim(engine, task_id, stamp=stamp) is None
+    assert task_row(engine, task_id) == before
+    with engine.connect() as conn:
+        assert lease.skip_reason(conn, task_id, 0, stamp) == "the run is not due yet"
+        assert lease.skip_reason(conn, task_id, 0, None) == "the run is not due yet"
+        assert lease.skip_reason(conn, task_id, 1, stamp) == "the message is for another run"
+
+
+def publish(engine: sa.Engine, task_id: uuid.UUID) -> datetime:
+    """Stamp the row as the dispatcher does; returns the stamp."""
+    with engine.begin() as conn:
+        stamp: datetime = conn.execute(
+            sa.text(
+                "UPDATE background_tasks SET dispatched_at = clock_timestamp() "
+                "WHERE id = :id RETURNING dispatched_at"
+            ),
+            {"id": task_id},
+        ).scalar_one()
+    return stamp

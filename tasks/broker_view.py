@@ -1,0 +1,126 @@
+"""What the broker holds of a queue, read from the broker itself (docs/design.md,
+"Dispatch", step 2).
+
+The queued markers say what the dispatcher sent; they cannot see what happened to the
+messages afterwards - ``celery purge``, a broker that lost its data, a message discarded
+by hand. So the scan also looks at the broker:
+
+- **Redis**: the queue's list (messages waiting) and kombu's ``unacked`` hash (messages
+  delivered to a worker and not yet acknowledged), read in one MULTI so no message is
+  between the two. Each message is known by its id and the stamp in its arguments.
+- **RabbitMQ** (AMQP): a passive ``queue.declare`` gives the number of messages ready in
+  the queue, not which ones, and nothing of those delivered. With one message per worker
+  process in flight (prefetch 1, acknowledged late), a delivered message is claimed within
+  milliseconds, so a queue seen empty holds none of the runs still waiting for a claim.
+
+A message in transit (popped from the list, not yet in the hash; delivered and not yet
+claimed) can be missed by one look; the dispatcher acts only on runs missing from two
+looks a scan apart.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Iterable
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from amqp.exceptions import AMQPError, NotFound
+from celery import Celery
+from kombu.exceptions import KombuError
+
+from teamdesk.config import is_redis_url
+
+LIST_LIMIT = 10_000  # a queue longer than this is not listed: nothing is judged missing
+UNACKED_KEY = "unacked"  # kombu's default transport option unacked_key
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """One look at a queue: the messages it holds as ``(message id, stamp)`` where the
+    broker can list them, else only how many are ready (``listed`` None)."""
+
+    ready: int
+    listed: frozenset[tuple[str, str]] | None
+
+    def holds(self, message_id: str, stamp: str) -> bool:
+        """Does the broker hold this publish's message (or may it: a count cannot tell)?"""
+        if self.listed is None:
+            return self.ready > 0
+        return (message_id, stamp) in self.listed
+
+
+def look(
+    app: Celery, client: redis.Redis, prefix: str, queues: Iterable[str]
+) -> dict[str, QueueView | None]:
+    """What each of ``queues`` holds now; None for a queue the broker cannot say about (an
+    error, a list too long to read). ``client`` is the broker's Redis (used only when the
+    broker is Redis). Raises redis.RedisError."""
+    if is_redis_url(app.conf.broker_url or ""):
+        return {queue: _look_redis(client, prefix, queue) for queue in queues}
+    return _look_amqp(app, queues)
+
+
+def _look_redis(client: redis.Redis, prefix: str, queue: str) -> QueueView | None:
+    with client.pipeline(transaction=True) as pipe:
+        pipe.llen(f"{prefix}:{queue}")
+        pipe.lrange(f"{prefix}:{queue}", 0, LIST_LIMIT - 1)
+        pipe.hvals(f"{prefix}:{UNACKED_KEY}")
+        length, waiting, delivered = pipe.execute()
+    if int(length) > LIST_LIMIT:
+        return None
+    held = {_identity(raw) for raw in waiting}
+    for entry in delivered:
+        raw, routing_key = _unacked(entry)
+        if routing_key == queue:
+            held.add(_identity(raw))
+    return QueueView(int(length), frozenset(h for h in held if h is not None))
+
+
+def _look_amqp(app: Celery, queues: Iterable[str]) -> dict[str, QueueView | None]:
+    """Ready counts by passive declares, one channel each (a 404 closes its channel), on
+    one short connection."""
+    views: dict[str, QueueView | None] = dict.fromkeys(queues)
+    try:
+        with app.connection_for_read() as conn:
+            for queue in views:
+                channel = conn.channel()
+                try:
+                    _name, ready, _consumers = channel.queue_declare(queue=queue, passive=True)
+                    views[queue] = QueueView(int(ready), None)
+                except NotFound:  # never declared (or deleted): it holds nothing
+                    views[queue] = QueueView(0, None)
+                finally:
+                    with suppress(AMQPError, KombuError, OSError):
+                        channel.close()
+    except (AMQPError, KombuError, OSError):
+        pass  # the queues not read yet stay None: cannot tell
+    return views
+
+
+def _unacked(entry: bytes) -> tuple[Any, str | None]:
+    """kombu's unacked entry: ``[message, exchange, routing key]`` (JSON)."""
+    try:
+        message, _exchange, routing_key = json.loads(entry)
+    except (ValueError, TypeError):
+        return None, None
+    return message, routing_key
+
+
+def _identity(raw: Any) -> tuple[str, str] | None:
+    """``(message id, stamp)`` of one of the dispatcher's messages, else None."""
+    try:
+        message = json.loads(raw) if isinstance(raw, (bytes, str)) else raw
+        message_id = message["headers"]["id"]
+        body = message["body"]
+        if message.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]
+        stamp = args[2] if len(args) > 2 else ""
+    except (ValueError, KeyError, TypeError, IndexError, binascii.Error):
+        return None
+    return str(message_id), str(stamp)
