@@ -2,8 +2,10 @@
 commit after a new execution B (or the dispatcher, or a failure) took the run over.
 
 Both executions are real deliveries of the same message id to a real in-process worker
-(threads pool, two slots); B is a duplicate publish. Gates order everything; each test
-ends by delivering the message once more to show a completed task gains nothing.
+(threads pool, two slots); B is the message as Celery re-sends it after the pool process
+running A was lost (the one delivery, besides the staleness rule, that may take a live
+row over). Gates order everything; each test ends by delivering the message once more to
+show a completed task gains nothing. A plain duplicate while A runs takes nothing.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def test_export_takeover_old_execution_cannot_commit(
                 lambda: len(events.of_type("task-progress", message)) == a_progress,
                 what="A's progress events",
             )
-            send_message(celery_app, task_id, 0, "EXPORT")
+            send_message(celery_app, task_id, 0, "EXPORT", after_worker_lost=True)
             gate_b.wait_reached()
             snapshot = task_row(engine, task_id)
             assert snapshot["status"] == "RUNNING" and snapshot["execution_id"] == claims[1]
@@ -155,7 +157,7 @@ def test_late_error_of_old_execution_changes_nothing(
         try:
             send_message(app, task_id, 0, "EXPORT")
             gate_a.wait_reached()
-            send_message(app, task_id, 0, "EXPORT")
+            send_message(app, task_id, 0, "EXPORT", after_worker_lost=True)
             gate_b.wait_reached()
             snapshot = task_row(engine, task_id)
             gate_a.release()
@@ -202,7 +204,7 @@ def test_reminder_takeover_by_new_claim_rolls_old_transaction_back(
         try:
             send_message(celery_app, task_id, 0, "REMINDER")
             gate_a.wait_reached()
-            send_message(celery_app, task_id, 0, "REMINDER")
+            send_message(celery_app, task_id, 0, "REMINDER", after_worker_lost=True)
             gate_b.wait_reached()
             snapshot = task_row(engine, task_id)
             gate_a.release()
@@ -369,3 +371,43 @@ def test_an_old_message_of_a_recovered_run_cannot_take_over_its_replacement(
     ]
     assert len(claims) == 2  # the old message claimed nothing
     assert len(event_records(caplog, "task.skipped", task_id)) == 1
+
+
+def test_a_duplicate_delivery_while_the_execution_runs_takes_nothing(
+    engine: sa.Engine, world: World, celery_app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """kombu restores a worker's unacknowledged message after a broker reconnect while the
+    worker goes on running it: the second delivery of the same publish is skipped and
+    acknowledged, and A - never interrupted - completes the run as its only execution."""
+    task_id = export_task(engine, world)
+    message = queueing.message_id(task_id, 0)
+    gate_a = Gate("A paused")
+    with (
+        EventLog(celery_app) as events,
+        running_worker(celery_app),
+        hooks.installed("export.after_read", gate_a.hook()),
+    ):
+        try:
+            send_message(celery_app, task_id, 0, "EXPORT")
+            gate_a.wait_reached()
+            snapshot = task_row(engine, task_id)
+            send_message(celery_app, task_id, 0, "EXPORT")
+            wait_for(lambda: outcomes(events, message), what="the duplicate to end")
+            assert "'outcome': 'skipped'" in outcomes(events, message)[0]
+            assert "held by a live execution" in outcomes(events, message)[0]
+            assert task_row(engine, task_id) == snapshot
+        finally:
+            gate_a.release()
+        wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="A to finish")
+    row = task_row(engine, task_id)
+    assert (row["attempts"], row["result_summary"]) == (1, "1200 rows")
+    assert row["execution_id"] is None
+    with engine.connect() as conn:
+        claims = conn.execute(
+            sa.text("SELECT count(*) FROM task_audit WHERE task_id = :t AND event = 'CLAIM'"),
+            {"t": task_id},
+        ).scalar_one()
+    assert claims == 1
+    assert not event_records(caplog, "task.lease_lost", task_id)
+    skipped = event_records(caplog, "task.skipped", task_id)
+    assert [r.reason for r in skipped] == ["the run is held by a live execution"]  # type: ignore[attr-defined]

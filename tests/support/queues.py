@@ -67,12 +67,14 @@ def send_message(
     stamp, stamping an unpublished row first (the database's clock) as the dispatcher
     would: a first delivery in a test that runs no dispatcher, or a duplicate of the
     current publish. ``after_worker_lost``: the message as Celery re-sends it after the
-    pool process running it was lost (one retry more), which may take a RUNNING row over."""
+    pool process running it was lost (one retry more), which may take a RUNNING row over.
+    A finished row keeps its columns; its message carries a stamp no publish had."""
     with db.get_engine().begin() as conn:
         stamp = conn.execute(
             sa.text(
-                "UPDATE background_tasks SET dispatched_at = coalesce(dispatched_at, "
-                "clock_timestamp()) WHERE id = :id RETURNING dispatched_at"
+                "UPDATE background_tasks SET dispatched_at = CASE WHEN status = 'WAITING' "
+                "THEN coalesce(dispatched_at, clock_timestamp()) ELSE dispatched_at END "
+                "WHERE id = :id RETURNING coalesce(dispatched_at, created_at)"
             ),
             {"id": task_id},
         ).scalar_one()
