@@ -101,12 +101,14 @@ def send(
     worker's lines written meanwhile."""
     since = len(worker.lines())
     message = call(s, task, json.dumps(args), None if kwargs is None else json.dumps(kwargs))
-    wait_for(
-        lambda: celery_lines(worker, f"{task}[{message}] succeeded"),
-        timeout=20,
-        what=f"the worker to finish {message}",
-    )
+    wait_for(lambda: ended(worker, task, message), timeout=20, what=f"the end of {message}")
     return records(worker, since)
+
+
+def ended(worker: Proc, task: str, message: str) -> bool:
+    """Celery has said how the message ended (succeeded, raised, retry, ...)."""
+    said = celery_lines(worker, f"{task}[{message}]")
+    return any(" received" not in str(line["message"]) for line in said)
 
 
 def loud(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -261,7 +263,15 @@ def test_the_current_stamp_never_takes_over_a_live_execution(
             held = task_row(engine, task_id)
             assert held["status"] == "RUNNING"
 
-            lines = send(s, worker, EXPORT, [str(task_id), 0, published.isoformat()])
+            since = len(worker.lines())
+            message = call(s, EXPORT, json.dumps([str(task_id), 0, published.isoformat()]))
+            wait_for(
+                lambda: ended(worker, EXPORT, message) or len(worker.events("task.started")) > 1,
+                timeout=20,
+                what="the message to end, or to start a second execution",
+            )
+            assert len(worker.events("task.started")) == 1
+            lines = records(worker, since)
             skipped = [line for line in lines if line["event"] == "task.skipped"]
             assert [line["task_id"] for line in skipped] == [str(task_id)]
             assert skipped[0]["reason"]

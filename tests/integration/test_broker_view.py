@@ -1,0 +1,120 @@
+"""The scan looks at the broker (tasks/broker_view.py, docs/design.md "Operating with
+Celery's tools"): a published run whose message the broker held in neither of two looks
+a scan apart is published again, whatever its marker says; a message waiting in the list
+or delivered and not yet acknowledged is held. Real Redis, Celery's own purge, kombu's
+own consumer."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+import redis
+import sqlalchemy as sa
+from celery import Celery
+from kombu import Queue
+
+from dispatcher import scan as scan_module
+from dispatcher.context import Cluster
+from dispatcher.heartbeat import Heartbeat
+from dispatcher.scan import ScanCounts, scan
+from dispatcher.window import Window
+from tasks.names import EXPORTS_QUEUE
+from teamdesk.config import get_settings
+from tests.support.dispatch_scan import ids, long_up, messages, waiting_rows
+from tests.support.factories import World, task_row
+from tests.support.queues import markers
+
+
+@contextmanager
+def dispatcher(app: Celery) -> Iterator[Callable[[], ScanCounts]]:
+    """Scans of one dispatcher: one cluster and one window, remembered between scans."""
+    cluster = Cluster(app, get_settings())
+    window = Window(cluster)
+    try:
+        yield lambda: scan(cluster, window, uptime=long_up)
+    finally:
+        cluster.close()
+
+
+def stamps(engine: sa.Engine, task_ids: list[uuid.UUID]) -> dict[uuid.UUID, object]:
+    return {t: task_row(engine, t)["dispatched_at"] for t in task_ids}
+
+
+def test_a_purged_window_is_published_again_within_two_scans_and_runs_once(
+    engine: sa.Engine,
+    world: World,
+    celery_app: Celery,
+    redis_client: redis.Redis,
+    queue_prefix: str,
+    offer: Callable[..., Heartbeat],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``celery purge`` empties the list and leaves the markers: before, the runs stayed
+    WAITING and published, filling the window, until the markers expired (5 x
+    STALE_AFTER_S)."""
+    offer(concurrency=2, queues=("exports",))
+    runs = waiting_rows(engine, world, 3)
+    monkeypatch.setattr(scan_module, "PUBLISH_GRACE_S", 0.0)
+    with dispatcher(celery_app) as next_scan:
+        assert next_scan().dispatched == 3
+        first = stamps(engine, runs)
+        assert celery_app.control.purge() == 3  # what `celery -A tasks purge -f` does
+        assert markers(redis_client, queue_prefix) == set(ids(runs))
+
+        look = next_scan()  # one look can miss a message in transit: nothing yet
+        assert (look.redispatched, look.missing_from_broker, look.dispatched) == (0, 0, 0)
+        assert stamps(engine, runs) == first
+        again = next_scan()
+        assert (again.redispatched, again.missing_from_broker) == (3, 3)
+        assert again.of_note and "missing from the broker 3" in again.summary()
+
+        assert sorted(messages(redis_client, queue_prefix)["exports"]) == sorted(ids(runs))
+        for task_id, stamp in stamps(engine, runs).items():
+            assert stamp is not None and stamp > first[task_id]  # type: ignore[operator]
+            assert task_row(engine, task_id)["status"] == "WAITING"
+        settled = next_scan()  # the broker holds them again: nothing more
+        assert (settled.redispatched, settled.missing_from_broker) == (0, 0)
+        settled = next_scan()
+        assert (settled.redispatched, settled.missing_from_broker) == (0, 0)
+
+
+def test_a_delivered_unacknowledged_message_is_held_and_only_the_missing_one_returns(
+    engine: sa.Engine,
+    world: World,
+    celery_app: Celery,
+    redis_client: redis.Redis,
+    queue_prefix: str,
+    offer: Callable[..., Heartbeat],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A message a worker took and has not acknowledged is in kombu's unacked hash (here
+    taken by kombu's own consumer): held. The one removed from the list is not."""
+    offer(concurrency=1, queues=("exports",))
+    runs = waiting_rows(engine, world, 2)
+    monkeypatch.setattr(scan_module, "PUBLISH_GRACE_S", 0.0)
+    with dispatcher(celery_app) as next_scan, celery_app.connection_for_read() as conn:
+        assert next_scan().dispatched == 2
+        delivered = Queue(EXPORTS_QUEUE).bind(conn.default_channel).get(no_ack=False)
+        assert delivered is not None
+        taken = delivered.headers["id"]
+        assert redis_client.hlen(f"{queue_prefix}:unacked") == 1
+        assert messages(redis_client, queue_prefix)["exports"] != [taken]
+        left = uuid.UUID(messages(redis_client, queue_prefix)["exports"][0][:36])
+        before = stamps(engine, runs)
+        for _ in range(3):
+            counts = next_scan()
+            assert (counts.redispatched, counts.missing_from_broker) == (0, 0)
+        assert stamps(engine, runs) == before
+
+        redis_client.delete(f"{queue_prefix}:{EXPORTS_QUEUE}")  # lost from the list only
+        assert next_scan().redispatched == 0
+        assert next_scan().redispatched == 1
+        after = stamps(engine, runs)
+        assert after[left] != before[left]
+        held = next(t for t in runs if t != left)
+        assert after[held] == before[held]
+        assert messages(redis_client, queue_prefix)["exports"] == ids([left])
+        delivered.ack()
