@@ -1,15 +1,17 @@
 """What every fault works with: the schedule, its records and the cluster it acts on
-(soak/faults.py lists the kinds; soak/outages.py and soak/probes.py hold the Redis,
-PostgreSQL, hook and faketime faults)."""
+(soak/faults.py lists the kinds; soak/outages.py, soak/probes.py and soak/tools.py hold
+the Redis, PostgreSQL, hook, faketime and Celery-command-line faults)."""
 
 from __future__ import annotations
 
 import random
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,8 @@ KINDS = (
     "txfreeze",
     "longterm",
     "pgrestart",
+    "purge",
+    "revoke",
 )
 FREE_WORKER_WAIT_S = 45.0  # a deferred worker fault waits this long for a free worker
 SKEW_S = 150  # faketime's offset, either way
@@ -88,6 +92,33 @@ def plan(
 
 
 @dataclass
+class Revoke:
+    """A ``revoke`` fault's command (soak/tools.py): the run it named, as the ledger showed
+    it just before, and when the command was started (the database's clock). Recorded
+    before the command runs: a command that failed may still have reached a worker."""
+
+    task_id: uuid.UUID
+    run: int
+    status: str  # WAITING (published) or RUNNING when it was picked
+    terminate: bool  # ``control terminate SIGTERM`` (revoke with terminate) or ``revoke``
+    issued_at: float
+    command: str = ""  # what the command line answered (replies, or its failure)
+
+
+@dataclass
+class Purge:
+    """A ``purge`` fault (soak/tools.py): the runs whose message was waiting in the queues
+    just before ``celery purge``, with the publish's stamp, and how soon each was going
+    again after it (re-published with a new stamp, claimed, or ended: seconds after the
+    purge, the database's clock; None when it was not within the watch)."""
+
+    at: float  # the command's start, database clock
+    purged: int | None = None  # as the command line said ("Purged N messages")
+    runs: dict[tuple[uuid.UUID, int], datetime] = field(default_factory=dict)
+    resumed_s: dict[tuple[uuid.UUID, int], float | None] = field(default_factory=dict)
+
+
+@dataclass
 class Timings:
     heartbeat_ttl_s: float
     stale_after_s: float
@@ -108,6 +139,8 @@ class Chaos:
     beacon_dir: Path
     supply: dict[str, list[TaskPlan]] = field(default_factory=dict)
     term_exit_codes: list[int | None] = field(default_factory=list)
+    revokes: list[Revoke] = field(default_factory=list)
+    purges: list[Purge] = field(default_factory=list)
     redis_lock: threading.Lock = field(default_factory=threading.Lock)
     pg_lock: threading.Lock = field(default_factory=threading.Lock)
     _threads: list[threading.Thread] = field(default_factory=list)

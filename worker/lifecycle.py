@@ -44,6 +44,7 @@ from typing import Any
 
 import celery.apps.worker as celery_worker_program
 from celery import signals
+from celery.worker import control as celery_control
 
 from ledger.errors import TaskRejected
 from tasks.execution import TaskFailed
@@ -190,6 +191,18 @@ def _on_shutting_down(sig: str | None = None, how: str | None = None, **_: Any) 
         log_event(log, "worker.stopping", logging.WARNING, signal=sig, cold=True)
 
 
+_celery_remote_shutdown = celery_control.shutdown
+
+
+def _remote_shutdown(state: Any, msg: str = "Got shutdown from remote", **kwargs: Any) -> None:
+    """``celery control shutdown``: Celery's warm stop, drained as a SIGTERM is. Celery
+    sends no ``worker_shutting_down`` for it, so without this the worker would stop its
+    heartbeat outright while its pool finishes the in-flight tasks, and the dispatcher
+    would take those live runs back (their holder gone) and run them again."""
+    _on_shutting_down(sig="control shutdown", how="Warm")
+    _celery_remote_shutdown(state, msg, **kwargs)  # logs, raises WorkerShutdown
+
+
 def _on_shutdown(sender: Any = None, **_: Any) -> None:
     _drain.end()
     if sender is not None and _drain.started.is_set():
@@ -249,4 +262,5 @@ def connect() -> None:
     signals.task_failure.connect(_on_task_failure, weak=False)
     worker_metrics.connect()
     revokes.connect()
+    celery_control.control_command(name="shutdown")(_remote_shutdown)
     _connected = True

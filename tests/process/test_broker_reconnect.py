@@ -141,7 +141,7 @@ def test_a_message_restored_by_a_reconnect_is_skipped_while_its_execution_lives(
             broker.close()
 
     skipped = of_task(w2, "task.skipped", task_id)
-    assert len(skipped) == 1 and "live" in skipped[0]["reason"], skipped
+    assert len(skipped) == 1 and "held by a live execution" in skipped[0]["reason"], skipped
     assert of_task(w2, "task.started", task_id) == []
     assert len(of_task(w1, "task.started", task_id)) == 1
     assert len(of_task(w1, "task.completed", task_id)) == 1
