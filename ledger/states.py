@@ -18,7 +18,8 @@ STATUSES = (WAITING, RUNNING, COMPLETED, FAILED, CANCELLED)
 # (from, to) -> the ledger functions that perform it. Nothing else changes `status`.
 ALLOWED_TRANSITIONS: dict[tuple[str, str], tuple[str, ...]] = {
     (WAITING, RUNNING): ("claim",),
-    # A recovered or duplicate delivery takes the lease over.
+    # A delivery whose execution is known to be gone (the row is stale, or Celery re-sent
+    # the message after the pool process running it was lost) takes the lease over.
     (RUNNING, RUNNING): ("claim",),
     (RUNNING, COMPLETED): ("complete_export", "complete_in_transaction"),
     # Retryable error with attempts left (ready again after the backoff); or the
@@ -26,8 +27,8 @@ ALLOWED_TRANSITIONS: dict[tuple[str, str], tuple[str, ...]] = {
     (RUNNING, WAITING): ("report_failure", "recover_stale"),
     # Rejected, or the last attempt; or recovered too many times.
     (RUNNING, FAILED): ("report_failure", "recover_stale"),
-    (WAITING, CANCELLED): ("cancel",),
-    (RUNNING, CANCELLED): ("cancel",),
+    (WAITING, CANCELLED): ("cancel", "cancel_run"),
+    (RUNNING, CANCELLED): ("cancel", "cancel_run"),
     (FAILED, WAITING): ("retry",),
     (CANCELLED, WAITING): ("retry",),
 }

@@ -137,6 +137,7 @@ class Chaos:
     rng: random.Random
     timings: Timings
     beacon_dir: Path
+    plans: list[TaskPlan] = field(default_factory=list)  # every task's plan
     supply: dict[str, list[TaskPlan]] = field(default_factory=dict)
     term_exit_codes: list[int | None] = field(default_factory=list)
     revokes: list[Revoke] = field(default_factory=list)

@@ -1,0 +1,306 @@
+"""Faults an operator makes with Celery's own command line, run against the soak's broker
+the way a platform team runs them (``celery -A tasks ...`` with the cluster's
+configuration variables, as every soak process gets them).
+
+- ``purge``: ``celery -A tasks purge -f -Q exports,reminders``. The messages waiting in
+  the queues are gone while their runs stay WAITING and published, their queued markers
+  standing. The dispatcher must see from the broker itself that the messages are missing
+  and publish those runs again within two scans (tasks/broker_view.py), not when the
+  markers expire (5 x ``STALE_AFTER_S``, at least 60 s). The soak reads the queues just
+  before the command (which runs, with which stamp) and then watches the ledger until each
+  of those runs goes again: re-published (a new stamp), claimed, or ended.
+- ``revoke``: ``celery -A tasks control revoke <task_id>-<run>`` (what Flower's revoke
+  button sends), or half the time ``celery -A tasks control terminate SIGTERM
+  <task_id>-<run>`` (the command line's spelling of revoke with terminate: the pool process
+  running it is killed), for a run of the workload that the ledger shows WAITING and
+  published, or RUNNING. Revoke is a cancel: the run must end CANCELLED (the revoke met
+  it) or COMPLETED (it had completed, or its execution went on: a revoke without terminate
+  does not stop a running task); never stay WAITING or RUNNING. Only runs of cases that
+  expect COMPLETED run 0 are revoked (``export``, ``reminder``, ``scheduled``), so the
+  other cases' own expectations stay as they are. When none of them is WAITING-published
+  or RUNNING for ``PICK_WAIT_S`` (the end of the window: the workload has drained), the
+  fault creates an export of its own (case ``spare``) and revokes that once it is
+  published.
+
+Both wait for the previous Redis fault to end (one Redis fault at a time, soak/outages.py):
+a command that cannot reach the broker proves nothing. Each command's output goes to
+``logs/tools.log``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import time
+import uuid
+from datetime import datetime
+from typing import Any
+
+import redis
+import sqlalchemy as sa
+
+from soak import workload
+from soak.chaos import Chaos, Purge, Record, Revoke
+from soak.outages import LOCK_WAIT_S, _client, _one_at_a_time
+from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
+from tests.support.processes import ROOT, celery_argv
+
+QUEUES = (EXPORTS_QUEUE, REMINDERS_QUEUE)
+COMMAND_TIMEOUT_S = 60.0
+REPLY_TIMEOUT_S = 2.0  # control commands wait this long for the workers' replies
+PURGED = re.compile(r"Purged (\d+) message")
+PURGE_POLL_S = 0.25
+# How long the soak watches the purged runs. A run still waiting under its purged publish
+# after PURGE_GOAL_S is a violation (soak/checks.py); the watch goes on longer only to say
+# when it went after all (a marker's expiry: 60 s after its publish).
+PURGE_WATCH_S = 75.0
+# A purged run must be going again within this (soak/checks.py): the dispatcher leaves a
+# run stamped less than 5 s ago alone (its publish may be under way) and then needs two
+# looks a scan (1 s) apart; the rest is room for a dispatcher or PostgreSQL restart that
+# another fault makes at the same time. A run published again only when its marker
+# expired takes 60 s from its publish.
+PURGE_GOAL_S = 20.0
+REVOCABLE_CASES = ("export", "reminder", "scheduled", "spare")
+PICK_WAIT_S = 10.0  # for a run of the workload to be WAITING-published or RUNNING
+SPARE_WAIT_S = 30.0  # for the fault's own export to be published
+PICK_POLL_S = 0.1
+
+CANDIDATES = sa.text("""
+    SELECT id, run, status FROM background_tasks
+     WHERE id = ANY(CAST(:ids AS uuid[])) AND run = 0
+       AND (status = 'RUNNING' OR (status = 'WAITING' AND dispatched_at IS NOT NULL))
+""")
+RUN_STATES = sa.text("""
+    SELECT id, run, status, dispatched_at FROM background_tasks
+     WHERE id = ANY(CAST(:ids AS uuid[]))
+""")
+
+
+def run_command(chaos: Chaos, *args: str) -> subprocess.CompletedProcess[str]:
+    """``celery -A tasks <args>`` with the cluster's environment; logged to tools.log."""
+    done = subprocess.run(
+        celery_argv(*args),
+        env=chaos.cluster.env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+    )
+    with (chaos.cluster.logdir / "tools.log").open("a") as log:
+        log.write(f"$ celery -A tasks {' '.join(args)}  (exit {done.returncode})\n")
+        log.write(done.stdout + done.stderr + "\n")
+    return done
+
+
+# ---- purge ----------------------------------------------------------------------------------
+def purge(chaos: Chaos, record: Record) -> None:
+    record.detail = f"celery purge -f -Q {','.join(QUEUES)}"
+    _one_at_a_time(chaos, chaos.redis_lock, record, _purge)
+
+
+def _purge(chaos: Chaos, record: Record) -> None:
+    try:
+        waiting = _waiting_runs(chaos)
+    except redis.RedisError as exc:
+        record.detail = f"skipped: Redis did not answer ({type(exc).__name__})"
+        return
+    found = Purge(chaos.timeline.now(), runs=waiting)
+    try:
+        done = run_command(chaos, "purge", "-f", "-Q", ",".join(QUEUES))
+    except subprocess.TimeoutExpired:
+        done = None
+    chaos.purges.append(found)  # the command may have purged even if it failed after
+    chaos.timeline.event("purge", found.at, f"{len(waiting)} runs waiting")
+    if done is None or done.returncode != 0:
+        code = "timeout" if done is None else f"exit {done.returncode}"
+        record.detail = f"skipped: celery purge failed ({code}); {len(waiting)} runs were waiting"
+    else:
+        match = PURGED.search(done.stdout)
+        found.purged = int(match.group(1)) if match else 0
+        if "No messages purged" in done.stdout:
+            found.purged = 0
+        record.detail = f"celery purge: {found.purged} messages, {len(waiting)} runs were waiting"
+    chaos.later(_watch_purged, chaos, record, found)
+
+
+def _waiting_runs(chaos: Chaos) -> dict[tuple[uuid.UUID, int], datetime]:
+    """The runs whose message waits in the task queues now, with its publish's stamp."""
+    client = _client(chaos)
+    prefix = chaos.cluster.env["QUEUE_PREFIX"]
+    try:
+        raw: list[Any] = []
+        for queue in QUEUES:
+            raw += client.lrange(f"{prefix}:{queue}", 0, -1)
+    finally:
+        client.close()
+    runs: dict[tuple[uuid.UUID, int], datetime] = {}
+    for item in raw:
+        found = _message_run(item)
+        if found is not None:
+            runs[(found[0], found[1])] = found[2]
+    return runs
+
+
+def _message_run(raw: Any) -> tuple[uuid.UUID, int, datetime] | None:
+    """``(task_id, run, stamp)`` of one of the dispatcher's messages (kombu's envelope)."""
+    try:
+        message = json.loads(raw)
+        body = message["body"]
+        if message.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        task_id, run, stamp = json.loads(body)[0]
+        return uuid.UUID(str(task_id)), int(run), datetime.fromisoformat(str(stamp))
+    except (ValueError, TypeError, KeyError, IndexError):
+        return None
+
+
+def _watch_purged(chaos: Chaos, record: Record, found: Purge) -> None:
+    """Until each purged run goes again (or PURGE_WATCH_S): seconds after the purge."""
+    pending = dict(found.runs)
+    found.resumed_s = dict.fromkeys(found.runs)
+    ids = [str(task_id) for task_id, _run in pending]
+    while pending and chaos.timeline.now() - found.at < PURGE_WATCH_S:
+        try:
+            with chaos.engine.connect() as conn:
+                rows = {r.id: r for r in conn.execute(RUN_STATES, {"ids": ids})}
+        except sa.exc.DBAPIError:
+            rows = None  # PostgreSQL restarting: look again
+        now = chaos.timeline.now()
+        for key, stamp in list(pending.items()):
+            row = rows.get(key[0]) if rows is not None else None
+            if row is None:
+                continue
+            if (row.run, row.status, row.dispatched_at) != (key[1], "WAITING", stamp):
+                found.resumed_s[key] = round(now - found.at, 2)
+                del pending[key]
+        time.sleep(PURGE_POLL_S)
+    gone = [s for s in found.resumed_s.values() if s is not None]
+    record.detail += (
+        f"; {len(gone)} going again within {max(gone):.1f}s" if gone else "; none to watch"
+    )
+    if pending:
+        record.detail += f", {len(pending)} not within {PURGE_WATCH_S:.0f}s"
+
+
+# ---- revoke ---------------------------------------------------------------------------------
+def revoke(chaos: Chaos, record: Record) -> None:
+    # Drawn now, in the injector's thread, so the seed decides them.
+    terminate = record.rng.random() < 0.5
+    prefer_running = record.rng.random() < 0.5
+    seed = record.rng.getrandbits(32)
+    record.detail = "control terminate SIGTERM" if terminate else "control revoke"
+    chaos.later(_revoke, chaos, record, terminate, prefer_running, seed)
+
+
+def _revoke(
+    chaos: Chaos, record: Record, terminate: bool, prefer_running: bool, seed: int
+) -> None:
+    """Pick the run, then send the command once no other Redis fault runs."""
+    picked = _pick(chaos, prefer_running, seed, PICK_WAIT_S, _revocable(chaos))
+    spare = ""
+    if picked is None:
+        picked, spare = _spare(chaos), " (the fault's own export)"
+    if picked is None:
+        record.detail = f"skipped: {record.detail}: no run WAITING-published or RUNNING"
+        return
+    if not chaos.redis_lock.acquire(timeout=LOCK_WAIT_S):
+        record.detail = f"skipped: {record.detail}: the previous Redis fault still runs"
+        return
+    try:
+        _send_revoke(chaos, record, terminate, picked, spare)
+    finally:
+        chaos.redis_lock.release()
+
+
+def _send_revoke(
+    chaos: Chaos,
+    record: Record,
+    terminate: bool,
+    picked: tuple[uuid.UUID, int, str],
+    spare: str,
+) -> None:
+    task_id, run, status = picked
+    message = f"{task_id}-{run}"
+    entry = Revoke(task_id, run, status, terminate, chaos.timeline.now())
+    chaos.revokes.append(entry)  # before the command: it may reach a worker and then fail
+    args = ("terminate", "SIGTERM") if terminate else ("revoke",)
+    try:
+        done = run_command(chaos, "control", *args, message, "-t", str(REPLY_TIMEOUT_S), "-j")
+    except subprocess.TimeoutExpired:
+        done = None
+    chaos.timeline.event("revoke", entry.issued_at, f"{message} ({status})")
+    what = f"{record.detail} {str(task_id)[:8]}-{run} ({status}){spare}"
+    if done is None or done.returncode != 0:
+        code = "timeout" if done is None else f"exit {done.returncode}"
+        entry.command = f"failed ({code})"
+        record.detail = f"skipped: {what}: the command failed ({code})"
+        return
+    entry.command = _replies(done.stdout)
+    record.detail = f"{what}: {entry.command}"
+
+
+def _revocable(chaos: Chaos) -> list[workload.TaskPlan]:
+    revoked = {r.task_id for r in chaos.revokes}
+    return [
+        p
+        for p in chaos.plans
+        if p.case in REVOCABLE_CASES and p.task_id is not None and p.task_id not in revoked
+    ]
+
+
+def _pick(
+    chaos: Chaos,
+    prefer_running: bool,
+    seed: int,
+    wait_s: float,
+    plans: list[workload.TaskPlan],
+) -> tuple[uuid.UUID, int, str] | None:
+    """A run among ``plans`` the ledger shows WAITING-published or RUNNING (waits up to
+    ``wait_s`` for one); RUNNING ones first when ``prefer_running``."""
+    deadline = time.monotonic() + wait_s
+    ids = [str(p.task_id) for p in plans]
+    while ids:
+        try:
+            with chaos.engine.connect() as conn:
+                rows = sorted(conn.execute(CANDIDATES, {"ids": ids}), key=lambda r: str(r.id))
+        except sa.exc.DBAPIError:
+            rows = []  # PostgreSQL restarting: look again
+        running = [r for r in rows if r.status == "RUNNING"]
+        waiting = [r for r in rows if r.status == "WAITING"]
+        first, second = (running, waiting) if prefer_running else (waiting, running)
+        chosen = first or second
+        if chosen:
+            row = chosen[seed % len(chosen)]
+            return row.id, int(row.run), str(row.status)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(PICK_POLL_S)
+    return None
+
+
+def _spare(chaos: Chaos) -> tuple[uuid.UUID, int, str] | None:
+    """Create one of the fault's own exports and pick it once it is published."""
+    supply = chaos.supply.get("spare", [])
+    if not supply:
+        return None
+    plan = supply.pop(0)
+    workload.submit(chaos.engine, chaos.gate, plan)
+    if plan.task_id is None:
+        return None
+    return _pick(chaos, False, 0, SPARE_WAIT_S, [plan])
+
+
+def _replies(out: str) -> str:
+    """The workers' replies to a control command, briefly."""
+    try:
+        replies = json.loads(out)
+    except ValueError:
+        return f"answer {out.strip()[:120]!r}"
+    if isinstance(replies, list):
+        replies = {k: v for reply in replies for k, v in reply.items()}
+    if not isinstance(replies, dict):
+        return f"answer {str(replies)[:120]!r}"
+    said = sorted({str(v.get("ok", v))[:60] if isinstance(v, dict) else str(v) for v in replies.values()})
+    return f"{len(replies)} workers replied {said}"
