@@ -19,9 +19,14 @@ the details):
                 advisory lock held) for longer than ``STALE_AFTER_S``; SIGCONT.
 - ``longterm``  SIGTERM of the worker running a 52 s export (26 s short): the drain must finish it.
 - ``pgrestart`` ``pg_ctl stop -m fast|immediate`` and start of the soak's own PostgreSQL.
+- ``purge``     ``celery -A tasks purge -f -Q exports,reminders``: the waiting messages go,
+                their runs must be published again within two scans.
+- ``revoke``    ``celery -A tasks control revoke <id>-<run>`` (or ``control terminate
+                SIGTERM``) of a run WAITING-published or RUNNING: it ends CANCELLED or
+                COMPLETED, never stays WAITING or RUNNING.
 
 soak/outages.py holds the Redis and PostgreSQL faults, soak/probes.py the three that work
-with the hooks or faketime. A fault that needs a worker takes one the cluster is not
+with the hooks or faketime, soak/tools.py the two that use Celery's command line. A fault that needs a worker takes one the cluster is not
 already faulting; its recovery runs in a thread so the schedule keeps its times. Every
 signal and exit is also written to the timeline (soak/timeline.py) that the lease
 invariant reads.
@@ -37,9 +42,9 @@ import time
 from contextlib import suppress
 from dataclasses import dataclass, field
 
-from soak import outages, probes
+from soak import outages, probes, tools
 from soak.chaos import FREE_WORKER_WAIT_S, KINDS, Chaos, Fault, Planned, Record
-from soak.timeline import FROZEN, Window
+from soak.timeline import FROZEN, GROUP, MAIN_ONLY, Window
 
 
 @dataclass
@@ -124,8 +129,9 @@ def stop(chaos: Chaos, record: Record) -> None:
     frozen_s = round(record.rng.uniform(ttl + 1.0, stale + 2.0), 1)
     inc = chaos.cluster.members[name].current
     assert inc is not None
-    # Either way the member is frozen: its heartbeat is the main process's.
-    window = chaos.timeline.open(inc.name, FROZEN, "stop")
+    # Either way the member is frozen: its heartbeat is the main process's. The note says
+    # whether its pool processes (which run the executions) were stopped too.
+    window = chaos.timeline.open(inc.name, FROZEN, "stop", note=GROUP if whole else MAIN_ONLY)
     with suppress(ProcessLookupError):
         if whole:
             os.killpg(pid, signal.SIGSTOP)
@@ -155,5 +161,7 @@ FAULTS: dict[str, Fault] = {
     "txfreeze": probes.txfreeze,
     "longterm": probes.longterm,
     "pgrestart": outages.pgrestart,
+    "purge": tools.purge,
+    "revoke": tools.revoke,
 }
 assert set(FAULTS) == set(KINDS)

@@ -1,4 +1,5 @@
-"""No lease is taken from a live execution: the audit trail against what the soak did.
+"""No lease is taken from a live execution, and no CLAIM takes a RUNNING row from a live,
+unfrozen holder: the audit trail against what the soak did.
 
 A lease is revoked in two ways, both in ``task_audit``:
 
@@ -17,6 +18,37 @@ worker (SIGTERM) is alive: its leases must survive the drain.
 
 The holder of each execution and its end come from the workers' logs (soak/logscan.py),
 the process states from the timeline (soak/timeline.py).
+
+**No CLAIM over a live, unfrozen holder** (``claim-over-live-holder``). A claim may take a
+RUNNING row over only when the row is stale by the database's clock (its last write older
+than ``STALE_AFTER_S`` at the claim) or its execution is known to be gone (Celery's re-send
+after the pool process running it was lost). So every takeover (a CLAIM directly after
+another execution's CLAIM, as above) is judged again, more strictly on the holder and with
+the row's staleness:
+
+- *stale*: the row's last write before the claim is older than ``STALE_AFTER_S``, measured
+  as the claim itself measured it. The audit trail does not record progress writes, so the
+  soak records every takeover in its own table ``soak_takeovers`` from a trigger on
+  ``background_tasks`` (only for an update that changes the execution of a RUNNING row and
+  leaves it RUNNING: a claim's takeover; the workers' progress writes do not even call
+  it): the row's ``updated_at`` before the claim and the claim's ``now()`` (the new
+  ``updated_at``), the very values the claim's staleness guard compared, in the claim's own
+  transaction (a crash that loses the claim loses the record with it);
+- *dead*: the holder's process was dead at the claim: its worker killed, exited, in a cold
+  shutdown, or its pool process killed by ``celery control terminate`` (logged by the
+  worker, soak/logscan.py);
+- *frozen*: the process running the execution was stopped at the claim: its worker's whole
+  process group (``stop``), or that pool process (``txfreeze``). No grace after the
+  SIGCONT: the claim does not read heartbeats. A ``stop`` of the worker's main process
+  only leaves its pool processes running, so it does not excuse a takeover (when the
+  execution never logged its start, its pool pid is unknown and any stop of its worker
+  does);
+- otherwise the holder was alive, unfrozen and writing within ``STALE_AFTER_S``: a
+  violation, even when its execution had already ended (then it ended without telling the
+  ledger, and the row is not stale yet: the claim rule must wait for that).
+
+A takeover whose holder cannot be named from the logs (no ``task.started`` and no receipt)
+is counted as not judged (``unknown``), not as a violation.
 """
 
 from __future__ import annotations
@@ -26,8 +58,8 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from soak.logscan import Execution, Logs
-from soak.timeline import DEAD, DRAINING, FROZEN, Timeline
+from soak.logscan import TERMINATED, Execution, Logs
+from soak.timeline import DEAD, DRAINING, FROZEN, MAIN_ONLY, Timeline
 
 REVOCATIONS = sa.text("""
     WITH ordered AS (
@@ -40,7 +72,8 @@ REVOCATIONS = sa.text("""
         SELECT id, task_id, run, extract(epoch FROM at) AS epoch,
                CASE WHEN event = 'RECOVER' THEN 'RECOVER' ELSE 'TAKEOVER' END AS how,
                CASE WHEN event = 'RECOVER' THEN execution_id ELSE previous_execution END
-                   AS revoked
+                   AS revoked,
+               CASE WHEN event = 'CLAIM' THEN execution_id END AS claimer
           FROM ordered
          WHERE event = 'RECOVER'
             OR (event = 'CLAIM' AND previous_event = 'CLAIM'
@@ -52,6 +85,44 @@ REVOCATIONS = sa.text("""
       FROM revoked r ORDER BY r.id
 """)
 HINT_WINDOW_S = 15.0  # a platform fault this recent is named next to a violation
+CLAIM_SLACK_S = 0.5  # a claim's now() may precede its audit row's clock_timestamp() by this
+
+# The soak's own record of every takeover of a RUNNING row (see the module's docstring):
+# created with the soak's database, before any worker starts.
+RECORD_TAKEOVERS = (
+    sa.text("""
+        CREATE TABLE soak_takeovers (
+            task_id uuid NOT NULL,
+            run integer NOT NULL,
+            execution_id uuid,
+            previous_execution uuid,
+            previous_updated_at timestamptz NOT NULL,
+            claimed_at timestamptz NOT NULL
+        )
+    """),
+    sa.text("""
+        CREATE FUNCTION soak_record_takeover() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO soak_takeovers VALUES
+                (NEW.id, NEW.run, NEW.execution_id, OLD.execution_id, OLD.updated_at,
+                 NEW.updated_at);
+            RETURN NULL;
+        END
+        $$
+    """),
+    sa.text("""
+        CREATE TRIGGER soak_takeover AFTER UPDATE ON background_tasks FOR EACH ROW
+          WHEN (OLD.status = 'RUNNING' AND NEW.status = 'RUNNING'
+                AND NEW.execution_id IS DISTINCT FROM OLD.execution_id)
+          EXECUTE FUNCTION soak_record_takeover()
+    """),
+)
+# How long each takeover's row had been silent when the claim took it (the claim's now()).
+SILENCES = sa.text("""
+    SELECT task_id, execution_id,
+           extract(epoch FROM claimed_at - previous_updated_at) AS silent_s
+      FROM soak_takeovers
+""")
 
 
 @dataclass(frozen=True)
@@ -63,6 +134,7 @@ class Revocation:
     at: float  # database clock, epoch seconds
     revoked: uuid.UUID | None
     claimed: float | None  # when the revoked execution claimed (its CLAIM's time)
+    claimer: uuid.UUID | None = None  # TAKEOVER: the execution that claimed
 
 
 @dataclass(frozen=True)
@@ -87,9 +159,33 @@ def revocations(conn: sa.Connection) -> list[Revocation]:
             float(r.epoch),
             r.revoked,
             None if r.claimed is None else float(r.claimed),
+            r.claimer,
         )
         for r in conn.execute(REVOCATIONS)
     ]
+
+
+@dataclass(frozen=True)
+class ClaimVerdict:
+    """A takeover judged by the rule "no CLAIM over a live, unfrozen holder"."""
+
+    revocation: Revocation
+    reason: str  # stale, dead, terminated, cold, frozen, unknown - or live (a violation)
+    why: str
+    silent_s: float | None  # the row's silence at the claim (None: not recorded)
+
+    @property
+    def justified(self) -> bool:
+        return self.reason != "live"
+
+
+def silences(conn: sa.Connection) -> dict[tuple[uuid.UUID, uuid.UUID], float]:
+    """(task, claiming execution) -> seconds the row had been silent at the takeover."""
+    return {
+        (r.task_id, r.execution_id): float(r.silent_s)
+        for r in conn.execute(SILENCES)
+        if r.execution_id is not None
+    }
 
 
 @dataclass
@@ -97,6 +193,7 @@ class LeaseJudge:
     logs: Logs
     timeline: Timeline
     grace_s: float
+    stale_after_s: float = 0.0
 
     def judge(self, rev: Revocation) -> Verdict:
         prefix = str(rev.revoked)[:8] if rev.revoked is not None else ""
@@ -133,6 +230,63 @@ class LeaseJudge:
         for window in windows:
             if window.state in (DEAD, FROZEN) and window.covers(at, self.grace_s):
                 return window.state, f"{window.process} {window.state} ({window.cause})"
+        cold = self.logs.cold.get(process)
+        if cold is not None and cold <= at:
+            return "cold", f"{process} going down (cold shutdown or crash)"
+        return None
+
+    def judge_claim(self, rev: Revocation, silent_s: float | None) -> ClaimVerdict:
+        """A takeover (CLAIM of a RUNNING row) against "no CLAIM over a live, unfrozen
+        holder" (the module's docstring)."""
+        if silent_s is None and rev.claimed is not None:
+            # Not recorded (never so far): the holder's own claim wrote the row, so its
+            # silence is at most the time since that claim (plus the claim's own duration).
+            bound = rev.at - rev.claimed + CLAIM_SLACK_S
+            silence = f"row silent at most {bound:.1f}s (since its claim)"
+            stale = None if bound < self.stale_after_s else "maybe"
+        elif silent_s is None:
+            silence, stale = "silence not recorded", "maybe"
+        else:
+            silence = f"row silent {silent_s:.1f}s"
+            stale = "yes" if silent_s > self.stale_after_s else None
+        if stale == "yes":
+            return ClaimVerdict(rev, "stale", silence, silent_s)
+        execution = self.logs.executions.get((str(rev.task_id), str(rev.revoked)[:8]))
+        process, pid = (execution.process, execution.pid) if execution else (None, None)
+        if execution is None and rev.claimed is not None:
+            process = self.logs.received_by(f"{rev.task_id}-{rev.run}", rev.claimed)
+        if execution is not None and execution.end == TERMINATED:
+            assert execution.ended_at is not None
+            if execution.ended_at <= rev.at:
+                ago = rev.at - execution.ended_at
+                why = f"its pool process was killed by control terminate {ago:.1f}s before"
+                return ClaimVerdict(rev, "terminated", f"{why}; {silence}", silent_s)
+        if process is None:
+            why = f"holder not named by the logs; {silence}"
+            return ClaimVerdict(rev, "unknown", why, silent_s)
+        state = self._holder_state(process, pid, rev.at)
+        if state is not None:
+            return ClaimVerdict(rev, state[0], f"{state[1]}; {silence}", silent_s)
+        alive = self._alive(execution, rev.at) if execution else f"holder {process} alive"
+        if stale == "maybe":
+            return ClaimVerdict(rev, "unknown", f"{alive}; {silence}", silent_s)
+        why = f"{alive}; {silence}, STALE_AFTER_S {self.stale_after_s:g}"
+        return ClaimVerdict(rev, "live", why, silent_s)
+
+    def _holder_state(self, process: str, pid: int | None, at: float) -> tuple[str, str] | None:
+        """(reason, details) when the process running the execution was dead or stopped
+        at ``at`` (no grace after a SIGCONT), else None."""
+        windows = self.timeline.of(process)
+        if pid is not None:
+            windows += self.timeline.of(f"{process}/{pid}")
+        for window in windows:
+            if not window.covers(at, 0.0):
+                continue
+            if window.state == DEAD:
+                return DEAD, f"{window.process} dead ({window.cause})"
+            main_only = window.note == MAIN_ONLY and window.process == process
+            if window.state == FROZEN and not (main_only and pid is not None):
+                return FROZEN, f"{window.process} frozen ({window.cause})"
         cold = self.logs.cold.get(process)
         if cold is not None and cold <= at:
             return "cold", f"{process} going down (cold shutdown or crash)"

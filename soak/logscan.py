@@ -7,6 +7,11 @@ the task id and the execution id's first 8 characters, from the pool process tha
 (``pid``). Every incarnation logs to its own file, unbuffered, so a process that lives logs
 both; a killed one may lose the closing line, and then it is dead anyway.
 
+One execution ends without a line of its own: ``celery control terminate`` (the ``revoke``
+fault) has the worker's main process log ``Terminating <task>-<run>`` and kill the pool
+process running it. An execution of that run, in that incarnation, started and not ended
+by then ends there (``TERMINATED``): its process is dead from that moment.
+
 Log times are the process's own clock: an incarnation started under ``faketime`` is read
 back by its offset. The result is on the database's clock (the soak's host, whose clock
 is PostgreSQL's, plus the offset measured at the start).
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -27,6 +32,10 @@ END_EVENTS = frozenset(
 )
 COLD_EVENTS = frozenset({"worker.shutdown_timeout"})
 RECEIPT_SLACK_S = 0.5  # a receipt line may be written a moment after the claim it led to
+TERMINATED = "terminated"  # an execution's end: its pool process killed by control terminate
+# The main process logs "Terminating" once the pool has the job; the pool process may log
+# its claim's task.started a moment later (and then die).
+TERMINATE_SLACK_S = 1.0
 
 
 @dataclass
@@ -36,6 +45,7 @@ class Execution:
     process: str  # the incarnation: "w2.3"
     pid: int  # the pool process that ran it
     started_at: float  # database clock, epoch seconds
+    run: int = -1
     ended_at: float | None = None
     end: str | None = None  # the closing event
 
@@ -48,6 +58,8 @@ class Logs:
     # message id ("<task>-<run>") -> (when, incarnation) of each delivery the worker logged
     # on receipt, before its claim: names the process of a claim killed before it logged
     receipts: dict[str, list[tuple[float, str]]]
+    # (when, incarnation, message id) of every "Terminating <id>" (control terminate)
+    terminations: list[tuple[float, str, str]] = field(default_factory=list)
 
     def received_by(self, message: str, claimed_at: float) -> str | None:
         """The incarnation that received ``message`` last before ``claimed_at``."""
@@ -80,7 +92,21 @@ def scan(incarnations: list[Incarnation], offset_s: float) -> Logs:
     for inc in incarnations:
         for record in records(inc):
             _read(logs, inc, record, offset_s)
+    _terminate(logs)
     return logs
+
+
+def _terminate(logs: Logs) -> None:
+    """End each execution a ``Terminating <task>-<run>`` line killed."""
+    for at, process, message in logs.terminations:
+        task_id, _, run = message.rpartition("-")
+        for found in logs.executions.values():
+            if (
+                (found.task_id, str(found.run), found.process) == (task_id, run, process)
+                and found.started_at <= at + TERMINATE_SLACK_S
+                and (found.ended_at is None or found.ended_at > at)
+            ):
+                found.ended_at, found.end = at, TERMINATED
 
 
 def _read(logs: Logs, inc: Incarnation, record: dict[str, Any], offset_s: float) -> None:
@@ -96,13 +122,19 @@ def _read(logs: Logs, inc: Incarnation, record: dict[str, Any], offset_s: float)
         if message:
             receipt = (real_time(record, inc, offset_s), inc.name)
             logs.receipts.setdefault(str(message), []).append(receipt)
+    elif event == "log" and str(record.get("message", "")).startswith("Terminating "):
+        words = str(record["message"]).split()
+        if len(words) >= 2:
+            logs.terminations.append((real_time(record, inc, offset_s), inc.name, words[1]))
     execution = record.get("execution")
     if not execution or "task_id" not in record:
         return
     key = (str(record["task_id"]), str(execution))
     at = real_time(record, inc, offset_s)
     if event == "task.started":
-        logs.executions[key] = Execution(key[0], key[1], inc.name, int(record["pid"]), at)
+        logs.executions[key] = Execution(
+            key[0], key[1], inc.name, int(record["pid"]), at, int(record.get("run", -1))
+        )
     elif event in END_EVENTS and key in logs.executions:
         found = logs.executions[key]
         if found.ended_at is None:

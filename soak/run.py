@@ -199,6 +199,7 @@ class Soak:
             opts.tasks,
             long=kinds["longterm"],
             frozen=kinds["txfreeze"],
+            spare=kinds["revoke"],
             max_rows=EXPORT_MAX_ROWS,
             batch_size=EXPORT_BATCH_SIZE,
         )
@@ -233,6 +234,7 @@ class Soak:
             Timings(settings.heartbeat_ttl_s, settings.stale_after_s),
             self.workdir / "beacons",
         )
+        chaos.plans = prepared.plans
         for case in workload.FAULT_CASES:
             chaos.supply[case] = [p for p in prepared.plans if p.case == case]
         injector = Injector(chaos)

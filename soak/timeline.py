@@ -11,7 +11,13 @@ opens a *window* on the process it hit:
 - ``draining``  SIGTERM .. exit: the process is alive and its leases must stay alive.
 
 Processes are named by incarnation (``w2.3``: the third start of worker w2); a window on
-one pool child also names the child's pid (``w2.3/4711``).
+one pool child also names the child's pid (``w2.3/4711``). A ``stop`` window on a worker
+notes whether the whole process group was stopped (``group``: its pool processes too) or
+its main process only (``main``: its pool processes went on running their executions).
+
+One death the soak does not cause itself: ``celery control terminate`` (the ``revoke``
+fault) makes the worker kill the pool process running the run it names. The worker logs
+it (``Terminating <id>``), and soak/logscan.py ends that execution there.
 
 Times are the database's clock (``task_audit.at`` is ``clock_timestamp()``): the soak's own
 clock plus the offset measured at the start. Windows are kept in memory, not in the
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 
 DEAD, FROZEN, DRAINING = "dead", "frozen", "draining"
+GROUP, MAIN_ONLY = "group", "main"  # a stop window's note: which processes were stopped
 DATABASE_EPOCH = sa.text("SELECT extract(epoch FROM clock_timestamp()) AS at")
 
 
@@ -37,7 +44,7 @@ class Window:
     cause: str  # the fault kind (or "exit", "cold shutdown")
     start: float  # database clock, epoch seconds
     end: float | None = None  # None while open (a dead window never closes)
-    note: str = ""  # txfreeze: the frozen reminder's team
+    note: str = ""  # txfreeze: the frozen reminder's team; stop: GROUP or MAIN_ONLY
 
     def covers(self, at: float, grace_s: float) -> bool:
         return self.start <= at and (self.end is None or at <= self.end + grace_s)

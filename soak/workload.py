@@ -22,6 +22,9 @@ Cases a fault creates at its own time (``by_fault``), each expected COMPLETED:
                       inside its transaction (``txfreeze``);
 - ``behind``          two reminders of the frozen one's team, created while it is frozen:
                       they queue for the team's lock it holds.
+- ``spare``           an export (20..200 rows) a ``revoke`` fault creates and revokes when
+                      no run of the workload is WAITING-published or RUNNING (soak/tools.py);
+                      expected CANCELLED or COMPLETED, as every revoked run.
 
 Every task is created through :mod:`ledger.service` (except the old-style invalid rows);
 the beat-driven dispatcher publishes them. Cancels and retries go through the service
@@ -60,7 +63,7 @@ CASE_SHARES = (
     ("fail_retry", 0.06),
 )
 
-FAULT_CASES = ("long", "frozen", "behind")
+FAULT_CASES = ("long", "frozen", "behind", "spare")
 BEHIND_PER_FROZEN = 2
 LONG_MIN_BATCHES = 15  # a long export's pause per batch stays well under STALE_AFTER_S
 
@@ -147,6 +150,7 @@ class Sizes:
     tasks: int  # submitted in waves
     long: int = 0  # one per longterm fault
     frozen: int = 0  # one per txfreeze fault (and BEHIND_PER_FROZEN behind each)
+    spare: int = 0  # one per revoke fault (used only when it finds no run to revoke)
     max_rows: int = 300  # EXPORT_MAX_ROWS
     batch_size: int = 20  # EXPORT_BATCH_SIZE
 
@@ -158,7 +162,7 @@ def build(rng: random.Random, sizes: Sizes, window_s: float) -> tuple[W.World, l
     kinds = [_kind(case, n) for case, n in cases]
     world = W.build(
         rng,
-        kinds.count("EXPORT") + sizes.long,
+        kinds.count("EXPORT") + sizes.long + sizes.spare,
         kinds.count("REMINDER") + sizes.frozen * (1 + BEHIND_PER_FROZEN),
     )
     seen: set[str] = set()
@@ -192,6 +196,11 @@ def _fault_plans(
         plans.append(_reminder(rng, team, first + len(plans), "frozen", mark="freeze"))
         for _ in range(BEHIND_PER_FROZEN):
             plans.append(_reminder(rng, team, first + len(plans), "behind"))
+    for n in range(sizes.spare):
+        team = world.export_teams[(sizes.long + n) % len(world.export_teams)]
+        plan = TaskPlan(first + len(plans), "spare", "EXPORT", team.id, team.staff[0])
+        plan.owner_id, plan.scope, plan.filters, plan.rows = W.export_filters(rng, team, seen)
+        plans.append(plan)
     for plan in plans:
         plan.by_fault = True
     return plans
