@@ -34,6 +34,7 @@ test: install services ## install, check services, run the whole test suite
 	bash scripts/ensure_chromium.sh
 	bash scripts/ensure_debian.sh faketime faketime
 	bash scripts/ensure_debian.sh prometheus prometheus
+	bash scripts/ensure_debian.sh pgbouncer pgbouncer
 	$(PY) -m pytest
 
 lint: install ## ruff, mypy, the import contracts (lint-imports), the alert rules (promtool)

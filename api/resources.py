@@ -16,7 +16,7 @@ from sqlalchemy.pool import NullPool
 
 from api.bounded import SharedCheck
 from teamdesk.config import Settings, get_settings
-from teamdesk.db import make_engine, sqlalchemy_url
+from teamdesk.db import bound_transactions, make_engine, sqlalchemy_url
 from teamdesk.redis_client import redis_client
 
 # Task routes: give up on a busy or absent database instead of holding the request.
@@ -67,14 +67,16 @@ class Resources:
         """The pool the task routes use (statement timeout, short pool wait)."""
         with self._lock:
             if self._engine is None:
-                self._engine = make_engine(
-                    self.settings.database_url,
-                    pool_timeout=DB_POOL_TIMEOUT_S,
-                    pool_size=DB_POOL_SIZE,
-                    max_overflow=DB_MAX_OVERFLOW,
-                    connect_args=_connect_args(
-                        "teamdesk-api", DB_CONNECT_TIMEOUT_S, DB_STATEMENT_TIMEOUT_MS
+                self._engine = bound_transactions(
+                    make_engine(
+                        self.settings.database_url,
+                        self.settings.database_prepared_statements,
+                        pool_timeout=DB_POOL_TIMEOUT_S,
+                        pool_size=DB_POOL_SIZE,
+                        max_overflow=DB_MAX_OVERFLOW,
+                        connect_args=_connect_args("teamdesk-api", DB_CONNECT_TIMEOUT_S),
                     ),
+                    DB_STATEMENT_TIMEOUT_MS,
                 )
             return self._engine
 
@@ -83,12 +85,13 @@ class Resources:
         """No pool: each health check proves that a new connection can be made."""
         with self._lock:
             if self._health_engine is None:
-                self._health_engine = sa.create_engine(
-                    sqlalchemy_url(self.settings.database_url),
-                    poolclass=NullPool,
-                    connect_args=_connect_args(
-                        "teamdesk-api-health", HEALTH_CONNECT_TIMEOUT_S, HEALTH_STATEMENT_TIMEOUT_MS
+                self._health_engine = bound_transactions(
+                    sa.create_engine(
+                        sqlalchemy_url(self.settings.database_url),
+                        poolclass=NullPool,
+                        connect_args=_connect_args("teamdesk-api-health", HEALTH_CONNECT_TIMEOUT_S),
                     ),
+                    HEALTH_STATEMENT_TIMEOUT_MS,
                 )
             return self._health_engine
 
@@ -113,11 +116,7 @@ class Resources:
             client.close()
 
 
-def _connect_args(
-    name: str, connect_timeout_s: int, statement_timeout_ms: int
-) -> dict[str, object]:
-    return {
-        "connect_timeout": connect_timeout_s,
-        "application_name": name,
-        "options": f"-c statement_timeout={statement_timeout_ms}",
-    }
+def _connect_args(name: str, connect_timeout_s: int) -> dict[str, object]:
+    """No startup ``options``: PgBouncer refuses them; the statement timeout is set per
+    transaction (teamdesk.db.bound_transactions)."""
+    return {"connect_timeout": connect_timeout_s, "application_name": name}

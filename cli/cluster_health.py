@@ -28,7 +28,7 @@ from dispatcher.roles import Roles, read_roles
 from ledger.waiting import READY_COUNT_CAP, ready_by_kind
 from tasks.names import QUEUE_OF_KIND
 from teamdesk.config import Settings
-from teamdesk.db import sqlalchemy_url
+from teamdesk.db import bound_transactions, sqlalchemy_url
 from teamdesk.redis_client import redis_client
 
 REDIS_TIMEOUT_S = 1.0
@@ -48,14 +48,16 @@ def read_cluster_roles(settings: Settings) -> Roles | None:
 
 def read_waiting(database_url: str) -> dict[str, int] | None:
     """Ready, unpublished runs per task queue; None when PostgreSQL does not answer."""
-    engine = sa.create_engine(
-        sqlalchemy_url(database_url),
-        poolclass=sa.pool.NullPool,
-        connect_args={
-            "connect_timeout": DB_CONNECT_TIMEOUT_S,
-            "options": f"-c statement_timeout={DB_STATEMENT_TIMEOUT_MS}",
-            "application_name": "teamdesk-health-cluster",
-        },
+    engine = bound_transactions(
+        sa.create_engine(
+            sqlalchemy_url(database_url),
+            poolclass=sa.pool.NullPool,
+            connect_args={
+                "connect_timeout": DB_CONNECT_TIMEOUT_S,
+                "application_name": "teamdesk-health-cluster",
+            },
+        ),
+        DB_STATEMENT_TIMEOUT_MS,
     )
     try:
         with engine.connect() as conn:

@@ -20,7 +20,7 @@ from celery import Celery
 from sqlalchemy.engine import Connection, Engine
 
 from teamdesk.config import Settings
-from teamdesk.db import make_engine
+from teamdesk.db import bound_transactions, make_engine
 from teamdesk.redis_client import redis_client
 
 STATEMENT_TIMEOUT_S = 10.0  # any one dispatcher statement
@@ -39,21 +39,18 @@ DATABASE_ERRORS = (
 
 
 def dispatcher_engine(settings: Settings) -> Engine:
-    return make_engine(
+    engine = make_engine(
         settings.database_url,
         settings.database_prepared_statements,
         pool_pre_ping=False,
         pool_size=2,
         max_overflow=2,
-        connect_args={
-            "connect_timeout": 5,
-            "application_name": APPLICATION_NAME,
-            # A stamp lost in a PostgreSQL crash only makes its run ready again (a duplicate
-            # message at worst, which the lease absorbs): no need to wait for the WAL flush.
-            "options": f"-c statement_timeout={round(STATEMENT_TIMEOUT_S * 1000)} "
-            "-c synchronous_commit=off",
-        },
+        connect_args={"connect_timeout": 5, "application_name": APPLICATION_NAME},
     )
+    # Every transaction bounded, and: a stamp lost in a PostgreSQL crash only makes its run
+    # ready again (a duplicate message at worst, which the lease absorbs), so no need to
+    # wait for the WAL flush. Per transaction, never per session (PgBouncer).
+    return bound_transactions(engine, round(STATEMENT_TIMEOUT_S * 1000), synchronous_commit="off")
 
 
 def results_redis(settings: Settings) -> redis.Redis:

@@ -48,7 +48,6 @@ from __future__ import annotations
 import json
 import threading
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -277,17 +276,6 @@ class Heartbeat:
             return False
         hooks.fire("heartbeat.before_renewal", member=self.member)
         return self._run_renewal()
-
-    def renew_if_healthy(self, ping_db: Callable[[], None]) -> bool:
-        """Renew only after ``ping_db`` proved PostgreSQL answers (it raises otherwise).
-
-        The renewal itself is the Redis round trip, so success proves Redis too. Errors
-        from either propagate for the caller to log; the member then simply expires.
-        """
-        if self._stopping.is_set():
-            return False
-        ping_db()
-        return self.renew()
 
     def remove(self, draining: bool = False) -> bool:
         """Stop renewing and remove this process's member (only its own) from the active

@@ -23,7 +23,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg2
-from psycopg2.extensions import AsIs
+from psycopg2.extensions import TRANSACTION_STATUS_IDLE, AsIs
 from sqlalchemy.engine import Connection
 
 from ledger import staging
@@ -67,14 +67,9 @@ def _audited(update: str, event: str) -> str:
 # Its commit does not wait for the WAL flush: other sessions see the lease at once
 # either way, and only a PostgreSQL crash could lose it - which revokes the lease, so
 # every later write of this execution is refused; the next synchronous commit (the
-# completion, a failure report) flushes it with everything before it. It also bounds
-# every later statement of the execution's connection (a session setting, renewed by
-# every claim on a pooled connection; NULL keeps the server's).
+# completion, a failure report) flushes it with everything before it.
 CLAIM = """
-    SELECT set_config('synchronous_commit', 'off', true),
-           set_config('statement_timeout',
-                      coalesce(%(statement_timeout)s, current_setting('statement_timeout')),
-                      false);
+    SELECT set_config('synchronous_commit', 'off', true);
     WITH claimed AS (
         UPDATE background_tasks
            SET status = 'RUNNING', execution_id = %(execution_id)s, lease_holder = %(holder)s,
@@ -277,18 +272,37 @@ def _prepared_sql(conn: Connection, cursor: Any, sql: str) -> str:
 
 def _execute(conn: Connection, sql: str | bytes, params: dict[str, Any] | None) -> Any:
     """Run one statement on ``conn``'s DBAPI connection (inside its transaction, if any);
-    a lease statement (text) as the session's prepared statement."""
+    a lease statement (text) as the session's prepared statement. A statement that runs
+    on its own (no transaction open: an execution's autocommit connection) is bounded by
+    ``STATEMENT_TIMEOUT_MS``, in the same round trip; one inside the caller's transaction
+    keeps the caller's bounds (a reminder's)."""
     dbapi = conn.connection.dbapi_connection
     assert dbapi is not None
     cursor = dbapi.cursor()
     try:
         if isinstance(sql, str):
             sql = _prepared_sql(conn, cursor, sql)
+        if dbapi.info.transaction_status == TRANSACTION_STATUS_IDLE:
+            sql = _bounded(sql)
         cursor.execute(sql, params)
     except (psycopg2.OperationalError, psycopg2.InterfaceError):
         conn.invalidate()  # the server connection is gone: the pool must not reuse it
         raise
     return cursor
+
+
+# Every statement of an execution's own connection is bounded: a frozen or overloaded
+# database ends a statement, never a worker process waiting forever. Per statement
+# (``set_config(..., true)`` ends with the statement's own transaction), never for the
+# session: behind PgBouncer in transaction pooling the next client of that server
+# connection would inherit it.
+STATEMENT_TIMEOUT_MS = 60_000
+
+
+def _bounded(sql: str | bytes) -> str | bytes:
+    """``sql`` preceded, in the same implicit transaction, by its statement timeout."""
+    bound = f"SELECT set_config('statement_timeout', '{STATEMENT_TIMEOUT_MS}ms', true); "
+    return bound.encode() + sql if isinstance(sql, bytes) else bound + sql
 
 
 def claim(
@@ -297,7 +311,6 @@ def claim(
     run: int,
     holder: str | None = None,
     stamp: datetime | None = None,
-    statement_timeout_s: float | None = None,
     *,
     stale_after_s: float | None = None,
     takeover: bool = False,
@@ -305,8 +318,7 @@ def claim(
     """Take the lease for ``run`` with a fresh execution id, for the message published with
     ``stamp`` (its row's ``dispatched_at`` then); None means skip the message. A RUNNING
     row is taken over only when silent for ``stale_after_s`` (database clock; None: never),
-    or with ``takeover`` (its execution is known to be gone). With ``statement_timeout_s``, every
-    later statement on ``conn`` is bounded by it."""
+    or with ``takeover`` (its execution is known to be gone)."""
     execution_id = uuid.uuid4()
     params = {
         "task_id": str(task_id),
@@ -316,9 +328,6 @@ def claim(
         "stamp": stamp,
         "takeover": takeover,
         "stale_after_s": stale_after_s,
-        "statement_timeout": None
-        if statement_timeout_s is None
-        else f"{max(1, round(statement_timeout_s * 1000))}ms",
     }
     row = _execute(conn, CLAIM, params).fetchone()
     if row is None:
@@ -372,7 +381,7 @@ def complete_export(conn: Connection, lease: Lease, csv: bytearray | str, summar
     if isinstance(csv, str):
         _write_or_lose(conn, COMPLETE_EXPORT, lease, csv=csv, summary=summary)
         return
-    if len(csv) >= staging.STAGE_MIN_BYTES and staging.stage(conn, csv):
+    if len(csv) >= staging.STAGE_MIN_BYTES and staging.stage(conn, csv, STATEMENT_TIMEOUT_MS):
         csv.clear()  # the server holds it now
         _complete_staged(conn, lease, summary)
         return

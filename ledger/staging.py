@@ -25,6 +25,7 @@ CHUNK_BYTES = 64 << 10
 # Opens the transaction the caller ends (COMMIT or ROLLBACK) on an autocommit connection.
 STAGE = f"""
     BEGIN;
+    SELECT set_config('statement_timeout', '{{bound_ms}}ms', true);
     CREATE TEMP TABLE teamdesk_staged_text (value text NOT NULL) ON COMMIT DROP;
     COPY {STAGE_TABLE} (value) FROM STDIN WITH (FORMAT binary)
 """
@@ -56,15 +57,17 @@ class BinaryCopyReader:
         return b""
 
 
-def stage(conn: Connection, data: bytearray) -> bool:
+def stage(conn: Connection, data: bytearray, bound_ms: int) -> bool:
     """Open a transaction on ``conn`` (autocommit) holding ``data`` in the temporary
-    table; the caller reads it in its statement, then commits or rolls back. False (and
-    no transaction open) when the role may not create temporary tables."""
+    table, its statements bounded by ``bound_ms``; the caller reads it in its statement,
+    then commits or rolls back. False (and no transaction open) when the role may not
+    create temporary tables."""
     dbapi = conn.connection.dbapi_connection
     assert dbapi is not None
     cursor = dbapi.cursor()
     try:
-        cursor.copy_expert(STAGE, BinaryCopyReader(data), size=CHUNK_BYTES)
+        statement = STAGE.format(bound_ms=int(bound_ms))
+        cursor.copy_expert(statement, BinaryCopyReader(data), size=CHUNK_BYTES)
     except psycopg2.errors.InsufficientPrivilege:
         cursor.execute("ROLLBACK")
         return False

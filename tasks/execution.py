@@ -44,10 +44,6 @@ from worker.steps import lease_holder
 
 log = logging.getLogger("teamdesk.task")
 
-# Every statement on an execution's own connection is bounded (set by the claim): a
-# frozen or overloaded database ends a statement, never a worker process waiting forever.
-STATEMENT_BUDGET_S = 60
-
 MSG_RETRYING = "The task hit a temporary error and will be retried."
 MSG_EXHAUSTED = "The task failed after {n} attempts."
 MSG_CLAIM_FAILED = "The task could not be started: the ledger was unreachable."
@@ -124,7 +120,6 @@ def _deliver(task: Task, message: delivery.Delivery, body: Body) -> dict[str, An
                 run,
                 lease_holder(),
                 message.published,
-                STATEMENT_BUDGET_S,
                 stale_after_s=settings.stale_after_s,
                 takeover=delivery.may_take_over(task.request),
             )

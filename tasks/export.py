@@ -152,11 +152,10 @@ class CsvStream:
 
     def _progress_conn(self) -> Connection:
         """The execution connection is busy with the COPY: progress during the stream goes
-        through a second one, opened at the first batch (a small export never needs it),
-        its statements bounded like the read's."""
+        through a second one, opened at the first batch (a small export never needs it);
+        each of its statements is bounded by the ledger (ledger/lease.py)."""
         if self._progress is None:
             conn = self.ctx.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-            conn.exec_driver_sql(f"SET statement_timeout = '{READ_BUDGET_S}s'")
             self._progress = conn
         return self._progress
 

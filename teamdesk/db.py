@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from teamdesk.config import get_settings
 
@@ -50,6 +51,41 @@ def make_engine(url: str, prepared_statements: bool = True, **kwargs: object) ->
         record.info[PREPARE_KEY] = prepared_statements
 
     return engine
+
+
+def bound_transactions(engine: Engine, statement_timeout_ms: int, **settings: str) -> Engine:
+    """Open every transaction of ``engine`` with its bounds, as settings of that
+    transaction only (``set_config(..., true)``, one round trip): what a startup
+    ``options=-c ...`` would do, which PgBouncer refuses, and what a session-wide ``SET``
+    must not do behind a pooler in transaction mode (the next client of that server
+    connection would inherit it). ``settings``: more of them, e.g. ``synchronous_commit``.
+    For engines whose connections run transactions (not autocommit)."""
+    values = {"statement_timeout": f"{int(statement_timeout_ms)}ms", **settings}
+    statement = "SELECT " + ", ".join(
+        f"set_config('{name}', '{value}', true)" for name, value in values.items()
+    )
+
+    @sa.event.listens_for(engine, "begin")
+    def _bound(conn: Connection) -> None:
+        conn.exec_driver_sql(statement)
+
+    return engine
+
+
+# One round trip, one transaction: the bound is set for this transaction only (never a
+# startup option: PgBouncer refuses those; never the session's: a pooler passes it on).
+BOUNDED_SELECT_ONE = "SELECT set_config('statement_timeout', %s, true); SELECT 1"
+
+
+def answers(conn: Any, timeout_s: float) -> bool:
+    """Whether ``conn`` (a psycopg2 connection, not in autocommit) answers ``SELECT 1``
+    within ``timeout_s``; ends its transaction either way."""
+    try:
+        with conn.cursor() as cur:
+            cur.execute(BOUNDED_SELECT_ONE, (f"{max(1, round(timeout_s * 1000))}ms",))
+            return bool(cur.fetchone() == (1,))
+    finally:
+        conn.rollback()
 
 
 def may_prepare(info: dict[object, object]) -> bool:

@@ -8,14 +8,20 @@ about the workers. A timer in each worker's own main process renews exactly that
 process's member, needs neither beat nor the broker, and is stopped by the worker's own
 shutdown.
 
-Two things are renewed on every tick (about a quarter of ``HEARTBEAT_TTL_S``), each on
-its own, so a failure of one never stops the other (the broker may be another Redis, or
+Three things happen on every tick (about a quarter of ``HEARTBEAT_TTL_S``), each on its
+own, so a failure of one never stops another (the broker may be another Redis, or
 RabbitMQ, than the heartbeats):
 
-- the heartbeat member (``dispatcher.heartbeat``), only after proving PostgreSQL answers
-  with a new connection (the renewal itself proves Redis) and never once shutdown began.
-  :attr:`Liveness.registered` says whether the last renewal succeeded; the worker takes
-  messages only while it did (worker/steps.py), since every claim names this member;
+- the heartbeat member (``dispatcher.heartbeat``) is renewed: it says "this process is
+  alive", and so are the leases it holds. It needs Redis alone, never a new database
+  connection: PostgreSQL at ``max_connections`` (or a pooler's limit, a DNS hiccup) must
+  not make the dispatcher take back runs whose tasks go on working on their own
+  connections. Never once shutdown began. :attr:`Liveness.registered` says whether the
+  last renewal succeeded;
+- the database is checked with a new connection (``SELECT 1``, bounded per transaction):
+  :attr:`Liveness.database_ok`. A worker takes messages only while both hold
+  (:attr:`Liveness.may_take_work`, worker/steps.py): every claim names this member, and
+  every claim needs a connection;
 - the visibility of this process's in-flight messages (Redis broker only). kombu keeps a
   delivered, unacknowledged message in ``unacked_index`` scored by its delivery time and
   hands it to another consumer once that is older than ``visibility_timeout`` (an hour,
@@ -39,6 +45,7 @@ from celery.worker import state
 from dispatcher.heartbeat import Heartbeat, WorkerSlots
 from teamdesk import metrics
 from teamdesk.config import Settings, is_redis_url
+from teamdesk.db import answers
 from teamdesk.logs import log_event
 from teamdesk.redis_client import redis_client
 
@@ -55,16 +62,16 @@ def renew_interval_s(settings: Settings) -> float:
     return max(0.1, min(settings.heartbeat_ttl_s, settings.stale_after_s) / 4)
 
 
-def ping_database(database_url: str) -> None:
-    """Prove PostgreSQL answers with a short-lived connection (no pool crosses a fork)."""
+def ping_database(database_url: str) -> bool:
+    """Prove PostgreSQL answers with a short-lived connection (no pool crosses a fork),
+    bounded per transaction (no startup ``options``: PgBouncer refuses them)."""
     conn = psycopg2.connect(
         database_url.replace("postgresql+psycopg2://", "postgresql://"),
         connect_timeout=PING_TIMEOUT_S,
-        options=f"-c statement_timeout={PING_TIMEOUT_S * 1000}",
+        application_name="teamdesk-worker-liveness",
     )
     try:
-        with conn.cursor() as cur:
-            cur.execute("SELECT 1")
+        return answers(conn, PING_TIMEOUT_S)
     finally:
         conn.close()
 
@@ -98,6 +105,7 @@ class Liveness:
         )
         self.renew_visibility = renew_visibility and self.broker is not None
         self.registered = False  # the last heartbeat renewal succeeded
+        self.database_ok = False  # the last database check succeeded
         self._failing: set[str] = set()  # stages failing now (each logged once per outage)
         self._removed = False
         self._draining = False
@@ -113,17 +121,27 @@ class Liveness:
     def stopping(self) -> bool:
         return self.heartbeat.stopping
 
+    @property
+    def may_take_work(self) -> bool:
+        """The last renewal and the last database check both succeeded."""
+        return self.registered and self.database_ok
+
     def tick(self) -> None:
-        """One renewal of each kind; errors are logged and never raised to the timer."""
+        """One renewal of each kind and a database check; errors are logged and never
+        raised to the timer."""
         with self._lock:
             self._attempt("visibility", self.keep_messages)
             if not self.heartbeat.stopping:
                 self.registered = self._attempt("renew", self._renew) is True
+                self.database_ok = self._attempt("database", self._check_database) is True
 
     def _renew(self) -> bool:
         if self.offer is not None:
             self.heartbeat.consumes = self.offer()
-        return self.heartbeat.renew_if_healthy(lambda: ping_database(self.settings.database_url))
+        return self.heartbeat.renew()
+
+    def _check_database(self) -> bool:
+        return ping_database(self.settings.database_url)
 
     def _attempt(self, stage: str, action: Callable[[], T]) -> T | None:
         """``action``'s result, or None when it raised; a failure is logged once per outage

@@ -31,6 +31,7 @@ import psycopg2
 
 from dispatcher.heartbeat import has_heartbeat
 from teamdesk.config import Settings
+from teamdesk.db import answers
 from teamdesk.redis_client import redis_client
 
 CHECK_DEADLINE_S = 1.25  # stop waiting for the checks (the whole probe, started: under 2 s)
@@ -55,13 +56,10 @@ def database_check(database_url: str, timeout_s: float) -> bool:
     conn = psycopg2.connect(
         _libpq_url(database_url),
         connect_timeout=DB_CONNECT_TIMEOUT_S,
-        options=f"-c statement_timeout={round(timeout_s * 1000)}",
         application_name="teamdesk-health",
     )
     try:
-        with conn.cursor() as cur:
-            cur.execute("SELECT 1")
-            return bool(cur.fetchone() == (1,))
+        return answers(conn, timeout_s)
     finally:
         conn.close()
 

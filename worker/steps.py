@@ -86,7 +86,7 @@ class Intake:
         ``at_once``: the consumer has not started yet (the worker's own thread)."""
         if self.liveness.stopping:
             return
-        registered, consuming = self.liveness.registered, not self.paused
+        registered, consuming = self.liveness.may_take_work, not self.paused
         if registered == consuming:
             return
         self.paused = not registered

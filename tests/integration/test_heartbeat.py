@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import uuid
 
-import pytest
 import redis
 
 from dispatcher.heartbeat import (
@@ -142,29 +141,6 @@ def test_tombstone_blocks_only_the_stopped_member(
 
     assert live_members(redis_client, queue_prefix, SCOPE) == {successor.member}
     assert live_members(redis_client, queue_prefix) == {successor.member}
-
-
-def test_renew_if_healthy_needs_the_database_and_a_running_process(
-    redis_client: redis.Redis, queue_prefix: str
-) -> None:
-    beat = Heartbeat(redis_client, queue_prefix, SCOPE, TTL_S)
-    pings: list[str] = []
-
-    def db_down() -> None:
-        pings.append("down")
-        raise ConnectionError("database unreachable")
-
-    with pytest.raises(ConnectionError):
-        beat.renew_if_healthy(db_down)
-    assert has_heartbeat(redis_client, queue_prefix) is False
-
-    assert beat.renew_if_healthy(lambda: pings.append("up")) is True
-    assert live_members(redis_client, queue_prefix, SCOPE) == {beat.member}
-
-    beat.remove()
-    assert beat.renew_if_healthy(lambda: pings.append("after-stop")) is False
-    assert pings == ["down", "up"]
-    assert has_heartbeat(redis_client, queue_prefix) is False
 
 
 def test_live_members_only_reads_while_has_heartbeat_prunes(

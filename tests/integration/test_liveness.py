@@ -41,7 +41,7 @@ def test_a_broker_error_does_not_stop_the_heartbeat(
     assert live_members(redis_client, settings.queue_prefix) == set()
 
 
-def test_a_database_that_refuses_new_connections_leaves_the_heartbeat_unregistered(
+def test_a_database_that_refuses_new_connections_pauses_intake_not_the_heartbeat(
     settings: Settings, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     refused = settings.with_overrides(
@@ -53,8 +53,10 @@ def test_a_database_that_refuses_new_connections_leaves_the_heartbeat_unregister
             liveness.tick()
             liveness.tick()
 
-        assert live_members(redis_client, settings.queue_prefix) == set()
-        assert liveness.registered is False
-        assert failures(caplog) == ["renew"]
+        # Alive, and its leases with it: only new messages wait (worker/steps.py, Intake).
+        assert live_members(redis_client, settings.queue_prefix) == {liveness.member}
+        assert (liveness.registered, liveness.database_ok) == (True, False)
+        assert liveness.may_take_work is False
+        assert failures(caplog) == ["database"]
     finally:
         liveness.stop()

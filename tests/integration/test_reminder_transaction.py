@@ -32,7 +32,7 @@ def reminder_for(engine: sa.Engine, world: World) -> tuple[uuid.UUID, uuid.UUID]
 @contextmanager
 def execution(engine: sa.Engine, task_id: uuid.UUID) -> Iterator[tuple[Connection, Context]]:
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        claimed = lease.claim(conn, task_id, 0, statement_timeout_s=60)
+        claimed = lease.claim(conn, task_id, 0)
         assert claimed is not None
         yield conn, Context(claimed, config.get_settings(), conn, engine, lambda *_: None)
 

@@ -1,14 +1,15 @@
-"""A worker takes messages only while its heartbeat is registered (docs/design.md,
-"Heartbeats"): a claim records the worker's heartbeat member as the lease holder, and a
-holder the dispatcher cannot find is taken for dead - so a worker that cannot renew would
-have every claim recovered, again and again, until MAX_RECOVERIES failed the run.
+"""A worker takes messages only while its heartbeat is registered and its database check
+passes (docs/design.md, "Heartbeats"); its heartbeat, and so its leases, never depend on
+new database connections.
 
 w1 reaches PostgreSQL through a TCP proxy the test controls. When the proxy refuses new
-connections, w1's pooled connection still works but its renewal (which proves PostgreSQL
-with a new connection) fails: its member lapses and it must stop consuming, while a
-healthy worker takes the message. When the proxy accepts again, w1 renews and consumes
-again; a w1 started while the proxy refuses does not consume at all until then; paused
-once more, a SIGTERM still stops it cleanly.
+connections, w1's pooled connections still work but its database check (a new
+connection) fails: it stops consuming while its member stays alive, and a healthy worker
+takes the message. When the proxy accepts again, w1 consumes again; a w1 started while
+the proxy refuses does not consume at all until then; paused once more, a SIGTERM still
+stops it cleanly. And an export w1 runs while new connections are refused for longer
+than two heartbeat TTLs is never taken back: before, the renewal itself needed a new
+connection, the member lapsed, and the dispatcher recovered the live run.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ import redis
 import sqlalchemy as sa
 
 from dispatcher.heartbeat import live_members
+from dispatcher.scan import read_heartbeats, run_once
 from ledger import service
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
+from tests.process.test_shutdown import GATED
 from tests.support.factories import World, add_tickets, audit_events, task_row
 from tests.support.processes import Proc, cluster, settings_env, worker_argv
 from tests.support.queues import queued_ids, send_message
+from tests.support.remote_gates import RemoteGate
 from tests.support.tcp_proxy import tcp_proxy
 from tests.support.waiting import wait_for
 
@@ -85,11 +89,11 @@ def test_a_worker_takes_messages_only_while_its_heartbeat_is_registered(
             w1.wait_event("worker.consuming_resumed")
             wait_for(lambda: completed(engine, first), what="w1 to complete the first export")
 
-            # New connections refused: the renewal cannot prove PostgreSQL, the member
-            # lapses, and the message goes to a healthy worker.
+            # New connections refused: the database check fails, w1 stops consuming (its
+            # member stays alive), and the message goes to a healthy worker.
             proxy.refuse_new()
-            w1.wait_event("heartbeat.failed", count=2)
-            wait_for(lambda: m1 not in live_members(redis_client, s.queue_prefix), what="lapse")
+            w1.wait_event("worker.consuming_paused", count=2)
+            assert m1 in live_members(redis_client, s.queue_prefix)
             send_message(app, second, 0, "EXPORT")
             w2 = Proc("w2", worker_argv("w2", concurrency=1), settings_env(s), tmp_path).start()
             procs.append(w2)
@@ -116,11 +120,58 @@ def test_a_worker_takes_messages_only_while_its_heartbeat_is_registered(
     assert consuming == ["worker.consuming_paused", "worker.consuming_resumed"] * 2 + [
         "worker.consuming_paused"
     ]
-    assert [e.get("stage") for e in w1.events("heartbeat.failed")] == ["renew"] * 3
+    assert [e.get("stage") for e in w1.events("heartbeat.failed")] == ["database"] * 3
     assert w1.events("worker.stopped")[-1]["exit_code"] == 0
     assert len(started(w1, first)) == 1
     for task_id in (first, second, third):
         assert audit_events(engine, task_id) == ["CLAIM", "COMPLETE"]
         row = task_row(engine, task_id)
         assert (row["status"], row["attempts"], row["recoveries"]) == ("COMPLETED", 1, 0)
+    app.close()
+
+
+def test_refused_new_connections_never_take_back_a_running_export(
+    engine: sa.Engine, world: World, settings: Settings, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """PostgreSQL refusing new connections (at max_connections, a pooler's limit) for
+    three heartbeat TTLs while w1 runs an export on its own connection: the heartbeat
+    stays, a dispatcher scan (only the heartbeat rule can act) takes nothing back, and
+    the export completes as its first execution."""
+    s = settings.with_overrides(heartbeat_ttl_s=TTL_S, export_batch_size=2)
+    task_id = export(engine, world)
+    gate = RemoteGate(redis_client, s.queue_prefix, "export.after_read")
+    app = create_app(s)
+    target = urlsplit(s.database_url)
+    with tcp_proxy(target.hostname or "127.0.0.1", target.port or 5432) as proxy:
+        env = settings_env(s, DATABASE_URL=through(s.database_url, proxy.port), **GATED)
+        with cluster(tmp_path) as procs:
+            w1 = Proc("w1", worker_argv("w1", concurrency=1), env, tmp_path).start()
+            procs.append(w1)
+            m1 = w1.wait_event("worker.started")["member"]
+            wait_for(
+                lambda: read_heartbeats(redis_client, s.queue_prefix, s.heartbeat_ttl_s).trusted,
+                what="the heartbeat record to be trusted",
+            )
+            send_message(app, task_id, 0, "EXPORT")
+            parked = gate.wait_reached()  # the first batch read; its progress next
+            proxy.refuse_new()
+            w1.wait_event("worker.consuming_paused")
+            refused = proxy.refused
+            # Three TTLs of refused connections, counted by the worker's own attempts.
+            wait_for(lambda: proxy.refused >= refused + 3 * 4, what="three TTLs of refusals")
+            assert m1 in live_members(redis_client, s.queue_prefix)
+            counts = run_once(app, settings=s.with_overrides(stale_after_s=600.0))
+            assert (counts.heartbeat_rule, counts.recovered) == (True, 0)
+            # Its next write needs a connection of its own (progress during the stream),
+            # so it goes on once PostgreSQL takes new connections again.
+            proxy.accept_new()
+            gate.release(times=3)
+            wait_for(lambda: completed(engine, task_id), what="the export to complete")
+            w1.send(signal.SIGTERM)
+            assert w1.wait(timeout=30) == 0
+    assert audit_events(engine, task_id) == ["CLAIM", "COMPLETE"]
+    row = task_row(engine, task_id)
+    assert (row["status"], row["attempts"], row["recoveries"]) == ("COMPLETED", 1, 0)
+    assert started(w1, task_id) == [parked["execution_id"][:8]]
+    assert w1.events("task.lease_lost") == []
     app.close()
