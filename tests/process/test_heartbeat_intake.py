@@ -23,7 +23,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from dispatcher.heartbeat import live_members
+from dispatcher.heartbeat import WorkerSlots, info_key, live_members
 from dispatcher.scan import read_heartbeats, run_once
 from ledger import service
 from tasks.celery_app import create_app
@@ -52,6 +52,12 @@ def export(engine: sa.Engine, world: World) -> uuid.UUID:
     with engine.begin() as conn:
         add_tickets(conn, world.team_id, world.customer_id, 3)
         return service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+
+
+def offered(client: redis.Redis, prefix: str, member: str) -> tuple[str, ...] | None:
+    """The queues ``member``'s last renewal said it consumes."""
+    slots = WorkerSlots.from_json(client.get(info_key(prefix, member)))
+    return None if slots is None else slots.queues
 
 
 def started(proc: Proc, task_id: uuid.UUID) -> list[str]:
@@ -93,6 +99,9 @@ def test_a_worker_takes_messages_only_while_its_heartbeat_is_registered(
             # member stays alive), and the message goes to a healthy worker.
             proxy.refuse_new()
             w1.wait_event("worker.consuming_paused", count=2)
+            # The pause is in force once w1's heartbeat offers no queue (its consumer
+            # deselected them); its member stays alive all along.
+            wait_for(lambda: offered(redis_client, s.queue_prefix, m1) == (), what="the pause")
             assert m1 in live_members(redis_client, s.queue_prefix)
             send_message(app, second, 0, "EXPORT")
             w2 = Proc("w2", worker_argv("w2", concurrency=1), settings_env(s), tmp_path).start()
