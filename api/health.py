@@ -22,8 +22,8 @@ from api.cluster import problems
 from api.deps import ResourcesDep
 from api.resources import Resources
 from api.schemas import HealthOut, WorkersOut
-from dispatcher.heartbeat import has_heartbeat
 from dispatcher.roles import read_roles
+from teamdesk.heartbeat import has_heartbeat
 
 CHECK_DEADLINE_S = 2.0
 NO_STORE = {"Cache-Control": "no-store"}

@@ -55,10 +55,10 @@ from bench.env import (
     wait_until,
 )
 from bench.throughput import TicketRef, create_exports, publish_ready, seed_world
-from dispatcher.heartbeat import slots_by_queue
 from dispatcher.window import MAX_WINDOW_PER_SLOT, WINDOW_PER_SLOT
 from ledger import service
 from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
+from teamdesk.heartbeat import slots_by_queue
 from tests.support.processes import Proc
 
 CONCURRENCY = 2

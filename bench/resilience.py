@@ -19,8 +19,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench.env import BenchEnv, stop, wait_until
-from dispatcher.heartbeat import active_key
 from ledger import service
+from teamdesk.heartbeat import active_key
 from tests.support.factories import add_tickets, make_world
 from tests.support.remote_gates import RemoteGate
 

@@ -27,13 +27,13 @@ from sqlalchemy import event
 from bench.env import BenchEnv, Part
 from dispatcher import scan as scan_module
 from dispatcher.context import Cluster
-from dispatcher.heartbeat import Heartbeat, WorkerSlots
 from dispatcher.scan import ScanCounts, scan
 from dispatcher.window import WINDOW_PER_SLOT, Window, limits_for
 from ledger import dispatch
 from tasks import queueing
 from tasks.names import TASK_QUEUES
 from teamdesk import config
+from teamdesk.heartbeat import Heartbeat, WorkerSlots
 
 DUE = 50
 STALE = 10

@@ -29,9 +29,9 @@ from prometheus_client.registry import Collector
 from sqlalchemy.exc import SQLAlchemyError
 
 from dispatcher.context import Cluster, transaction
-from dispatcher.heartbeat import live_members
 from ledger.states import KINDS, STATUSES
 from teamdesk import metrics
+from teamdesk.heartbeat import live_members
 
 CACHE_S = 5.0
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import redis
 
-from dispatcher.heartbeat import slots_by_queue
 from dispatcher.leader import leader_key
 from tasks.names import TASK_QUEUES
+from teamdesk.heartbeat import slots_by_queue
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,6 @@ from celery import Celery
 
 from dispatcher.context import DATABASE_ERRORS, Cluster, error_class, transaction
 from dispatcher.errors import ScanUnavailable
-from dispatcher.heartbeat import read_lease_holders
 from dispatcher.window import Published, Window, fill, publish
 from ledger import dispatch
 from ledger.dispatch import RunRef
@@ -55,6 +54,7 @@ from ledger.states import KINDS
 from tasks import broker_view, queueing
 from tasks.names import QUEUE_OF_KIND
 from teamdesk.config import Settings, get_settings
+from teamdesk.heartbeat import read_lease_holders
 from teamdesk.logs import log_event
 
 log = logging.getLogger("teamdesk.dispatcher")

@@ -33,7 +33,6 @@ from datetime import datetime
 import redis
 
 from dispatcher.context import Cluster, transaction
-from dispatcher.heartbeat import slots_by_queue
 from ledger import dispatch
 from ledger.dispatch import RunRef
 from ledger.states import KINDS
@@ -41,6 +40,7 @@ from tasks import queueing
 from tasks.names import QUEUE_OF_KIND, TASK_QUEUES
 from teamdesk import hooks
 from teamdesk.config import Settings
+from teamdesk.heartbeat import slots_by_queue
 
 WINDOW_PER_SLOT = 2  # messages waiting in the broker per live worker process, at least...
 WINDOW_SPAN_S = 0.05  # ... or what the queue's workers take in this long at their rate

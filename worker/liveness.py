@@ -12,7 +12,7 @@ Three things happen on every tick (about a quarter of ``HEARTBEAT_TTL_S``), each
 own, so a failure of one never stops another (the broker may be another Redis, or
 RabbitMQ, than the heartbeats):
 
-- the heartbeat member (``dispatcher.heartbeat``) is renewed: it says "this process is
+- the heartbeat member (``teamdesk.heartbeat``) is renewed: it says "this process is
   alive", and so are the leases it holds. It needs Redis alone, never a new database
   connection: PostgreSQL at ``max_connections`` (or a pooler's limit, a DNS hiccup) must
   not make the dispatcher take back runs whose tasks go on working on their own
@@ -42,10 +42,10 @@ from typing import Any, TypeVar
 import psycopg2
 from celery.worker import state
 
-from dispatcher.heartbeat import Heartbeat, WorkerSlots
 from teamdesk import metrics
 from teamdesk.config import Settings, is_redis_url
 from teamdesk.db import answers
+from teamdesk.heartbeat import Heartbeat, WorkerSlots
 from teamdesk.logs import log_event
 from teamdesk.redis_client import redis_client
 

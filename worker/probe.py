@@ -29,9 +29,9 @@ from typing import Any, TextIO
 
 import psycopg2
 
-from dispatcher.heartbeat import has_heartbeat
 from teamdesk.config import Settings
 from teamdesk.db import answers
+from teamdesk.heartbeat import has_heartbeat
 from teamdesk.redis_client import redis_client
 
 CHECK_DEADLINE_S = 1.25  # stop waiting for the checks (the whole probe, started: under 2 s)

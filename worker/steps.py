@@ -9,8 +9,8 @@ from typing import Any
 
 from celery import bootsteps
 
-from dispatcher.heartbeat import WorkerSlots
 from teamdesk.config import get_settings
+from teamdesk.heartbeat import WorkerSlots
 from teamdesk.logs import log_event
 from worker.liveness import Liveness, held_delivery_tags, renew_interval_s
 

@@ -15,9 +15,9 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from cli.main import main
-from dispatcher.heartbeat import Heartbeat, WorkerSlots
 from teamdesk import logs
 from teamdesk.config import Settings
+from teamdesk.heartbeat import Heartbeat, WorkerSlots
 from tests.support.api_helpers import api_client, make_tokens
 from tests.support.cli_runner import Result
 from tests.support.factories import World

@@ -24,9 +24,9 @@ from fastapi.testclient import TestClient
 
 from api.bounded import MAX_CHECKS_IN_FLIGHT, BoundedChecks, CheckFailed, SharedCheck
 from api.resources import HEALTH_CACHE_S, Resources
-from dispatcher.heartbeat import Heartbeat, WorkerSlots
 from dispatcher.leader import Leadership, leader_key
 from teamdesk.config import Settings
+from teamdesk.heartbeat import Heartbeat, WorkerSlots
 from tests.support.api_helpers import api_client, closed_port, silent_listener
 from tests.support.freezable_proxy import freezable_proxy
 

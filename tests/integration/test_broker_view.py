@@ -18,11 +18,11 @@ from kombu import Queue
 
 from dispatcher import scan as scan_module
 from dispatcher.context import Cluster
-from dispatcher.heartbeat import Heartbeat
 from dispatcher.scan import ScanCounts, scan
 from dispatcher.window import Window
 from tasks.names import EXPORTS_QUEUE
 from teamdesk.config import get_settings
+from teamdesk.heartbeat import Heartbeat
 from tests.support.dispatch_scan import ids, long_up, messages, waiting_rows
 from tests.support.factories import World, task_row
 from tests.support.queues import markers

@@ -18,10 +18,10 @@ import sqlalchemy as sa
 from celery import Celery
 
 from dispatcher.context import Cluster
-from dispatcher.heartbeat import Heartbeat
 from dispatcher.window import Window, fill
 from ledger import dispatch
 from teamdesk.config import Settings
+from teamdesk.heartbeat import Heartbeat
 from tests.support.dispatch_scan import ids, messages, waiting_rows
 from tests.support.factories import World, add_member, add_user, task_row
 

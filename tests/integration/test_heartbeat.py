@@ -6,7 +6,8 @@ import uuid
 
 import redis
 
-from dispatcher.heartbeat import (
+from dispatcher.scan import read_heartbeats
+from teamdesk.heartbeat import (
     EPOCH_TAG,
     TOMBSTONE_MIN_S,
     Heartbeat,
@@ -18,7 +19,6 @@ from dispatcher.heartbeat import (
     read_lease_holders,
     tombstone_key,
 )
-from dispatcher.scan import read_heartbeats
 from tests.support.waiting import wait_for
 
 SCOPE = "host-a"

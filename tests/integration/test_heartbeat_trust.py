@@ -21,11 +21,11 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
-from dispatcher.heartbeat import Heartbeat, holders_key
 from dispatcher.scan import ScanCounts, read_heartbeats, run_once
 from ledger import service
 from teamdesk import config, hooks
 from teamdesk.config import Settings
+from teamdesk.heartbeat import Heartbeat, holders_key
 from tests.support.dispatch_scan import running_row
 from tests.support.factories import World, add_tickets, task_row
 from tests.support.gates import Gate

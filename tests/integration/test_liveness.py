@@ -9,8 +9,8 @@ import logging
 import pytest
 import redis
 
-from dispatcher.heartbeat import live_members
 from teamdesk.config import Settings
+from teamdesk.heartbeat import live_members
 from tests.support.queues import closed_port
 from worker.liveness import Liveness
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from dispatcher.heartbeat import Heartbeat
+from teamdesk.heartbeat import Heartbeat
 from tests.conftest import REDIS_URL
 from tests.support.redis_server import dedicated_redis, free_port
 

@@ -13,11 +13,11 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from dispatcher import scan as scan_module
-from dispatcher.heartbeat import Heartbeat
 from dispatcher.scan import run_once
 from ledger import service
 from tasks import queueing
 from teamdesk import config, hooks
+from teamdesk.heartbeat import Heartbeat
 from tests.support.csv_reference import expected_csv
 from tests.support.dispatch_scan import long_up
 from tests.support.dispatching import running_cluster

@@ -16,8 +16,8 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from cli.commands.watch import progress_line
-from dispatcher.heartbeat import Heartbeat
 from dispatcher.leader import Leadership, leader_key
+from teamdesk.heartbeat import Heartbeat
 from tests.support.api_helpers import bearer
 from tests.support.factories import World, insert_task
 

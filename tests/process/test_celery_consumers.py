@@ -2,7 +2,7 @@
 dispatch window follows them (issue 22): a worker whose consumer for a queue is cancelled
 is not counted in that queue's window from its next heartbeat renewal on, and
 ``add_consumer`` counts it again. The window is read the way the dispatcher reads it
-(``dispatcher.heartbeat.slots_by_queue``: live workers' pool processes per queue they
+(``teamdesk.heartbeat.slots_by_queue``: live workers' pool processes per queue they
 consume).
 
 Real ``celery -A tasks worker`` and ``beat`` subprocesses, the real ``celery control`` CLI.
@@ -19,9 +19,9 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from dispatcher.heartbeat import live_members, slots_by_queue
 from ledger import service
 from teamdesk.config import Settings
+from teamdesk.heartbeat import live_members, slots_by_queue
 from tests.support.celery_tools import consumer
 from tests.support.factories import World, add_tickets, audit_events, task_row
 from tests.support.operator_commands import node_of

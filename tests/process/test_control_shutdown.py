@@ -14,10 +14,10 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from dispatcher.heartbeat import lease_holders_alive, live_members
 from dispatcher.scan import read_heartbeats, run_once
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
+from teamdesk.heartbeat import lease_holders_alive, live_members
 from tests.process.test_shutdown import GATED, export, short
 from tests.support.factories import World, task_row
 from tests.support.processes import ROOT, Proc, celery_argv, cluster, settings_env, worker_argv

@@ -22,10 +22,10 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
-from dispatcher.heartbeat import lease_holders_alive, live_members
 from dispatcher.scan import run_once
 from ledger import service
 from teamdesk.config import Settings
+from teamdesk.heartbeat import lease_holders_alive, live_members
 from tests.support.factories import World, add_tickets, task_row
 from tests.support.gated_worker import gated_export_worker
 from tests.support.processes import Proc

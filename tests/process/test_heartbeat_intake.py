@@ -23,11 +23,11 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from dispatcher.heartbeat import WorkerSlots, info_key, live_members
 from dispatcher.scan import read_heartbeats, run_once
 from ledger import service
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
+from teamdesk.heartbeat import WorkerSlots, info_key, live_members
 from tests.process.test_shutdown import GATED
 from tests.support.factories import World, add_tickets, audit_events, task_row
 from tests.support.processes import Proc, cluster, settings_env, worker_argv

@@ -14,9 +14,9 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from dispatcher.heartbeat import live_members
 from ledger import service
 from teamdesk.config import Settings
+from teamdesk.heartbeat import live_members
 from tests.support.factories import World, add_tickets, task_row
 from tests.support.processes import Proc, celery_argv, cluster, settings_env, worker_argv
 from tests.support.remote_gates import RemoteGate

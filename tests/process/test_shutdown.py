@@ -14,12 +14,12 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from dispatcher.heartbeat import active_key, lease_holders_alive, live_members, tombstone_key
 from dispatcher.scan import read_heartbeats, run_once
 from ledger import lease, service
 from ledger.errors import LeaseLost
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
+from teamdesk.heartbeat import active_key, lease_holders_alive, live_members, tombstone_key
 from tests.support.factories import World, add_tickets, task_row
 from tests.support.processes import Proc, cluster, settings_env, worker_argv
 from tests.support.queues import send_message

@@ -1,4 +1,6 @@
-"""Worker heartbeats in Redis (docs/design.md, "Heartbeats").
+"""Worker heartbeats in Redis (docs/design.md, "Heartbeats"): the protocol between the
+workers, who write it (worker/liveness.py), and the dispatcher, the API and the health
+checks, who read it. It lives below all of them, so none needs to import another.
 
 Every process that can take work keeps one member ``<scope>/<uuid4>`` in two sorted
 sets, ``<prefix>:worker-heartbeat:active`` (all processes) and
