@@ -22,15 +22,18 @@ until its ETA would sit outside the dispatcher's window.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+import psycopg2
 import redis
 from celery import Task
 from celery.exceptions import Retry
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 
 from ledger import lease
@@ -226,10 +229,7 @@ def _failed_attempt(
     report_error: dict[str, str] = {}
     try:
         hooks.fire("task.before_failure_report", lease=held, final=final)
-        with get_engine().begin() as conn:
-            written = lease.report_failure(
-                conn, held, final=final, message=message, retry_in_s=delay
-            )
+        written = _report_failure(held, final, message, delay, settings.stale_after_s / 2)
     except Exception as report_exc:
         written, report_error = True, {"report_error": type(report_exc).__name__}
     if not written:
@@ -253,6 +253,40 @@ def _failed_attempt(
         **fields,
     )
     raise Retry(MSG_RETRYING, exc=TaskFailed(MSG_RETRYING), when=delay) from None
+
+
+# The database is away (a restart, a failover, refused connections): worth trying again.
+UNREACHABLE = (
+    sa_exc.OperationalError,
+    sa_exc.InterfaceError,
+    psycopg2.OperationalError,
+    psycopg2.InterfaceError,
+)
+REPORT_RETRY_FIRST_S = 0.25  # then doubling, up to REPORT_RETRY_MAX_S between tries
+REPORT_RETRY_MAX_S = 4.0
+
+
+def _report_failure(
+    held: lease.Lease, final: bool, message: str, delay: float, budget_s: float
+) -> bool:
+    """``lease.report_failure`` in a transaction of its own, tried again while the database
+    is unreachable, for up to ``budget_s``. An attempt that failed because PostgreSQL went
+    away (a restart) usually cannot report at once either; without this its run waited
+    for the staleness rule (``STALE_AFTER_S``) instead of retrying as soon as PostgreSQL
+    answers again. The budget stays under ``STALE_AFTER_S``: past it, that rule decides."""
+    deadline = time.monotonic() + budget_s
+    pause = REPORT_RETRY_FIRST_S
+    while True:
+        try:
+            with get_engine().begin() as conn:
+                return lease.report_failure(
+                    conn, held, final=final, message=message, retry_in_s=delay
+                )
+        except UNREACHABLE:
+            if time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)  # the database is away: wait for it, as the attempt cannot go on
+        pause = min(pause * 2, REPORT_RETRY_MAX_S)
 
 
 def _progress_reporter(
