@@ -6,8 +6,14 @@ and one version bump for a COMPLETED reminder, none otherwise) and the export CS
 (equal to ``tests.support.csv_reference.expected_csv``, computed independently from the
 tickets table). Globally: nothing WAITING or RUNNING, no commit by a replaced execution
 (``ledger.audit``), no task completed twice, no side effect without its task, the
-exported tickets unchanged, no lease taken from a live execution (soak/leases.py), and no
-process exit the soak did not cause.
+exported tickets unchanged, no lease taken from a live execution and no CLAIM over a
+live, unfrozen holder (soak/leases.py), and no process exit the soak did not cause.
+
+Celery's command line (soak/tools.py): a run the ``revoke`` fault named must end CANCELLED
+(by the revoke: its CANCEL is after the command started) or COMPLETED, and one still
+WAITING or RUNNING at the end is a run that never ends (``revoke-never-ended``); a run
+whose message ``purge`` took must be going again (re-published, claimed or ended) within
+``PURGE_GOAL_S`` of the purge (``purge-stalled``), not when its queued marker expires.
 
 A run that ends FAILED after its last attempt where each failed attempt (its CLAIM ..
 WAIT/FAIL in the audit trail) spans a fault that cut the workers' database connections
@@ -28,8 +34,10 @@ import sqlalchemy as sa
 from ledger import audit
 from ledger.dispatch import MSG_TOO_MANY_RECOVERIES
 from soak import leases
+from soak.chaos import Purge, Revoke
 from soak.cluster import Incarnation
 from soak.leases import LeaseJudge
+from soak.tools import PURGE_GOAL_S, PURGE_WATCH_S
 from soak.workload import TaskPlan
 from tasks.execution import MSG_EXHAUSTED
 from tasks.reminder import EVENT_TYPE
@@ -64,7 +72,13 @@ FAILED_ATTEMPTS = sa.text("""
                        AND c.event = 'CLAIM'
      WHERE e.task_id = :task_id AND e.run = :run AND e.event IN ('WAIT', 'FAIL')
 """)
+CANCELS = sa.text("""
+    SELECT task_id, count(*) AS n, min(extract(epoch FROM at)) AS first
+      FROM task_audit WHERE event = 'CANCEL' AND task_id = ANY(CAST(:ids AS uuid[]))
+     GROUP BY task_id
+""")
 DATABASE_FAULTS = ("pgkill", "pgrestart")
+REVOKED_ENDS = (("CANCELLED", 0), ("COMPLETED", 0))
 
 
 @dataclass(frozen=True)
@@ -104,14 +118,21 @@ class Verifier:
         reminder_teams: list[uuid.UUID],
         max_attempts: int,
         judge: LeaseJudge,
+        revokes: list[Revoke] | None = None,
+        purges: list[Purge] | None = None,
     ) -> None:
         self.engine, self.plans = engine, plans
         self.reminder_teams = reminder_teams
         self.max_attempts = max_attempts
         self.judge = judge
+        self.revokes = {r.task_id: r for r in revokes or []}
+        self.purges = purges or []
         self.violations: list[Violation] = []
         self.rows: dict[uuid.UUID, Any] = {}
         self.verdicts: list[leases.Verdict] = []
+        self.claims: list[leases.ClaimVerdict] = []
+        self.revoked_ends: Counter[str] = Counter()
+        self.purge_latency_s: list[float] = []
         self.excused: list[str] = []  # runs whose attempts database faults used up
 
     def add(
@@ -133,6 +154,8 @@ class Verifier:
             self._leases(conn)
         self._exits(incarnations)
         self._tasks()
+        self._revoked()
+        self._purged()
         self._reminders()
         if fingerprint(self.engine, export_teams) != tickets_before:
             self.add("tickets-changed", None, "the exported teams' tickets changed during the soak")
@@ -163,8 +186,12 @@ class Verifier:
         return next((p for p in self.plans if p.task_id == task_id), None)
 
     def _leases(self, conn: sa.Connection) -> None:
-        """No RECOVER and no takeover of a live, running execution (soak/leases.py)."""
+        """No RECOVER and no takeover of a live, running execution, and no CLAIM over a
+        live, unfrozen holder of a row that is not stale (soak/leases.py)."""
+        silences = leases.silences(conn)
         for revocation in leases.revocations(conn):
+            if revocation.how == "TAKEOVER":
+                self._claim(revocation, silences)
             verdict = self.judge.judge(revocation)
             self.verdicts.append(verdict)
             if verdict.justified:
@@ -177,6 +204,21 @@ class Verifier:
                 f"{revocation.how} (audit #{revocation.audit_id}, run {revocation.run}) of "
                 f"{str(revocation.revoked)[:8]}: {verdict.why}; around it: {hints}",
                 revocation.task_id,
+            )
+
+    def _claim(
+        self, rev: leases.Revocation, silences: dict[tuple[uuid.UUID, uuid.UUID], float]
+    ) -> None:
+        silent_s = silences.get((rev.task_id, rev.claimer)) if rev.claimer else None
+        verdict = self.judge.judge_claim(rev, silent_s)
+        self.claims.append(verdict)
+        if not verdict.justified:
+            self.add(
+                "claim-over-live-holder",
+                self._plan_of(rev.task_id),
+                f"CLAIM (audit #{rev.audit_id}, run {rev.run}) by "
+                f"{str(rev.claimer)[:8]} over {str(rev.revoked)[:8]}: {verdict.why}",
+                rev.task_id,
             )
 
     def _exits(self, incarnations: list[Incarnation]) -> None:
@@ -202,10 +244,14 @@ class Verifier:
                 self.add("missing", plan, "no ledger row")
                 continue
             status, run = expected_end(plan)
+            if plan.task_id in self.revokes and (row.status, row.run) in REVOKED_ENDS:
+                status, run = row.status, row.run  # checked with its revoke (_revoked)
             if (row.status, row.run) != (status, run) and not self._exhausted_by_faults(
                 plan, row, status
             ):
                 false_recoveries = row.last_error == MSG_TOO_MANY_RECOVERIES
+                if plan.task_id in self.revokes:
+                    status = "CANCELLED or COMPLETED (revoked)"
                 self.add(
                     "end-state",
                     plan,
@@ -219,6 +265,67 @@ class Verifier:
             self._case(plan, row)
             if plan.kind == "EXPORT":
                 self._export(plan, row)
+
+    def _revoked(self) -> None:
+        """Each revoked run ended CANCELLED by its revoke, or COMPLETED; never WAITING or
+        RUNNING (a run that never ends)."""
+        ids = [str(task_id) for task_id in self.revokes]
+        if not ids:
+            return
+        with self.engine.connect() as conn:
+            cancels = {r.task_id: r for r in conn.execute(CANCELS, {"ids": ids})}
+        origin = self.judge.timeline.origin
+        for task_id, revoke in self.revokes.items():
+            plan, row = self._plan_of(task_id), self.rows.get(task_id)
+            if row is None:
+                continue
+            how = "terminate" if revoke.terminate else "revoke"
+            said = (
+                f"{how} at {revoke.issued_at - origin:.1f}s of the chaos window, picked "
+                f"{revoke.status}; the command: {revoke.command}"
+            )
+            self.revoked_ends[f"{row.status} ({how}, picked {revoke.status})"] += 1
+            if row.status in ("WAITING", "RUNNING"):
+                still = f"still {row.status} run {row.run} at the end (attempts {row.attempts})"
+                self.add("revoke-never-ended", plan, f"{still}; {said}")
+            cancel = cancels.get(task_id)
+            if row.status != "CANCELLED":
+                continue
+            if cancel is None:
+                self.add("revoke-cancel", plan, f"CANCELLED without a CANCEL audit row; {said}")
+            elif int(cancel.n) != 1 or float(cancel.first) < revoke.issued_at:
+                first = float(cancel.first) - revoke.issued_at
+                self.add(
+                    "revoke-cancel",
+                    plan,
+                    f"CANCELLED by {cancel.n} CANCEL rows, the first {first:+.1f}s from the "
+                    f"revoke; {said}",
+                )
+
+    def _purged(self) -> None:
+        """Every run whose message a purge took went again (re-published, claimed, ended)
+        within PURGE_GOAL_S."""
+        origin = self.judge.timeline.origin
+        for purge in self.purges:
+            for (task_id, run), after_s in purge.resumed_s.items():
+                if after_s is not None:
+                    self.purge_latency_s.append(after_s)
+                if after_s is not None and after_s <= PURGE_GOAL_S:
+                    continue
+                late = (
+                    f"after {after_s:.1f}s"
+                    if after_s is not None
+                    else f"not within {PURGE_WATCH_S:.0f}s"
+                )
+                stamp = purge.runs[(task_id, run)]
+                self.add(
+                    "purge-stalled",
+                    self._plan_of(task_id),
+                    f"run {run}: its message (stamp {stamp.isoformat()}) purged at "
+                    f"{purge.at - origin:.1f}s of the chaos window; going again {late} "
+                    f"(goal {PURGE_GOAL_S:.0f}s)",
+                    task_id,
+                )
 
     def _exhausted_by_faults(self, plan: TaskPlan, row: Any, expected: str) -> bool:
         """A run FAILED on its last attempt where every failed attempt spans a database

@@ -26,10 +26,10 @@ the details):
                 COMPLETED, never stays WAITING or RUNNING.
 
 soak/outages.py holds the Redis and PostgreSQL faults, soak/probes.py the three that work
-with the hooks or faketime, soak/tools.py the two that use Celery's command line. A fault that needs a worker takes one the cluster is not
-already faulting; its recovery runs in a thread so the schedule keeps its times. Every
-signal and exit is also written to the timeline (soak/timeline.py) that the lease
-invariant reads.
+with the hooks or faketime, soak/tools.py the two that use Celery's command line. A fault
+that needs a worker takes one the cluster is not already faulting; its recovery runs in a
+thread so the schedule keeps its times. Every signal and exit is also written to the
+timeline (soak/timeline.py) that the lease invariants read.
 """
 
 from __future__ import annotations

@@ -48,7 +48,9 @@ the row's staleness:
   ledger, and the row is not stale yet: the claim rule must wait for that).
 
 A takeover whose holder cannot be named from the logs (no ``task.started`` and no receipt)
-is counted as not judged (``unknown``), not as a violation.
+is counted as not judged (``unknown``), not as a violation. So is one without its
+``soak_takeovers`` row (never seen) unless the holder's own CLAIM is less than
+``STALE_AFTER_S`` old: then the row cannot have been stale (the claim wrote it).
 """
 
 from __future__ import annotations

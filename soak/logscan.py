@@ -7,6 +7,12 @@ the task id and the execution id's first 8 characters, from the pool process tha
 (``pid``). Every incarnation logs to its own file, unbuffered, so a process that lives logs
 both; a killed one may lose the closing line, and then it is dead anyway.
 
+An execution whose outcome an exception it did not catch replaced (Celery's "raised
+unexpected") logs no closing event with its id; the queue's failure callback then logs
+``task.failed`` (``source: queue``) with the task and run, from the same pool process: that
+ends it. So does any later closing event of the same run from the same pool process (a
+prefork pool process runs one message at a time).
+
 One execution ends without a line of its own: ``celery control terminate`` (the ``revoke``
 fault) has the worker's main process log ``Terminating <task>-<run>`` and kill the pool
 process running it. An execution of that run, in that incarnation, started and not ended
@@ -96,6 +102,23 @@ def scan(incarnations: list[Incarnation], offset_s: float) -> Logs:
     return logs
 
 
+def _ended_unnamed(logs: Logs, inc: Incarnation, record: dict[str, Any], at: float) -> None:
+    """A closing event without an execution id, from the pool process that ran an execution
+    of that run: the queue's failure callback (``task.failed``, ``source: queue``: the
+    execution's own outcome was replaced by an exception it did not catch), or a later
+    delivery of the run in the same process (a failed claim, a skip). A prefork pool
+    process runs one message at a time, so the execution it ran before had ended."""
+    task_id, run, pid = str(record["task_id"]), record.get("run"), int(record["pid"])
+    for found in logs.executions.values():
+        if (
+            (found.task_id, found.process, found.pid) == (task_id, inc.name, pid)
+            and (run is None or found.run == int(run))
+            and found.ended_at is None
+            and found.started_at <= at
+        ):
+            found.ended_at, found.end = at, f"{record['event']} (no execution id)"
+
+
 def _terminate(logs: Logs) -> None:
     """End each execution a ``Terminating <task>-<run>`` line killed."""
     for at, process, message in logs.terminations:
@@ -127,6 +150,8 @@ def _read(logs: Logs, inc: Incarnation, record: dict[str, Any], offset_s: float)
         if len(words) >= 2:
             logs.terminations.append((real_time(record, inc, offset_s), inc.name, words[1]))
     execution = record.get("execution")
+    if not execution and event in END_EVENTS and "task_id" in record and "pid" in record:
+        _ended_unnamed(logs, inc, record, real_time(record, inc, offset_s))
     if not execution or "task_id" not in record:
         return
     key = (str(record["task_id"]), str(execution))

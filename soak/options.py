@@ -11,7 +11,11 @@ from teamdesk.config import Settings
 
 DEFAULT_TASKS, SHORT_TASKS = 3000, 200
 DEFAULT_FAULTS, SHORT_FAULTS = 10 * len(KINDS), 2 * len(KINDS)  # 10 (2) of each kind
-DEFAULT_FAULT_GAP_S, SHORT_FAULT_GAP_S = 4.0, 3.0
+# The chaos window stays 440 s (66 s short) whatever the number of kinds: each kind keeps
+# its density (10 in 440 s) and the tasks their arrival rate; the mean gap shrinks instead.
+DEFAULT_WINDOW_S, SHORT_WINDOW_S = 440.0, 66.0
+DEFAULT_FAULT_GAP_S = DEFAULT_WINDOW_S / DEFAULT_FAULTS  # 3.4 s with 13 kinds
+SHORT_FAULT_GAP_S = SHORT_WINDOW_S / SHORT_FAULTS  # 2.5 s
 DEFAULT_QUIESCE_S, SHORT_QUIESCE_S = 180.0, 120.0
 
 EXPORT_MAX_ROWS = 300  # below a whole export team (400 tickets): "too many rows" cases
@@ -59,8 +63,8 @@ def parse(argv: list[str] | None, description: str) -> Options:
     parser.add_argument(
         "--fault-gap",
         type=float,
-        help=f"mean seconds between faults (default {DEFAULT_FAULT_GAP_S}; --short "
-        f"{SHORT_FAULT_GAP_S})",
+        help=f"mean seconds between faults (default {DEFAULT_FAULT_GAP_S:.2f}; --short "
+        f"{SHORT_FAULT_GAP_S:.2f})",
     )
     parser.add_argument("--quiesce-timeout", type=float, help="seconds to wait for quiet")
     parser.add_argument(

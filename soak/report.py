@@ -14,7 +14,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from soak import checks, logscan, workload
+from soak import checks, logscan, tools, workload
 from soak.chaos import KINDS, Chaos, Record
 from soak.cluster import Cluster, Incarnation
 
@@ -23,6 +23,8 @@ LOGGED_EVENTS = (
     "task.lease_lost",
     "task.stalled",
     "task.skipped",
+    "task.revoked",
+    "task.refused",
     "task.attempt_failed",
     "worker.shutdown_timeout",
     "dispatcher.failed",
@@ -81,6 +83,37 @@ class Report:
             self.say(f"soak: note: {unknown - 5} more revocations not judged")
         for line in verifier.excused[:10]:
             self.say(f"soak: note: attempts used up by database faults: {line}")
+        claims = verifier.claims
+        why = Counter(c.reason for c in claims if c.justified)
+        recorded = sum(1 for c in claims if c.silent_s is not None)
+        self.say(
+            f"soak: claims over a RUNNING row {len(claims)} (silence recorded {recorded}); "
+            f"justified by {dict(sorted(why.items()))}, over a live, unfrozen holder "
+            f"{sum(1 for c in claims if not c.justified)}"
+        )
+        for claim in [c for c in claims if c.reason == "unknown"][:5]:
+            rev = claim.revocation
+            self.say(
+                f"soak: note: CLAIM over {str(rev.revoked)[:8]} (task {rev.task_id}, audit "
+                f"#{rev.audit_id}) not judged: {claim.why}"
+            )
+
+    def tools(self, verifier: checks.Verifier) -> None:
+        """What Celery's command line did: how the revoked runs ended, how soon the purged
+        ones went again."""
+        self.say(f"soak: revoked runs ended {dict(sorted(verifier.revoked_ends.items()))}")
+        latency = sorted(verifier.purge_latency_s)
+        runs = sum(len(p.runs) for p in verifier.purges)
+        purged = sum(p.purged or 0 for p in verifier.purges)
+        shown = (
+            f"going again after median {latency[len(latency) // 2]:.1f}s, max {latency[-1]:.1f}s"
+            if latency
+            else "none to watch"
+        )
+        self.say(
+            f"soak: purges {len(verifier.purges)}: {purged} messages purged, {runs} runs "
+            f"seen waiting just before, {shown} (goal {tools.PURGE_GOAL_S:.0f}s)"
+        )
 
     def violations(self, found: list[checks.Violation], verifier: checks.Verifier) -> list[str]:
         """Print the first REPORT_LIMIT violations with their details; return the lines of
@@ -119,6 +152,8 @@ def exit_counts(cluster: Cluster) -> str:
 
 
 def log_counts(cluster: Cluster) -> dict[str, int]:
+    """Events the workers and the dispatcher logged; ``missing_from_broker``: the runs the
+    dispatcher's scans published again because the broker no longer held their message."""
     counts: Counter[str] = Counter()
     for inc in cluster.incarnations():
         with suppress(OSError):
@@ -126,6 +161,9 @@ def log_counts(cluster: Cluster) -> dict[str, int]:
             for event in LOGGED_EVENTS:
                 counts[event] += text.count(f'"event": "{event}"')
             counts["fatal"] += text.count('"level": "fatal"')
+            for record in logscan.records(inc):
+                if record.get("event") == "dispatcher.scan":
+                    counts["missing_from_broker"] += int(record.get("missing_from_broker") or 0)
     return dict(counts)
 
 

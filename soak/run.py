@@ -1,7 +1,8 @@
 """``make soak``: ``python -m soak.run [--seed N] [--tasks N] [--faults N] [--short] [--keep]``.
 
 1. Its own PostgreSQL server (initdb, a free port, soak/postgres.py) with a fresh database
-   migrated from ``ledger/migrations``, a fresh key prefix, and a dedicated
+   migrated from ``ledger/migrations`` (plus the soak's own ``soak_marks`` and, filled by a
+   trigger, ``soak_takeovers``: soak/leases.py), a fresh key prefix, and a dedicated
    ``redis-server`` on a free 127.0.0.1 port.
 2. The seeded world (soak/world.py), one plan per task (soak/workload.py) and the fault
    schedule (soak/chaos.py).
@@ -10,6 +11,8 @@
    variables (docs/design.md, "Configuration") only.
 4. During the chaos window: tasks are created at their planned times, the soak's users
    cancel and retry, and faults land at seeded random times (soak/faults.py).
+   Two of the fault kinds are Celery's own command line (``purge``, ``revoke``:
+   soak/tools.py).
 5. Wait (bounded) until nothing is WAITING or RUNNING, then check from PostgreSQL, the
    timeline of faults and the workers' logs (soak/checks.py, soak/leases.py) and print
    ``soak: N tasks, F faults, V violations``.
@@ -43,7 +46,7 @@ from soak.chaos import Chaos, Planned, Timings, plan
 from soak.cluster import Cluster, SoakRedis
 from soak.faults import Injector
 from soak.gate import DbGate
-from soak.leases import LeaseJudge
+from soak.leases import RECORD_TAKEOVERS, LeaseJudge
 from soak.options import (
     EXPORT_BATCH_SIZE,
     EXPORT_MAX_ROWS,
@@ -112,6 +115,8 @@ class Soak:
         )
         with self.engine.begin() as conn:
             conn.execute(workload.CREATE_MARKS)
+            for statement in RECORD_TAKEOVERS:
+                conn.execute(statement)
         self.timeline.measure(self.engine)
         return self.engine
 
@@ -148,10 +153,11 @@ class Soak:
         quiet, waited = self.quiesce(operator)
         operator.stop.set()
         self.say(f"soak: final stop exit codes {cluster.stop_all()}")
-        verifier = self.verify(prepared)
+        verifier = self.verify(prepared, chaos)
         report = Report(self.say, self.workdir, self.engine_(), cluster)
         report.counts(prepared.plans, injector.records, chaos, operator)
         report.leases(verifier)
+        report.tools(verifier)
         unprinted = report.violations(verifier.violations, verifier)
         self.say(
             f"soak: chaos {chaos_done - started:.0f} s, quiet after {waited:.0f} s more, "
@@ -168,7 +174,7 @@ class Soak:
         (self.workdir / "report.txt").write_text("\n".join([*self.out, *unprinted]) + "\n")
         return 1 if found or not quiet or not settled else 0
 
-    def verify(self, prepared: Prepared) -> checks.Verifier:
+    def verify(self, prepared: Prepared, chaos: Chaos) -> checks.Verifier:
         assert self.cluster is not None
         incarnations = self.cluster.incarnations()
         logs = logscan.scan(incarnations, self.timeline.offset_s)
@@ -178,7 +184,9 @@ class Soak:
             prepared.plans,
             [t.id for t in prepared.world.reminder_teams],
             self.settings.max_task_attempts,
-            LeaseJudge(logs, self.timeline, grace_s),
+            LeaseJudge(logs, self.timeline, grace_s, self.settings.stale_after_s),
+            chaos.revokes,
+            chaos.purges,
         )
         verifier.run(
             prepared.tickets_before, [t.id for t in prepared.world.export_teams], incarnations

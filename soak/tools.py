@@ -6,9 +6,12 @@ configuration variables, as every soak process gets them).
   the queues are gone while their runs stay WAITING and published, their queued markers
   standing. The dispatcher must see from the broker itself that the messages are missing
   and publish those runs again within two scans (tasks/broker_view.py), not when the
-  markers expire (5 x ``STALE_AFTER_S``, at least 60 s). The soak reads the queues just
-  before the command (which runs, with which stamp) and then watches the ledger until each
-  of those runs goes again: re-published (a new stamp), claimed, or ended.
+  markers expire (5 x ``STALE_AFTER_S``, at least 60 s). The fault waits (up to
+  ``PURGE_WAIT_S``) for a message to wait in the queues, reads them just before the
+  command (which runs, with which stamp), leaves out those a worker took meanwhile (in
+  kombu's unacknowledged hash right after the command: not purged), and then watches the
+  ledger until each of the others goes again: re-published (a new stamp), claimed, or
+  ended.
 - ``revoke``: ``celery -A tasks control revoke <task_id>-<run>`` (what Flower's revoke
   button sends), or half the time ``celery -A tasks control terminate SIGTERM
   <task_id>-<run>`` (the command line's spelling of revoke with terminate: the pool process
@@ -20,11 +23,15 @@ configuration variables, as every soak process gets them).
   other cases' own expectations stay as they are. When none of them is WAITING-published
   or RUNNING for ``PICK_WAIT_S`` (the end of the window: the workload has drained), the
   fault creates an export of its own (case ``spare``) and revokes that once it is
-  published.
+  published. The command takes about a second to start, longer than most runs take, so
+  a terminate aimed at a RUNNING run of the workload mostly finds it completed: half the
+  terminates (a quarter of the revoke faults) therefore create their own ``spare`` export
+  marked ``slow`` (a 2 s pause at its first batch, soak/hooks.py) and terminate it once
+  the ledger shows it RUNNING: the pool process running it is killed mid-export.
 
-Both wait for the previous Redis fault to end (one Redis fault at a time, soak/outages.py):
-a command that cannot reach the broker proves nothing. Each command's output goes to
-``logs/tools.log``.
+Both send their command once the previous Redis fault has ended (one Redis fault at a
+time, soak/outages.py): a command that cannot reach the broker proves nothing. Each
+command's output goes to ``logs/tools.log``.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import sqlalchemy as sa
 
 from soak import workload
 from soak.chaos import Chaos, Purge, Record, Revoke
-from soak.outages import LOCK_WAIT_S, _client, _one_at_a_time
+from soak.outages import LOCK_WAIT_S, _client
 from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
 from tests.support.processes import ROOT, celery_argv
 
@@ -52,6 +59,7 @@ COMMAND_TIMEOUT_S = 60.0
 REPLY_TIMEOUT_S = 2.0  # control commands wait this long for the workers' replies
 PURGED = re.compile(r"Purged (\d+) message")
 PURGE_POLL_S = 0.25
+PURGE_WAIT_S = 20.0  # for a message to wait in the queues (the workload comes in waves)
 # How long the soak watches the purged runs. A run still waiting under its purged publish
 # after PURGE_GOAL_S is a violation (soak/checks.py); the watch goes on longer only to say
 # when it went after all (a marker's expiry: 60 s after its publish).
@@ -65,10 +73,13 @@ PURGE_GOAL_S = 20.0
 REVOCABLE_CASES = ("export", "reminder", "scheduled", "spare")
 PICK_WAIT_S = 10.0  # for a run of the workload to be WAITING-published or RUNNING
 SPARE_WAIT_S = 30.0  # for the fault's own export to be published
+# for its own slow export to run: behind the workload's backlog (up to a minute and a half
+# in the middle of a full soak's window)
+SPARE_RUNNING_WAIT_S = 150.0
 PICK_POLL_S = 0.1
 
 CANDIDATES = sa.text("""
-    SELECT id, run, status FROM background_tasks
+    SELECT id, run, status, dispatched_at FROM background_tasks
      WHERE id = ANY(CAST(:ids AS uuid[])) AND run = 0
        AND (status = 'RUNNING' OR (status = 'WAITING' AND dispatched_at IS NOT NULL))
 """)
@@ -97,7 +108,40 @@ def run_command(chaos: Chaos, *args: str) -> subprocess.CompletedProcess[str]:
 # ---- purge ----------------------------------------------------------------------------------
 def purge(chaos: Chaos, record: Record) -> None:
     record.detail = f"celery purge -f -Q {','.join(QUEUES)}"
-    _one_at_a_time(chaos, chaos.redis_lock, record, _purge)
+    chaos.later(_purge_when_waiting, chaos, record)
+
+
+def _purge_when_waiting(chaos: Chaos, record: Record) -> None:
+    """Once a message waits in the queues (or after PURGE_WAIT_S), purge: a purge of
+    empty queues tests nothing. The command itself starts in about a second, so it may
+    still find them empty."""
+    deadline = time.monotonic() + PURGE_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            if _waiting_count(chaos) > 0:
+                break
+        except redis.RedisError:
+            pass  # Redis restarting: look again
+        time.sleep(PICK_POLL_S)
+    waited = PURGE_WAIT_S - (deadline - time.monotonic())
+    if waited >= 0.1:
+        record.detail += f" (waited {waited:.1f}s for a waiting message)"
+    if not chaos.redis_lock.acquire(timeout=LOCK_WAIT_S):
+        record.detail = f"skipped: the previous Redis fault still runs; {record.detail}"
+        return
+    try:
+        _purge(chaos, record)
+    finally:
+        chaos.redis_lock.release()
+
+
+def _waiting_count(chaos: Chaos) -> int:
+    client = _client(chaos)
+    prefix = chaos.cluster.env["QUEUE_PREFIX"]
+    try:
+        return sum(int(client.llen(f"{prefix}:{queue}")) for queue in QUEUES)
+    finally:
+        client.close()
 
 
 def _purge(chaos: Chaos, record: Record) -> None:
@@ -112,16 +156,24 @@ def _purge(chaos: Chaos, record: Record) -> None:
     except subprocess.TimeoutExpired:
         done = None
     chaos.purges.append(found)  # the command may have purged even if it failed after
+    try:
+        # A message a worker took between the look and the purge was not purged: it waits
+        # in the worker (kombu's unacknowledged hash), or was claimed.
+        for key in _unacked_runs(chaos):
+            found.runs.pop(key, None)
+    except redis.RedisError:
+        pass
     chaos.timeline.event("purge", found.at, f"{len(waiting)} runs waiting")
     if done is None or done.returncode != 0:
         code = "timeout" if done is None else f"exit {done.returncode}"
-        record.detail = f"skipped: celery purge failed ({code}); {len(waiting)} runs were waiting"
+        record.detail = (
+            f"skipped: {record.detail}: the command failed ({code}); "
+            f"{len(waiting)} runs were waiting"
+        )
     else:
         match = PURGED.search(done.stdout)
         found.purged = int(match.group(1)) if match else 0
-        if "No messages purged" in done.stdout:
-            found.purged = 0
-        record.detail = f"celery purge: {found.purged} messages, {len(waiting)} runs were waiting"
+        record.detail += f": {found.purged} messages purged, {len(waiting)} runs were waiting"
     chaos.later(_watch_purged, chaos, record, found)
 
 
@@ -141,6 +193,26 @@ def _waiting_runs(chaos: Chaos) -> dict[tuple[uuid.UUID, int], datetime]:
         if found is not None:
             runs[(found[0], found[1])] = found[2]
     return runs
+
+
+def _unacked_runs(chaos: Chaos) -> set[tuple[uuid.UUID, int]]:
+    """The runs whose message a worker holds unacknowledged now (kombu's hash)."""
+    client = _client(chaos)
+    prefix = chaos.cluster.env["QUEUE_PREFIX"]
+    try:
+        entries = client.hvals(f"{prefix}:unacked")
+    finally:
+        client.close()
+    held = set()
+    for entry in entries:
+        try:
+            message = json.loads(entry)[0]
+        except (ValueError, TypeError, IndexError):
+            continue
+        found = _message_run(json.dumps(message))
+        if found is not None:
+            held.add((found[0], found[1]))
+    return held
 
 
 def _message_run(raw: Any) -> tuple[uuid.UUID, int, datetime] | None:
@@ -189,21 +261,21 @@ def revoke(chaos: Chaos, record: Record) -> None:
     # Drawn now, in the injector's thread, so the seed decides them.
     terminate = record.rng.random() < 0.5
     prefer_running = record.rng.random() < 0.5
-    seed = record.rng.getrandbits(32)
+    own = terminate and record.rng.random() < 0.5
     record.detail = "control terminate SIGTERM" if terminate else "control revoke"
-    chaos.later(_revoke, chaos, record, terminate, prefer_running, seed)
+    chaos.later(_revoke, chaos, record, terminate, prefer_running, own)
 
 
-def _revoke(
-    chaos: Chaos, record: Record, terminate: bool, prefer_running: bool, seed: int
-) -> None:
+def _revoke(chaos: Chaos, record: Record, terminate: bool, prefer_running: bool, own: bool) -> None:
     """Pick the run, then send the command once no other Redis fault runs."""
-    picked = _pick(chaos, prefer_running, seed, PICK_WAIT_S, _revocable(chaos))
-    spare = ""
+    if own:  # a terminate that surely meets a running execution
+        picked, spare = _spare(chaos, slow=True), " (the fault's own slow export)"
+    else:
+        picked, spare = _pick(chaos, prefer_running, PICK_WAIT_S, _revocable(chaos)), ""
+        if picked is None:
+            picked, spare = _spare(chaos, slow=False), " (the fault's own export)"
     if picked is None:
-        picked, spare = _spare(chaos), " (the fault's own export)"
-    if picked is None:
-        record.detail = f"skipped: {record.detail}: no run WAITING-published or RUNNING"
+        record.detail = f"skipped: {record.detail}: no run WAITING-published or RUNNING{spare}"
         return
     if not chaos.redis_lock.acquire(timeout=LOCK_WAIT_S):
         record.detail = f"skipped: {record.detail}: the previous Redis fault still runs"
@@ -237,7 +309,7 @@ def _send_revoke(
         entry.command = f"failed ({code})"
         record.detail = f"skipped: {what}: the command failed ({code})"
         return
-    entry.command = _replies(done.stdout)
+    entry.command = _replies(done.stdout, message)
     record.detail = f"{what}: {entry.command}"
 
 
@@ -253,14 +325,18 @@ def _revocable(chaos: Chaos) -> list[workload.TaskPlan]:
 def _pick(
     chaos: Chaos,
     prefer_running: bool,
-    seed: int,
     wait_s: float,
     plans: list[workload.TaskPlan],
+    running_only: bool = False,
 ) -> tuple[uuid.UUID, int, str] | None:
     """A run among ``plans`` the ledger shows WAITING-published or RUNNING (waits up to
-    ``wait_s`` for one); RUNNING ones first when ``prefer_running``."""
+    ``wait_s`` for one); RUNNING ones first when ``prefer_running``. The command takes about
+    a second to start and most runs take less than that, so of each state the one likely
+    to be reached in time: the RUNNING export with the most rows, the WAITING run published
+    last (the queues are first in, first out)."""
     deadline = time.monotonic() + wait_s
     ids = [str(p.task_id) for p in plans]
+    rows_of = {p.task_id: p.rows or 0 for p in plans}
     while ids:
         try:
             with chaos.engine.connect() as conn:
@@ -268,32 +344,36 @@ def _pick(
         except sa.exc.DBAPIError:
             rows = []  # PostgreSQL restarting: look again
         running = [r for r in rows if r.status == "RUNNING"]
-        waiting = [r for r in rows if r.status == "WAITING"]
+        waiting = [r for r in rows if r.status == "WAITING" and not running_only]
+        running.sort(key=lambda r: rows_of.get(r.id, 0), reverse=True)
+        waiting.sort(key=lambda r: r.dispatched_at, reverse=True)
         first, second = (running, waiting) if prefer_running else (waiting, running)
         chosen = first or second
         if chosen:
-            row = chosen[seed % len(chosen)]
-            return row.id, int(row.run), str(row.status)
+            return chosen[0].id, int(chosen[0].run), str(chosen[0].status)
         if time.monotonic() >= deadline:
             return None
         time.sleep(PICK_POLL_S)
     return None
 
 
-def _spare(chaos: Chaos) -> tuple[uuid.UUID, int, str] | None:
-    """Create one of the fault's own exports and pick it once it is published."""
+def _spare(chaos: Chaos, slow: bool) -> tuple[uuid.UUID, int, str] | None:
+    """Create one of the fault's own exports and pick it once it is published; a ``slow``
+    one (soak/hooks.py: it pauses 2 s at its first batch) once it is RUNNING."""
     supply = chaos.supply.get("spare", [])
     if not supply:
         return None
     plan = supply.pop(0)
+    plan.mark = "slow" if slow else None
     workload.submit(chaos.engine, chaos.gate, plan)
     if plan.task_id is None:
         return None
-    return _pick(chaos, False, 0, SPARE_WAIT_S, [plan])
+    wait_s = SPARE_RUNNING_WAIT_S if slow else SPARE_WAIT_S
+    return _pick(chaos, slow, wait_s, [plan], running_only=slow)
 
 
-def _replies(out: str) -> str:
-    """The workers' replies to a control command, briefly."""
+def _replies(out: str, message: str) -> str:
+    """The workers' replies to a control command, briefly (the message id as "<id>")."""
     try:
         replies = json.loads(out)
     except ValueError:
@@ -302,5 +382,6 @@ def _replies(out: str) -> str:
         replies = {k: v for reply in replies for k, v in reply.items()}
     if not isinstance(replies, dict):
         return f"answer {str(replies)[:120]!r}"
-    said = sorted({str(v.get("ok", v))[:60] if isinstance(v, dict) else str(v) for v in replies.values()})
-    return f"{len(replies)} workers replied {said}"
+    said = sorted({str(v.get("ok", v) if isinstance(v, dict) else v) for v in replies.values()})
+    text = "; ".join(said).replace(f"{{'{message}'}}", "<id>").replace(message, "<id>")
+    return f"{len(replies)} workers replied: {text[:160]}"

@@ -262,5 +262,7 @@ def connect() -> None:
     signals.task_failure.connect(_on_task_failure, weak=False)
     worker_metrics.connect()
     revokes.connect()
-    celery_control.control_command(name="shutdown")(_remote_shutdown)
+    celery_control.control_command(
+        name="shutdown", help="Shutdown worker(s): a warm stop, drained as on SIGTERM."
+    )(_remote_shutdown)
     _connected = True

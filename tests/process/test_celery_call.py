@@ -36,6 +36,7 @@ from tests.support.operator_commands import (
     celery_lines,
     held_messages,
     node_of,
+    not_json,
     records,
 )
 from tests.support.processes import Proc, cluster, settings_env, worker_argv
@@ -99,7 +100,7 @@ def send(
 ) -> list[dict[str, Any]]:
     """``celery call`` one message and wait until the worker's task returned for it; the
     worker's lines written meanwhile."""
-    since = len(worker.lines())
+    since = len(records(worker))
     message = call(s, task, json.dumps(args), None if kwargs is None else json.dumps(kwargs))
     wait_for(lambda: ended(worker, task, message), timeout=20, what=f"the end of {message}")
     return records(worker, since)
@@ -141,6 +142,7 @@ def test_a_message_without_a_stamp_is_refused_and_changes_nothing(
     assert warned[0]["level"] == "warn" and warned[0]["reason"]
     assert worker.events("task.started") == []
     assert "Traceback" not in worker.output()
+    assert not_json(worker) == []
 
 
 def test_the_stamp_of_an_older_publish_is_skipped_and_changes_nothing(
@@ -224,6 +226,7 @@ def test_malformed_args_are_refused_with_one_warning_each_and_nothing_written(
         assert markers(redis_client, settings.queue_prefix) == set()
         assert worker.events("task.started") == []
         assert "Traceback" not in worker.output()
+        assert not_json(worker) == []
 
         # The same reminder, with its publish's own message: it runs (the refusals above
         # were of messages that could have changed something).
@@ -235,8 +238,9 @@ def test_malformed_args_are_refused_with_one_warning_each_and_nothing_written(
     assert audit_events(engine, task_id) == ["CLAIM", "COMPLETE"]
     assert notifications(engine, task_id) == 1
     assert len(worker.events("task.refused")) == len(malformed)
-    assert [line for line in worker.lines() if line["level"] in ("error", "fatal")] == []
+    assert [line for line in records(worker) if line["level"] in ("error", "fatal")] == []
     assert "Traceback" not in worker.output()
+    assert not_json(worker) == []
 
 
 def test_the_current_stamp_never_takes_over_a_live_execution(
@@ -252,18 +256,19 @@ def test_the_current_stamp_never_takes_over_a_live_execution(
         "TEAMDESK_TEST_GATE_TIMEOUT_S": 30,
     }
     app = create_app(s)
-    gate_client = redis.Redis.from_url(s.redis_url)
+    # The client's reads may block as long as the gate waits (redis-py's default is 5 s).
+    gate_client = redis.Redis.from_url(s.redis_url, socket_timeout=60)
     gate = RemoteGate(gate_client, s.queue_prefix, GATE)
     try:
         with live_worker(s, tmp_path, **gates) as worker:
-            ready = len(worker.lines())
+            ready = len(records(worker))
             published = publish_stamped(engine, app, task_id, 0, "EXPORT")
             parked = gate.wait_reached(timeout=30)
             assert parked["task_id"] == str(task_id)
             held = task_row(engine, task_id)
             assert held["status"] == "RUNNING"
 
-            since = len(worker.lines())
+            since = len(records(worker))
             message = call(s, EXPORT, json.dumps([str(task_id), 0, published.isoformat()]))
             wait_for(
                 lambda: ended(worker, EXPORT, message) or len(worker.events("task.started")) > 1,

@@ -40,6 +40,8 @@ from tests.support.operator_commands import (
     held_messages,
     inspect,
     node_of,
+    not_json,
+    records,
 )
 from tests.support.processes import Proc, celery_argv, cluster, settings_env, worker_argv
 from tests.support.queues import queued_ids
@@ -91,10 +93,11 @@ def assert_no_error_of_ours(worker: Proc) -> None:
     error level; Celery's and billiard's own lines may report a killed pool process."""
     text = worker.output()
     assert "Traceback" not in text, text[-3000:]
+    assert not_json(worker) == []
     assert worker.events("task.failed") == []
     ours = [
         line
-        for line in worker.lines()
+        for line in records(worker)
         if line["event"] != "log" and line["level"] in ("error", "fatal")
     ]
     assert ours == [], ours
@@ -150,6 +153,7 @@ def test_a_revoked_queued_run_ends_cancelled_and_the_teams_next_export_runs(
             what="the team's next export to complete",
         )
         assert time.monotonic() - resumed < SECONDS
+        w1.wait_event("task.revoked", timeout=SECONDS)
         wait_for(
             lambda: held_messages(redis_client, prefix) == 0,
             timeout=SECONDS,
@@ -189,7 +193,8 @@ def test_revoke_terminate_cancels_a_running_export_and_the_worker_stays_healthy(
         TEAMDESK_TEST_GATES=GATE,
         TEAMDESK_TEST_GATE_TIMEOUT_S=30,
     )
-    gate_client = redis.Redis.from_url(s.redis_url)
+    # The client's reads may block as long as the gate waits (redis-py's default is 5 s).
+    gate_client = redis.Redis.from_url(s.redis_url, socket_timeout=60)
     gate = RemoteGate(gate_client, s.queue_prefix, GATE)
     try:
         with cluster(tmp_path) as procs:
@@ -211,7 +216,9 @@ def test_revoke_terminate_cancels_a_running_export_and_the_worker_stays_healthy(
                 timeout=SECONDS,
                 what="the terminated export to be cancelled",
             )
+            w1.wait_event("task.revoked", timeout=SECONDS)
             # The slot is free: the next export runs, in the pool's new process.
+            w1.wait_event("task.started", timeout=SECONDS, count=2)
             parked_next = gate.wait_reached(timeout=SECONDS)
             assert parked_next["task_id"] == str(second)
             assert parked_next["pid"] != parked["pid"]
@@ -286,6 +293,7 @@ def test_a_revoke_issued_before_the_publish_it_names_cancels_the_run_unrun(
             timeout=2 * SECONDS,
             what="both revoked runs to be cancelled once published",
         )
+        w1.wait_event("task.revoked", timeout=SECONDS, count=2)
         wait_for(
             lambda: held_messages(redis_client, prefix) == 0,
             timeout=SECONDS,

@@ -1,9 +1,10 @@
 """The short soak (``python -m soak.run --short``) as part of ``make test``: 200 tasks and
-22 faults, two of each kind (worker SIGKILL / SIGTERM / SIGSTOP, pg_terminate_backend,
-Redis restart, FLUSHALL and memory squeeze, clock skew under faketime, a reminder frozen
-inside its transaction, SIGTERM during a long export, restarts of the soak's own
-PostgreSQL) against real worker and beat subprocesses, its own PostgreSQL server and its
-own redis-server; every invariant is checked (see soak/README.md)."""
+two faults of each kind (worker SIGKILL / SIGTERM / SIGSTOP, pg_terminate_backend, Redis
+restart, FLUSHALL and memory squeeze, clock skew under faketime, a reminder frozen inside
+its transaction, SIGTERM during a long export, restarts of the soak's own PostgreSQL,
+``celery purge``, ``celery control revoke`` / ``terminate``) against real worker and beat
+subprocesses, its own PostgreSQL server and its own redis-server; every invariant is
+checked (see soak/README.md)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ def test_short_soak_passes() -> None:
     assert len(found) == 1, output[-8000:]
     tasks, faults, violations = (int(n) for n in found[0])
     assert code == 0, output[-8000:]
-    assert tasks >= 200 and faults >= 2 * len(KINDS) - 2 and violations == 0, output[-8000:]
+    # A few faults may find no target in time (a long export still queued behind the
+    # workload, nothing revocable): every kind must still have been injected (below).
+    assert tasks >= 200 and faults >= 2 * len(KINDS) - 4 and violations == 0, output[-8000:]
     per_kind = faults_per_kind(output)
     assert set(per_kind) == set(KINDS), per_kind
     assert all(n >= 1 for n in per_kind.values()), per_kind  # every kind was injected

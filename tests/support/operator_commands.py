@@ -81,15 +81,28 @@ def node_of(worker: Proc) -> str:
 
 
 def records(worker: Proc, since: int = 0) -> list[dict[str, Any]]:
-    """The worker's JSON lines from line ``since`` on (every line must be JSON)."""
-    return worker.lines()[since:]
+    """The worker's JSON lines, from the ``since``-th on (a line that is not JSON is left
+    out here; :func:`not_json` lists those)."""
+    found = []
+    for line in worker.output().splitlines():
+        try:
+            found.append(json.loads(line))
+        except ValueError:
+            continue
+    return found[since:]
+
+
+def not_json(worker: Proc) -> list[str]:
+    """The worker's output lines that are not JSON (a process that printed past our logs)."""
+    lines = [line for line in worker.output().splitlines() if line.strip()]
+    return [line for line in lines if not line.startswith("{")]
 
 
 def celery_lines(worker: Proc, text: str) -> list[dict[str, Any]]:
     """Celery's own lines (event ``log``) whose message contains ``text``."""
     return [
         line
-        for line in worker.lines()
+        for line in records(worker)
         if line.get("event") == "log" and text in str(line.get("message", ""))
     ]
 
