@@ -24,8 +24,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -113,9 +113,7 @@ def _deliver(task: Task, message: delivery.Delivery, body: Body) -> dict[str, An
             # Opening the connection is part of the claim: a database refusing new
             # connections (restarting, at max_connections) must end this message as a
             # failed claim too, or its marker would keep the run from being published again.
-            conn = stack.enter_context(
-                engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-            )
+            conn = stack.enter_context(_execution_connection(engine))
             hooks.fire("task.before_claim", task_id=task_id, run=run)
             claimed = lease.claim(
                 conn,
@@ -149,6 +147,25 @@ def _deliver(task: Task, message: delivery.Delivery, body: Body) -> dict[str, An
         # The completion matched its row (else LeaseLost above): no re-read needed.
         log_event(log, "task.completed", **fields)
         return _outcome(task_id, run, "completed", summary=summary)
+
+
+@contextmanager
+def _execution_connection(engine: Engine) -> Iterator[Connection]:
+    """The execution's own connection (autocommit). Closing one the database dropped (a
+    restart, a terminated backend) fails while it resets the session; that must not
+    replace the execution's outcome (its retry, rejection or completion), so such a
+    connection is invalidated instead: the pool drops it."""
+    conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+    try:
+        yield conn
+    finally:
+        try:
+            conn.close()
+        except UNREACHABLE:
+            with suppress(Exception):
+                conn.invalidate()
+            with suppress(Exception):
+                conn.close()
 
 
 def _skipped(conn: Connection, message: delivery.Delivery) -> dict[str, Any]:
@@ -200,8 +217,16 @@ def _store_failure(task: Task, exc: Exception) -> None:
 def _rejected(
     task: Task, held: lease.Lease, exc: TaskRejected, fields: dict[str, Any]
 ) -> dict[str, Any]:
-    with get_engine().begin() as conn:
-        written = lease.report_failure(conn, held, final=True, message=exc.message)
+    """A rejection is final: FAILED with its reason. If the ledger cannot be told (tried
+    again while PostgreSQL is unreachable, as a failed attempt's report is), the row stays
+    RUNNING under this execution's lease until the staleness rule takes it back, and the
+    message still ends as the rejection it is."""
+    report_error: dict[str, str] = {}
+    try:
+        budget = get_settings().stale_after_s / 2
+        written = _report_failure(held, True, exc.message, 0.0, budget)
+    except Exception as report_exc:
+        written, report_error = True, {"report_error": type(report_exc).__name__}
     if not written:
         return _lease_lost(held, fields)
     log_event(
@@ -211,6 +236,7 @@ def _rejected(
         exhausted=True,
         error=type(exc).__name__,
         reason=exc.message,
+        **report_error,
         **fields,
     )
     _store_failure(task, exc)
