@@ -110,7 +110,8 @@ class Purge:
     """A ``purge`` fault (soak/tools.py): the runs whose message was waiting in the queues
     just before ``celery purge``, with the publish's stamp, and how soon each was going
     again after it (re-published with a new stamp, claimed, or ended: seconds after the
-    purge, the database's clock; None when it was not within the watch)."""
+    purge, or after the first claim that followed it when no worker consumed until then;
+    the database's clock; None when it was not within the watch)."""
 
     at: float  # the command's start, database clock
     purged: int | None = None  # as the command line said ("Purged N messages")

@@ -88,6 +88,13 @@ RUN_STATES = sa.text("""
      WHERE id = ANY(CAST(:ids AS uuid[]))
 """)
 
+# The first claim of any run after :since (epoch seconds, the database's clock): the first
+# evidence, after a purge, that some worker consumes again.
+FIRST_CLAIM_SINCE = sa.text("""
+    SELECT extract(epoch FROM min(at)) FROM task_audit
+     WHERE event = 'CLAIM' AND at > to_timestamp(:since)
+""")
+
 
 def run_command(chaos: Chaos, *args: str) -> subprocess.CompletedProcess[str]:
     """``celery -A tasks <args>`` with the cluster's environment; logged to tools.log."""
@@ -229,23 +236,33 @@ def _message_run(raw: Any) -> tuple[uuid.UUID, int, datetime] | None:
 
 
 def _watch_purged(chaos: Chaos, record: Record, found: Purge) -> None:
-    """Until each purged run goes again (or PURGE_WATCH_S): seconds after the purge."""
+    """Until each purged run goes again (or PURGE_WATCH_S): seconds after the purge, or
+    after the first claim of any run that followed it when that came later. The
+    dispatcher publishes only into queues a live worker consumes (docs/design.md,
+    "Dispatch"), and the soak's own faults can leave none for a while (every worker
+    killed, draining a long export or frozen): a purged run is late only when workers
+    were consuming again and it still did not go."""
     pending = dict(found.runs)
     found.resumed_s = dict.fromkeys(found.runs)
     ids = [str(task_id) for task_id, _run in pending]
+    consumed_at: float | None = None
     while pending and chaos.timeline.now() - found.at < PURGE_WATCH_S:
         try:
             with chaos.engine.connect() as conn:
                 rows = {r.id: r for r in conn.execute(RUN_STATES, {"ids": ids})}
+                if consumed_at is None:
+                    first = conn.execute(FIRST_CLAIM_SINCE, {"since": found.at}).scalar()
+                    consumed_at = None if first is None else float(first)
         except sa.exc.DBAPIError:
             rows = None  # PostgreSQL restarting: look again
         now = chaos.timeline.now()
+        start = found.at if consumed_at is None else max(found.at, consumed_at)
         for key, stamp in list(pending.items()):
             row = rows.get(key[0]) if rows is not None else None
             if row is None:
                 continue
             if (row.run, row.status, row.dispatched_at) != (key[1], "WAITING", stamp):
-                found.resumed_s[key] = round(now - found.at, 2)
+                found.resumed_s[key] = round(max(0.0, now - start), 2)
                 del pending[key]
         time.sleep(PURGE_POLL_S)
     gone = [s for s in found.resumed_s.values() if s is not None]

@@ -30,7 +30,14 @@ import sqlalchemy as sa
 from ledger import service
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
-from tests.support.factories import World, add_ticket, add_tickets, audit_events, task_row
+from tests.support.factories import (
+    World,
+    add_ticket,
+    add_tickets,
+    audit_events,
+    notifications,
+    task_row,
+)
 from tests.support.operator_commands import (
     call,
     celery_lines,
@@ -84,15 +91,6 @@ def stamp(engine: sa.Engine, task_id: uuid.UUID) -> datetime:
             ),
             {"id": task_id},
         ).scalar_one()
-
-
-def notifications(engine: sa.Engine, task_id: uuid.UUID) -> int:
-    with engine.connect() as conn:
-        return int(
-            conn.execute(
-                sa.text("SELECT count(*) FROM notifications WHERE task_id = :t"), {"t": task_id}
-            ).scalar_one()
-        )
 
 
 def send(

@@ -32,7 +32,14 @@ import sqlalchemy as sa
 
 from ledger import service
 from teamdesk.config import Settings
-from tests.support.factories import World, add_ticket, add_tickets, audit_events, task_row
+from tests.support.factories import (
+    World,
+    add_ticket,
+    add_tickets,
+    audit_events,
+    notifications,
+    task_row,
+)
 from tests.support.operator_commands import (
     celery_lines,
     consumed_queues,
@@ -68,15 +75,6 @@ def reminder(engine: sa.Engine, world: World) -> uuid.UUID:
 
 def status(engine: sa.Engine, task_id: uuid.UUID) -> str:
     return str(task_row(engine, task_id)["status"])
-
-
-def notifications(engine: sa.Engine, task_id: uuid.UUID) -> int:
-    with engine.connect() as conn:
-        return int(
-            conn.execute(
-                sa.text("SELECT count(*) FROM notifications WHERE task_id = :t"), {"t": task_id}
-            ).scalar_one()
-        )
 
 
 def revoked_events(worker: Proc) -> dict[str, dict[str, Any]]:

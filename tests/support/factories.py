@@ -161,6 +161,16 @@ def audit_events(engine: Engine, task_id: uuid.UUID) -> list[str]:
         )
 
 
+def notifications(engine: Engine, task_id: uuid.UUID) -> int:
+    """How many notifications the task (a reminder) has written."""
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text("SELECT count(*) FROM notifications WHERE task_id = :t"), {"t": task_id}
+            ).scalar_one()
+        )
+
+
 def age_task(engine: Engine, task_id: uuid.UUID, seconds: float) -> None:
     """Move updated_at into the past (compresses the staleness clock; no waiting)."""
     with engine.begin() as conn:
