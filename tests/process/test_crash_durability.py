@@ -21,10 +21,12 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg2
 import pytest
 import sqlalchemy as sa
 
@@ -36,6 +38,8 @@ from tests.support.factories import age_task, insert_task, make_world, task_row
 
 pytestmark = pytest.mark.slow
 
+RECOVERY_TIMEOUT_S = 60.0
+WALWRITER = "SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'"
 QUIET = ("autovacuum=off", "bgwriter_lru_maxpages=0", "checkpoint_timeout=1h")
 DURABLE_AFTER_S = 30.0
 
@@ -92,7 +96,31 @@ def _crash_while_reporting(
             _report(conn, held, progress, last)
     finally:
         os.kill(walwriter, signal.SIGKILL)  # a stopped process dies of it too
-    server.wait_answering()
+    _wait_recovered(server, walwriter)
+
+
+def _wait_recovered(server: SoakPostgres, killed: int) -> None:
+    """Until the server answers after its crash recovery. Answering alone is not enough:
+    the postmaster notices the killed WAL writer a moment later, and a connection made
+    in between reaches the server before the crash (then the next one finds it "in
+    recovery mode"). Recovered means answering with a new WAL writer."""
+    deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        server.wait_answering()
+        try:
+            conn = psycopg2.connect(server.admin_url, connect_timeout=2)
+            try:
+                with conn.cursor() as cur:
+                    cur.execute(WALWRITER)
+                    found = cur.fetchone()
+            finally:
+                conn.close()
+            if found is not None and found[0] != killed:
+                return
+        except psycopg2.OperationalError:
+            pass  # the crash or the recovery is under way
+        time.sleep(0.1)  # polling for the recovery to end, bounded by the deadline
+    raise AssertionError("the private PostgreSQL did not recover from the crash")
 
 
 def _durable_baseline(engine: sa.Engine) -> None:
