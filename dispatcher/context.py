@@ -13,9 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import psycopg2
 import redis
-import sqlalchemy.exc
 from celery import Celery
 from sqlalchemy.engine import Connection, Engine
 
@@ -26,16 +24,6 @@ from teamdesk.redis_client import redis_client
 STATEMENT_TIMEOUT_S = 10.0  # any one dispatcher statement
 REDIS_TIMEOUT_S = 2.0  # connect / read of the REDIS_URL client
 APPLICATION_NAME = "teamdesk-dispatcher"
-
-# Errors that mean "PostgreSQL is unreachable or stuck", not a bug in the pass (the fill's
-# prepared statements run on the driver's cursor, so its own errors count too).
-DATABASE_ERRORS = (
-    sqlalchemy.exc.OperationalError,
-    sqlalchemy.exc.InterfaceError,
-    sqlalchemy.exc.TimeoutError,
-    psycopg2.OperationalError,
-    psycopg2.InterfaceError,
-)
 
 
 def dispatcher_engine(settings: Settings) -> Engine:

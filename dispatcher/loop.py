@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from dispatcher.context import DATABASE_ERRORS, Cluster, error_class
+from dispatcher.context import Cluster, error_class
 from dispatcher.errors import ScanUnavailable
 from dispatcher.leader import Leadership, leader_key, leader_ttl_s
 from dispatcher.listener import Wakeup, wakeup_for
@@ -34,6 +34,7 @@ from dispatcher.metrics import DispatchMetrics, attach
 from dispatcher.monitor import FailureLog
 from dispatcher.scan import ScanCounts, scan
 from dispatcher.window import FillCounts, Window, fill
+from teamdesk.db import DATABASE_ERRORS
 from teamdesk.logs import log_event
 
 log = logging.getLogger("teamdesk.dispatcher")

@@ -44,7 +44,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from dispatcher.context import DATABASE_ERRORS, Cluster, error_class, transaction
+from dispatcher.context import Cluster, error_class, transaction
 from dispatcher.errors import ScanUnavailable
 from dispatcher.window import Published, Window, fill, publish
 from ledger import dispatch
@@ -54,6 +54,7 @@ from ledger.states import KINDS
 from tasks import broker_view, queueing
 from tasks.names import QUEUE_OF_KIND
 from teamdesk.config import Settings, get_settings
+from teamdesk.db import DATABASE_ERRORS
 from teamdesk.heartbeat import read_lease_holders
 from teamdesk.logs import log_event
 

@@ -29,11 +29,9 @@ from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-import psycopg2
 import redis
 from celery import Task
 from celery.exceptions import Retry
-from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine
 
 from ledger import lease
@@ -41,7 +39,7 @@ from ledger.errors import LeaseLost, TaskRejected
 from tasks import delivery, queueing
 from teamdesk import hooks
 from teamdesk.config import Settings, get_settings
-from teamdesk.db import get_engine
+from teamdesk.db import DATABASE_ERRORS, get_engine
 from teamdesk.logs import log_event
 from worker.steps import lease_holder
 
@@ -161,7 +159,7 @@ def _execution_connection(engine: Engine) -> Iterator[Connection]:
     finally:
         try:
             conn.close()
-        except UNREACHABLE:
+        except DATABASE_ERRORS:
             with suppress(Exception):
                 conn.invalidate()
             with suppress(Exception):
@@ -281,13 +279,6 @@ def _failed_attempt(
     raise Retry(MSG_RETRYING, exc=TaskFailed(MSG_RETRYING), when=delay) from None
 
 
-# The database is away (a restart, a failover, refused connections): worth trying again.
-UNREACHABLE = (
-    sa_exc.OperationalError,
-    sa_exc.InterfaceError,
-    psycopg2.OperationalError,
-    psycopg2.InterfaceError,
-)
 REPORT_RETRY_FIRST_S = 0.25  # then doubling, up to REPORT_RETRY_MAX_S between tries
 REPORT_RETRY_MAX_S = 4.0
 
@@ -308,7 +299,7 @@ def _report_failure(
                 return lease.report_failure(
                     conn, held, final=final, message=message, retry_in_s=delay
                 )
-        except UNREACHABLE:
+        except DATABASE_ERRORS:
             if time.monotonic() + pause > deadline:
                 raise
         time.sleep(pause)  # the database is away: wait for it, as the attempt cannot go on

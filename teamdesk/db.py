@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
+import psycopg2
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
@@ -55,10 +57,10 @@ def make_engine(url: str, prepared_statements: bool = True, **kwargs: object) ->
 
 def bound_transactions(engine: Engine, statement_timeout_ms: int, **settings: str) -> Engine:
     """Open every transaction of ``engine`` with its bounds, as settings of that
-    transaction only (``set_config(..., true)``, one round trip): what a startup
-    ``options=-c ...`` would do, which PgBouncer refuses, and what a session-wide ``SET``
-    must not do behind a pooler in transaction mode (the next client of that server
-    connection would inherit it). ``settings``: more of them, e.g. ``synchronous_commit``.
+    transaction only (``set_config(..., true)``, one round trip): what startup parameters
+    would do, which PgBouncer refuses, and what a session-wide setting must not do behind
+    a pooler in transaction mode (the next client of that server connection would
+    inherit it). ``settings``: more of them, e.g. ``synchronous_commit``.
     For engines whose connections run transactions (not autocommit)."""
     values = {"statement_timeout": f"{int(statement_timeout_ms)}ms", **settings}
     statement = "SELECT " + ", ".join(
@@ -70,6 +72,37 @@ def bound_transactions(engine: Engine, statement_timeout_ms: int, **settings: st
         conn.exec_driver_sql(statement)
 
     return engine
+
+
+# Errors that mean "PostgreSQL is unreachable or stuck", not a bug (the ledger's hot-path
+# statements run on the driver's cursor, so the driver's own errors count too).
+DATABASE_ERRORS = (
+    sa.exc.OperationalError,
+    sa.exc.InterfaceError,
+    sa.exc.TimeoutError,
+    psycopg2.OperationalError,
+    psycopg2.InterfaceError,
+)
+
+
+def select_one(database_url: str, *, timeout_s: float, application_name: str) -> bool:
+    """Whether PostgreSQL answers ``SELECT 1`` on a new, short-lived connection (no pool:
+    nothing crosses a fork), connect and statement each bounded by ``timeout_s``; raises
+    when it cannot be reached."""
+    conn = psycopg2.connect(
+        libpq_url(database_url),
+        connect_timeout=max(2, math.ceil(timeout_s)),  # libpq: whole seconds, 2 at least
+        application_name=application_name,
+    )
+    try:
+        return answers(conn, timeout_s)
+    finally:
+        conn.close()
+
+
+def libpq_url(url: str) -> str:
+    """DATABASE_URL as libpq reads it (it does not know SQLAlchemy's ``+driver``)."""
+    return url.replace("postgresql+psycopg2://", "postgresql://", 1)
 
 
 # One round trip, one transaction: the bound is set for this transaction only (never a

@@ -39,12 +39,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-import psycopg2
 from celery.worker import state
 
 from teamdesk import metrics
 from teamdesk.config import Settings, is_redis_url
-from teamdesk.db import answers
+from teamdesk.db import select_one
 from teamdesk.heartbeat import Heartbeat, WorkerSlots
 from teamdesk.logs import log_event
 from teamdesk.redis_client import redis_client
@@ -60,20 +59,6 @@ T = TypeVar("T")
 
 def renew_interval_s(settings: Settings) -> float:
     return max(0.1, min(settings.heartbeat_ttl_s, settings.stale_after_s) / 4)
-
-
-def ping_database(database_url: str) -> bool:
-    """Prove PostgreSQL answers with a short-lived connection (no pool crosses a fork),
-    bounded per transaction (no startup ``options``: PgBouncer refuses them)."""
-    conn = psycopg2.connect(
-        database_url.replace("postgresql+psycopg2://", "postgresql://"),
-        connect_timeout=PING_TIMEOUT_S,
-        application_name="teamdesk-worker-liveness",
-    )
-    try:
-        return answers(conn, PING_TIMEOUT_S)
-    finally:
-        conn.close()
 
 
 class Liveness:
@@ -141,7 +126,11 @@ class Liveness:
         return self.heartbeat.renew()
 
     def _check_database(self) -> bool:
-        return ping_database(self.settings.database_url)
+        return select_one(
+            self.settings.database_url,
+            timeout_s=PING_TIMEOUT_S,
+            application_name="teamdesk-worker-liveness",
+        )
 
     def _attempt(self, stage: str, action: Callable[[], T]) -> T | None:
         """``action``'s result, or None when it raised; a failure is logged once per outage

@@ -27,17 +27,14 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-import psycopg2
-
 from teamdesk.config import Settings
-from teamdesk.db import answers
+from teamdesk.db import select_one
 from teamdesk.heartbeat import has_heartbeat
 from teamdesk.redis_client import redis_client
 
 CHECK_DEADLINE_S = 1.25  # stop waiting for the checks (the whole probe, started: under 2 s)
 OPERATION_TIMEOUT_S = 1.0  # Redis connect/read, PostgreSQL statement
 HARD_CAP_S = 3.5  # watchdog, counted from the probe's start (under 4 s with interpreter start)
-DB_CONNECT_TIMEOUT_S = 2  # libpq takes whole seconds and treats anything lower as 2
 
 Outcomes = dict[str, bool]
 
@@ -53,20 +50,7 @@ def redis_check(settings: Settings, scope: str, timeout_s: float) -> bool:
 
 def database_check(database_url: str, timeout_s: float) -> bool:
     """Whether PostgreSQL answers ``SELECT 1``; raises when it cannot be reached."""
-    conn = psycopg2.connect(
-        _libpq_url(database_url),
-        connect_timeout=DB_CONNECT_TIMEOUT_S,
-        application_name="teamdesk-health",
-    )
-    try:
-        return answers(conn, timeout_s)
-    finally:
-        conn.close()
-
-
-def _libpq_url(url: str) -> str:
-    """DATABASE_URL as libpq reads it (it does not know SQLAlchemy's ``+driver``)."""
-    return url.replace("postgresql+psycopg2://", "postgresql://", 1)
+    return select_one(database_url, timeout_s=timeout_s, application_name="teamdesk-health")
 
 
 def report(outcomes: Outcomes, scope: str) -> dict[str, Any]:
