@@ -27,7 +27,7 @@ from teamdesk import config, hooks
 from teamdesk.config import Settings
 from teamdesk.heartbeat import Heartbeat, holders_key
 from tests.support.dispatch_scan import running_row
-from tests.support.factories import World, add_tickets, task_row
+from tests.support.factories import World, add_tickets, audit_trail, task_row
 from tests.support.gates import Gate
 from tests.support.queues import send_message
 from tests.support.redis_server import dedicated_redis
@@ -36,15 +36,6 @@ from tests.support.workers import running_worker
 
 TTL_S = 1.0
 FILLER_BYTES = 4 * 1024 * 1024  # a key without a TTL, far larger than every heartbeat key
-
-
-def audit(engine: sa.Engine, task_id: uuid.UUID) -> list[tuple[str, str | None]]:
-    with engine.connect() as conn:
-        rows = conn.execute(
-            sa.text("SELECT event, execution_id FROM task_audit WHERE task_id = :t ORDER BY id"),
-            {"t": task_id},
-        )
-        return [(r.event, None if r.execution_id is None else str(r.execution_id)) for r in rows]
 
 
 def flush_all(client: redis.Redis) -> None:
@@ -144,14 +135,14 @@ def test_an_emptied_redis_takes_no_live_lease_and_a_dead_holder_only_once_truste
         dead = task_row(engine, dead_id)
         assert (dead["status"], dead["recoveries"], dead["lease_holder"]) == ("WAITING", 1, None)
         claimed = str(dead_before["execution_id"])
-        assert audit(engine, dead_id) == [("CLAIM", claimed), ("RECOVER", claimed)]
+        assert audit_trail(engine, dead_id) == [("CLAIM", claimed), ("RECOVER", claimed)]
     done = task_row(engine, live_id)
     assert (done["status"], done["recoveries"], done["result_summary"]) == (
         "COMPLETED",
         0,
         "700 rows",
     )
-    assert audit(engine, live_id) == [("CLAIM", str(execution)), ("COMPLETE", str(execution))]
+    assert audit_trail(engine, live_id) == [("CLAIM", str(execution)), ("COMPLETE", str(execution))]
 
 
 def test_a_replica_holding_the_old_primarys_record_is_not_trusted(

@@ -3,7 +3,6 @@ virtual host is the cluster's own, named like QUEUE_PREFIX (teamdesk/config.py).
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -18,6 +17,7 @@ from ledger import service
 from tasks import queueing
 from teamdesk import config, hooks
 from teamdesk.heartbeat import Heartbeat
+from tests.support.celery_tools import rabbit_vhost as throwaway_vhost
 from tests.support.csv_reference import expected_csv
 from tests.support.dispatch_scan import long_up
 from tests.support.dispatching import running_cluster
@@ -29,21 +29,12 @@ from tests.support.waiting import wait_for
 from tests.support.workers import EventLog, running_worker
 
 
-def rabbitmqctl(*args: str) -> None:
-    subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=60)
-
-
 @pytest.fixture
 def rabbit_vhost(queue_prefix: str) -> Iterator[str]:
     """A throwaway vhost named like the test's QUEUE_PREFIX: this test's queues and
     exchanges vanish with it."""
-    vhost = queue_prefix
-    rabbitmqctl("add_vhost", vhost)
-    try:
-        rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+    with throwaway_vhost(queue_prefix) as vhost:
         yield vhost
-    finally:
-        rabbitmqctl("delete_vhost", vhost)
 
 
 def test_worker_on_rabbitmq_completes_an_export(

@@ -36,7 +36,7 @@ from teamdesk.config import Settings
 from tests.support import steady_gates
 from tests.support.celery_tools import consumer
 from tests.support.csv_reference import expected_csv
-from tests.support.factories import World, add_tickets, task_row
+from tests.support.factories import World, add_tickets, audit_trail, task_row
 from tests.support.operator_commands import node_of
 from tests.support.processes import Proc, cluster, settings_env, worker_argv
 from tests.support.queues import publish_stamped, queue_key
@@ -60,15 +60,6 @@ def delivered(broker: redis.Redis, prefix: str) -> list[str]:
 
 def of_task(worker: Proc, event: str, task_id: uuid.UUID) -> list[dict[str, Any]]:
     return [e for e in worker.events(event) if e.get("task_id") == str(task_id)]
-
-
-def audit(engine: sa.Engine, task_id: uuid.UUID) -> list[tuple[str, str | None]]:
-    with engine.connect() as conn:
-        rows = conn.execute(
-            sa.text("SELECT event, execution_id FROM task_audit WHERE task_id = :t ORDER BY id"),
-            {"t": task_id},
-        )
-        return [(r.event, None if r.execution_id is None else str(r.execution_id)) for r in rows]
 
 
 def test_a_message_restored_by_a_reconnect_is_skipped_while_its_execution_lives(
@@ -147,7 +138,7 @@ def test_a_message_restored_by_a_reconnect_is_skipped_while_its_execution_lives(
     assert len(of_task(w1, "task.completed", task_id)) == 1
     assert w1.events("task.lease_lost") == w2.events("task.lease_lost") == []
     execution = parked["execution_id"]
-    assert audit(engine, task_id) == [("CLAIM", execution), ("COMPLETE", execution)]
+    assert audit_trail(engine, task_id) == [("CLAIM", execution), ("COMPLETE", execution)]
     row = task_row(engine, task_id)
     assert (row["status"], row["run"], row["attempts"], row["recoveries"]) == (
         "COMPLETED",

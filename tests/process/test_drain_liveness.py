@@ -26,7 +26,7 @@ from dispatcher.scan import run_once
 from ledger import service
 from teamdesk.config import Settings
 from teamdesk.heartbeat import lease_holders_alive, live_members
-from tests.support.factories import World, add_tickets, task_row
+from tests.support.factories import World, add_tickets, audit_trail, task_row
 from tests.support.gated_worker import gated_export_worker
 from tests.support.processes import Proc
 from tests.support.redis_server import dedicated_redis
@@ -44,15 +44,6 @@ BATCHES = 3  # 1200 rows in batches of 500: the gate is reached once per batch
 def redis_now(client: redis.Redis) -> float:
     seconds, micros = client.time()
     return float(seconds) + micros / 1_000_000
-
-
-def audit(engine: sa.Engine, task_id: uuid.UUID) -> list[tuple[str, str | None]]:
-    with engine.connect() as conn:
-        rows = conn.execute(
-            sa.text("SELECT event, execution_id FROM task_audit WHERE task_id = :t ORDER BY id"),
-            {"t": task_id},
-        )
-        return [(r.event, None if r.execution_id is None else str(r.execution_id)) for r in rows]
 
 
 def scan_through(
@@ -107,7 +98,7 @@ def draining_worker(
     row = task_row(engine, task_id)
     assert (row["status"], row["attempts"], row["recoveries"]) == ("COMPLETED", 1, 0)
     assert row["result_summary"] == "1200 rows"
-    assert audit(engine, task_id) == [("CLAIM", execution), ("COMPLETE", execution)]
+    assert audit_trail(engine, task_id) == [("CLAIM", execution), ("COMPLETE", execution)]
     started = [e["execution"] for e in w1.events("task.started")]
     completed = [e["execution"] for e in w1.events("task.completed")]
     assert started == completed == [execution[:8]]

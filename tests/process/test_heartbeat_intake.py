@@ -17,7 +17,7 @@ from __future__ import annotations
 import signal
 import uuid
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -29,6 +29,7 @@ from tasks.celery_app import create_app
 from teamdesk.config import Settings
 from teamdesk.heartbeat import WorkerSlots, info_key, live_members
 from tests.process.test_shutdown import GATED
+from tests.support.databases import through
 from tests.support.factories import World, add_tickets, audit_events, task_row
 from tests.support.processes import Proc, cluster, settings_env, worker_argv
 from tests.support.queues import queued_ids, send_message
@@ -39,13 +40,6 @@ from tests.support.waiting import wait_for
 pytestmark = pytest.mark.slow
 
 TTL_S = 1.0
-
-
-def through(url: str, port: int) -> str:
-    """``url`` with its port replaced (the proxy listens on 127.0.0.1)."""
-    parts = urlsplit(url)
-    user = f"{parts.username}@" if parts.username else ""
-    return urlunsplit(parts._replace(netloc=f"{user}127.0.0.1:{port}"))
 
 
 def export(engine: sa.Engine, world: World) -> uuid.UUID:

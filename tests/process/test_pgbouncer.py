@@ -22,8 +22,9 @@ import sqlalchemy as sa
 from teamdesk import config, db
 from teamdesk.config import Settings
 from tests.support.api_helpers import api_client, bearer, exports_url, make_tokens, reminders_url
+from tests.support.databases import through
 from tests.support.factories import World, add_ticket, add_tickets, audit_events, task_row
-from tests.support.pgbouncer import pgbouncer, through
+from tests.support.pgbouncer import pgbouncer
 from tests.support.processes import ROOT, Proc, celery_argv, cluster, settings_env, worker_argv
 from tests.support.waiting import wait_for
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from urllib.parse import urlsplit, urlunsplit
 
 import sqlalchemy as sa
 
@@ -13,6 +14,14 @@ from teamdesk.db import sqlalchemy_url
 ADMIN_URL = os.environ.get(
     "TEST_ADMIN_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
 )
+
+
+def through(url: str, port: int) -> str:
+    """``url`` with its host and port replaced by 127.0.0.1:``port`` (a proxy or a pooler
+    in front of the test database)."""
+    parts = urlsplit(url)
+    user = f"{parts.username}@" if parts.username else ""
+    return urlunsplit(parts._replace(netloc=f"{user}127.0.0.1:{port}"))
 
 
 def _with_db(url: str, name: str) -> str:

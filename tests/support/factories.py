@@ -161,6 +161,16 @@ def audit_events(engine: Engine, task_id: uuid.UUID) -> list[str]:
         )
 
 
+def audit_trail(engine: Engine, task_id: uuid.UUID) -> list[tuple[str, str | None]]:
+    """The task's audit trail, oldest first: each event with its execution id (text)."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT event, execution_id FROM task_audit WHERE task_id = :t ORDER BY id"),
+            {"t": task_id},
+        )
+        return [(r.event, None if r.execution_id is None else str(r.execution_id)) for r in rows]
+
+
 def notifications(engine: Engine, task_id: uuid.UUID) -> int:
     """How many notifications the task (a reminder) has written."""
     with engine.connect() as conn:

@@ -13,17 +13,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 START_TIMEOUT_S = 10.0
 SERVICE_USER = "postgres"
-
-
-def through(url: str, port: int) -> str:
-    """``url`` with its port replaced (PgBouncer listens on 127.0.0.1)."""
-    parts = urlsplit(url)
-    user = f"{parts.username}@" if parts.username else ""
-    return urlunsplit(parts._replace(netloc=f"{user}127.0.0.1:{port}"))
 
 
 def _free_port() -> int:
