@@ -221,8 +221,7 @@ def _rejected(
     message still ends as the rejection it is."""
     report_error: dict[str, str] = {}
     try:
-        budget = get_settings().stale_after_s / 2
-        written = _report_failure(held, True, exc.message, 0.0, budget)
+        written = _report_failure(held, True, exc.message, 0.0)
     except Exception as report_exc:
         written, report_error = True, {"report_error": type(report_exc).__name__}
     if not written:
@@ -253,7 +252,7 @@ def _failed_attempt(
     report_error: dict[str, str] = {}
     try:
         hooks.fire("task.before_failure_report", lease=held, final=final)
-        written = _report_failure(held, final, message, delay, settings.stale_after_s / 2)
+        written = _report_failure(held, final, message, delay)
     except Exception as report_exc:
         written, report_error = True, {"report_error": type(report_exc).__name__}
     if not written:
@@ -283,15 +282,14 @@ REPORT_RETRY_FIRST_S = 0.25  # then doubling, up to REPORT_RETRY_MAX_S between t
 REPORT_RETRY_MAX_S = 4.0
 
 
-def _report_failure(
-    held: lease.Lease, final: bool, message: str, delay: float, budget_s: float
-) -> bool:
-    """``lease.report_failure`` in a transaction of its own, tried again while the database
-    is unreachable, for up to ``budget_s``. An attempt that failed because PostgreSQL went
-    away (a restart) usually cannot report at once either; without this its run waited
-    for the staleness rule (``STALE_AFTER_S``) instead of retrying as soon as PostgreSQL
-    answers again. The budget stays under ``STALE_AFTER_S``: past it, that rule decides."""
-    deadline = time.monotonic() + budget_s
+def _report_failure(held: lease.Lease, final: bool, message: str, delay: float) -> bool:
+    """``lease.report_failure`` in a transaction of its own, tried again while the database is
+    unreachable, for up to half of ``STALE_AFTER_S``. An attempt that failed because
+    PostgreSQL went away (a restart) usually cannot report at once either; without this its
+    run waited for the staleness rule (``STALE_AFTER_S``) instead of retrying as soon as
+    PostgreSQL answers again. The budget stays under ``STALE_AFTER_S``: past it, that rule
+    decides."""
+    deadline = time.monotonic() + get_settings().stale_after_s / 2
     pause = REPORT_RETRY_FIRST_S
     while True:
         try:

@@ -1,11 +1,12 @@
 """A revoked queue message cancels its run (docs/design.md, "Operating with Celery's tools").
 
 ``celery control revoke <task_id>-<run>`` (what Flower's revoke button sends) tells every
-live worker to discard that message id; with ``--terminate`` a worker also kills the pool
-process running it. Celery does either in the worker's main process and then sends
-``task_revoked``. Left there, the ledger would never hear of it: the run would stay
-WAITING and published (or RUNNING), be published again when its message was judged
-lost, and be discarded again for as long as the workers remember the revoke.
+live worker to discard that message id; ``celery control terminate SIGTERM <id>`` (Flower's
+Terminate) also makes a worker kill the pool process running it. Celery does either in the
+worker's main process and then sends ``task_revoked``. Left there, the ledger would never
+hear of it: the run would stay WAITING and published (or RUNNING), be published again when
+its message was judged lost, and be discarded again for as long as the workers remember the
+revoke.
 
 So a revoke means what an operator expects: the run named by the message is CANCELLED
 in the ledger (the fenced cancel of ``ledger.service.cancel_run``: only while WAITING or
@@ -66,12 +67,13 @@ def cancel_revoked(message: delivery.Delivery, terminated: bool) -> None:
         "run": message.run,
         "terminated": terminated,
     }
+    # The message is gone either way: its marker must not hold the run back.
+    queueing.message_started(message.task_id, message.run, message.stamp)
     try:
         with _engine().begin() as conn:
             dispatch.limit_statement_time(conn, STATEMENT_TIMEOUT_S)
             cancelled = service.cancel_run(conn, message.task_id, message.run)
     except Exception as exc:
-        queueing.message_started(message.task_id, message.run, message.stamp)
         log_event(
             log,
             "task.revoked",
@@ -81,7 +83,6 @@ def cancel_revoked(message: delivery.Delivery, terminated: bool) -> None:
             **fields,
         )
         return
-    queueing.message_started(message.task_id, message.run, message.stamp)
     log_event(log, "task.revoked", cancelled=cancelled, **fields)
 
 
