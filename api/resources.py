@@ -100,7 +100,7 @@ class Resources:
         """Short socket timeouts and no retries: a frozen Redis must not hold a request."""
         with self._lock:
             if self._redis is None:
-                self._redis = redis_client(self.settings.redis_url, REDIS_TIMEOUT_S)
+                self._redis = redis_client(self.settings, self.settings.redis_url, REDIS_TIMEOUT_S)
             return self._redis
 
     def close(self) -> None:

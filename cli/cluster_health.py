@@ -37,7 +37,7 @@ DB_STATEMENT_TIMEOUT_MS = 2000
 
 
 def read_cluster_roles(settings: Settings) -> Roles | None:
-    client = redis_client(settings.redis_url, REDIS_TIMEOUT_S)
+    client = redis_client(settings, settings.redis_url, REDIS_TIMEOUT_S)
     try:
         return read_roles(client, settings.queue_prefix)
     except redis.RedisError:

@@ -38,7 +38,7 @@ from cli.demo import DemoTeam
 from cli.localmanager import ClusterManager
 from ledger.migrate import upgrade
 from tasks.demo_pause import SLOW_EXPORT_ENV, delay_from_env
-from teamdesk.config import Settings
+from teamdesk.config import Settings, is_sentinel_url
 from teamdesk.db import make_engine, sqlalchemy_url
 from teamdesk.redis_client import redis_client
 
@@ -147,6 +147,11 @@ def redis_hint(redis_url: str, error: str) -> str:
     parts = urlsplit(redis_url)
     if parts.scheme == "unix":
         return f"cannot reach Redis ({error}) at the socket REDIS_URL names; check REDIS_URL"
+    if is_sentinel_url(redis_url):
+        return (
+            f"cannot reach Redis ({error}) through the sentinels REDIS_URL lists; check "
+            "REDIS_URL, REDIS_SENTINEL_MASTER and that the sentinels know a master by that name"
+        )
     port = parts.port or DEFAULT_REDIS_PORT
     text = f"cannot reach Redis ({error}) on port {port} (from REDIS_URL); check REDIS_URL"
     if (parts.hostname or "127.0.0.1") not in LOCAL_HOSTS:
@@ -158,7 +163,7 @@ def redis_hint(redis_url: str, error: str) -> str:
 
 
 def check_redis(settings: Settings) -> None:
-    client = redis_client(settings.redis_url, REDIS_CHECK_TIMEOUT_S)
+    client = redis_client(settings, settings.redis_url, REDIS_CHECK_TIMEOUT_S)
     try:
         client.ping()
     except redis.RedisError as exc:

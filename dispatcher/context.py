@@ -44,7 +44,7 @@ def dispatcher_engine(settings: Settings) -> Engine:
 def results_redis(settings: Settings) -> redis.Redis:
     """A ``REDIS_URL`` client with short timeouts and one quick retry (a pooled connection
     cut by a Redis restart), no backoff: the next pass is moments away."""
-    return redis_client(settings.redis_url, REDIS_TIMEOUT_S, retries=1)
+    return redis_client(settings, settings.redis_url, REDIS_TIMEOUT_S, retries=1)
 
 
 @dataclass

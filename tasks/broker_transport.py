@@ -12,10 +12,11 @@ the close is ignored like any other failed close and the consumer reconnects. Th
 unacknowledged messages stay in Redis's unacked index, where kombu restores them later;
 the ledger refuses any run that was already claimed.
 
-Registered for ``redis://`` URLs (kombu's ``TRANSPORT_ALIASES``, the registry of
-transports by URL scheme) by :func:`use_for_redis_urls`, which the one place that builds
-the Celery app calls, so every process of the cluster uses it and URLs and logs still
-read ``redis://``; ``rediss://`` and sentinel keep kombu's own.
+Registered for ``redis://`` and ``sentinel://`` URLs (kombu's ``TRANSPORT_ALIASES``, the
+registry of transports by URL scheme; the sentinel transport builds its connections the
+same way) by :func:`use_for_redis_urls`, which the one place that builds the Celery app
+calls, so every process of the cluster uses it and URLs and logs still read as given;
+``rediss://`` keeps kombu's own.
 """
 
 from __future__ import annotations
@@ -27,12 +28,23 @@ from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
 
 TRANSPORT_PATH = "tasks.broker_transport:Transport"
+SENTINEL_TRANSPORT_PATH = "tasks.broker_transport:SentinelTransport"
+
+
+def _refuse_closed(channel: kombu_redis.Channel) -> None:
+    if channel.connection.client is None:
+        raise redis.exceptions.ConnectionError("the broker connection is already closed")
 
 
 class Channel(kombu_redis.Channel):
     def _connparams(self, asynchronous: bool = False) -> Any:
-        if self.connection.client is None:
-            raise redis.exceptions.ConnectionError("the broker connection is already closed")
+        _refuse_closed(self)
+        return super()._connparams(asynchronous=asynchronous)
+
+
+class SentinelChannel(kombu_redis.SentinelChannel):
+    def _connparams(self, asynchronous: bool = False) -> Any:
+        _refuse_closed(self)
         return super()._connparams(asynchronous=asynchronous)
 
 
@@ -40,6 +52,12 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
+class SentinelTransport(kombu_redis.SentinelTransport):
+    Channel = SentinelChannel
+
+
 def use_for_redis_urls() -> None:
-    """Make ``redis://`` broker URLs use :class:`Transport` (idempotent)."""
+    """Make ``redis://`` and ``sentinel://`` broker URLs use :class:`Transport` and
+    :class:`SentinelTransport` (idempotent)."""
     TRANSPORT_ALIASES["redis"] = TRANSPORT_PATH
+    TRANSPORT_ALIASES["sentinel"] = SENTINEL_TRANSPORT_PATH

@@ -13,7 +13,7 @@ from dispatcher.beat_host import beat_config
 from tasks.broker_transport import use_for_redis_urls
 from tasks.definitions import register
 from tasks.names import EXPORTS_QUEUE, QUEUE_OF, REMINDERS_QUEUE
-from teamdesk.config import Settings, get_settings, is_redis_url
+from teamdesk.config import Settings, get_settings, is_redis_url, is_sentinel_url
 from teamdesk.logs import setup_logging
 from worker import lifecycle
 from worker.steps import LivenessStep
@@ -26,6 +26,23 @@ RESULT_EXPIRES = timedelta(days=1)
 # worker's own clock, so a short timeout would let a worker whose clock runs ahead take
 # every in-flight message of the cluster; an hour is beyond any skew worth tolerating.
 VISIBILITY_TIMEOUT_S = 3600
+SENTINEL_TIMEOUT_S = 2.0  # one question to one sentinel (which server is the master)
+
+
+def sentinel_options(settings: Settings, url: str) -> dict[str, Any]:
+    """kombu's and Celery's transport options for a URL that lists sentinels: the master's
+    name, and how to talk to the sentinels: bounded (without a timeout of its own a
+    frozen sentinel would hold a reconnect forever) and with their password if they need
+    one. Empty for any other URL."""
+    if not is_sentinel_url(url):
+        return {}
+    sentinels: dict[str, Any] = {
+        "socket_timeout": SENTINEL_TIMEOUT_S,
+        "socket_connect_timeout": SENTINEL_TIMEOUT_S,
+    }
+    if settings.redis_sentinel_password:
+        sentinels["password"] = settings.redis_sentinel_password
+    return {"master_name": settings.redis_sentinel_master, "sentinel_kwargs": sentinels}
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -37,6 +54,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # so two clusters, or two test runs, can share one Redis.
         broker_options["global_keyprefix"] = prefix
         broker_options["visibility_timeout"] = VISIBILITY_TIMEOUT_S
+        broker_options.update(sentinel_options(settings, settings.broker_url))
     return {
         "broker_url": settings.broker_url,
         "broker_transport_options": broker_options,
@@ -50,7 +68,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # Celery 5 does by default; said explicitly, since Celery 6 flips the default.
         "worker_cancel_long_running_tasks_on_connection_loss": False,
         "result_backend": settings.redis_url,
-        "result_backend_transport_options": {"global_keyprefix": prefix},
+        "result_backend_transport_options": {
+            "global_keyprefix": prefix,
+            **sentinel_options(settings, settings.redis_url),
+        },
         "result_expires": RESULT_EXPIRES,
         # JSON only: no pickle from the queue.
         "task_serializer": "json",

@@ -2,7 +2,7 @@
 
 PostgreSQL renders the CSV (``COPY (query) TO STDOUT WITH (FORMAT csv)``): one statement
 in a REPEATABLE READ, READ ONLY transaction of its own (one snapshot), bounded to
-``READ_BUDGET_S`` by ``statement_timeout``. Python appends each record to one buffer,
+``EXPORT_READ_BUDGET_S`` by ``statement_timeout``. Python appends each record to one buffer,
 counting rows as they arrive, and reports progress every ``EXPORT_BATCH_SIZE`` rows; the
 completion sends that same buffer (ledger/lease.py, ``complete_export``), so memory holds
 the CSV and nothing per row. The statement counts the matching rows before it sends the
@@ -34,7 +34,6 @@ from tasks.execution import Context
 from teamdesk import hooks
 
 HEADER = "id,title,status,priority,requester_id,assignee_id,due_at,created_at,updated_at\n"
-READ_BUDGET_S = 60
 
 MSG_TOO_MANY = "The export matches more than {limit} tickets; narrow the filters."
 
@@ -59,7 +58,7 @@ TEXT_COLUMNS = f"""id::text AS c1,
 
 
 class ExportReadTimeout(Exception):
-    """The export's read ran past its 60 s budget (a failed attempt)."""
+    """The export's read ran past EXPORT_READ_BUDGET_S (a failed attempt)."""
 
 
 def require_permission(scope: str, creator_role: str | None) -> None:
@@ -110,7 +109,7 @@ def _utc_midnight(day: date) -> datetime:
 # the rows to count them, a MATERIALIZED CTE, cost a quarter more: bench/results/.)
 STREAM = """
     SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY;
-    SET LOCAL statement_timeout = '{budget}s';
+    SET LOCAL statement_timeout = '{budget_ms}ms';
     COPY (
         WITH total AS (
             SELECT count(*) AS n FROM (SELECT 1 FROM tickets WHERE {where} LIMIT {cap} + 1) m
@@ -172,10 +171,12 @@ class CsvStream:
 
 def read_csv(ctx: Context, where: str, params: dict[str, Any]) -> CsvStream:
     """The export's rows as CSV, streamed by one COPY on the execution connection: one
-    REPEATABLE READ, READ ONLY snapshot, bounded to READ_BUDGET_S by statement_timeout."""
+    REPEATABLE READ, READ ONLY snapshot, bounded to EXPORT_READ_BUDGET_S by
+    statement_timeout."""
     cursor = ctx.conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
     limit = ctx.settings.export_max_rows
-    query = STREAM.format(budget=READ_BUDGET_S, columns=TEXT_COLUMNS, where=where, cap=int(limit))
+    budget_ms = max(1, round(ctx.settings.export_read_budget_s * 1000))
+    query = STREAM.format(budget_ms=budget_ms, columns=TEXT_COLUMNS, where=where, cap=int(limit))
     stream = CsvStream(ctx, ctx.settings.export_batch_size)
     try:
         cursor.copy_expert(cursor.mogrify(query, params).decode(), stream)

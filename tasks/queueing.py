@@ -72,7 +72,7 @@ def marker_redis() -> redis.Redis:
     url = settings.broker_url if is_redis_url(settings.broker_url) else settings.redis_url
     with _client_lock:
         if _client is None or _client_url != url:
-            _client = redis_client(url, MARKER_TIMEOUT_S, retries=1)
+            _client = redis_client(settings, url, MARKER_TIMEOUT_S, retries=1)
             _client_url = url
         return _client
 

@@ -23,14 +23,24 @@ DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/teamdesk"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 _DATABASE_SCHEMES = ("postgresql", "postgresql+psycopg2", "postgres")
-REDIS_SCHEMES = ("redis", "rediss", "unix")
+SENTINEL_SCHEME = "sentinel"
+REDIS_SCHEMES = ("redis", "rediss", "unix", SENTINEL_SCHEME)
 _BROKER_SCHEMES = (*REDIS_SCHEMES, "amqp", "amqps", "pyamqp")
+# kombu's form for Redis under Sentinel: every sentinel's URL, separated by ";".
+SENTINEL_SEPARATOR = ";"
 
 
 def is_redis_url(url: str) -> bool:
-    """Whether ``url`` names a Redis server (the one test used everywhere: the broker's
-    transport options, the queued markers' home, the workers' visibility renewal)."""
+    """Whether ``url`` names a Redis server, directly or through its sentinels (the one
+    test used everywhere: the broker's transport options, the queued markers' home, the
+    workers' visibility renewal)."""
     return urlsplit(url).scheme in REDIS_SCHEMES
+
+
+def is_sentinel_url(url: str) -> bool:
+    """Whether ``url`` lists Redis sentinels (``sentinel://h:p[;sentinel://h2:p2...]``)
+    rather than naming one Redis server."""
+    return urlsplit(url).scheme == SENTINEL_SCHEME
 
 
 # A quarter of STALE_AFTER_S: a database crash moves a run's last write back by at most
@@ -79,6 +89,13 @@ class Settings:
     # rows after they were written; at least one day (the purge function's own floor).
     task_retention_days: float = 30.0
     audit_retention_days: float = 30.0
+    # Redis under Sentinel (REDIS_URL / BROKER_URL as sentinel://...): the name of the
+    # master the sentinels monitor, and the sentinels' own password if they require one.
+    redis_sentinel_master: str = ""
+    redis_sentinel_password: str = ""
+    # How long an export's read (one COPY statement) may take; a read is silent (no
+    # progress before its first rows), so it is at most half of STALE_AFTER_S.
+    export_read_budget_s: float = 60.0
 
     @property
     def listen_url(self) -> str | None:
@@ -123,17 +140,40 @@ def _url(env: Mapping[str, str], name: str, default: str, schemes: tuple[str, ..
     if raw is None or raw.strip() == "":
         return default
     value = raw.strip()
+    if is_sentinel_url(value) and SENTINEL_SCHEME in schemes:
+        for chunk in value.split(SENTINEL_SEPARATOR):
+            if not is_sentinel_url(chunk):
+                raise ConfigError(
+                    f"{name}: list every sentinel as sentinel://host:port, separated by ';'"
+                )
+            _one_url(name, chunk, schemes)
+        return value
+    _one_url(name, value, schemes)
+    return value
+
+
+def _one_url(name: str, value: str, schemes: tuple[str, ...]) -> None:
+    """One server's URL; a PostgreSQL URL may list several hosts, as libpq allows
+    (``postgresql://u@h1:5432,h2:5432/db?target_session_attrs=read-write``)."""
     try:
         parts = urlsplit(value)
-        parts.port  # noqa: B018 - raises ValueError on a malformed port
+        hosts = database_hosts(value) if parts.scheme in _DATABASE_SCHEMES else [parts.netloc]
+        for host in hosts:
+            urlsplit(f"//{host}").port  # noqa: B018 - raises ValueError on a malformed port
     except ValueError:
         raise ConfigError(f"{name} is not a valid URL") from None
     if parts.scheme not in schemes:
         allowed = ", ".join(f"{s}://" for s in schemes)
         raise ConfigError(f"{name} must start with one of {allowed}")
-    if parts.scheme != "unix" and not parts.hostname:
+    if parts.scheme != "unix" and not all(urlsplit(f"//{host}").hostname for host in hosts):
         raise ConfigError(f"{name} must name a host")
-    return value
+
+
+def database_hosts(url: str) -> list[str]:
+    """The ``host[:port]`` entries of a PostgreSQL URL (one, or libpq's comma-separated
+    list for a primary and its standbys)."""
+    netloc = urlsplit(url).netloc
+    return netloc.rpartition("@")[2].split(",")
 
 
 def _text(env: Mapping[str, str], name: str, default: str) -> str:
@@ -185,6 +225,46 @@ def _broker_url(env: Mapping[str, str], redis_url: str, queue_prefix: str) -> st
     return url
 
 
+def _sentinel(env: Mapping[str, str], redis_url: str, broker_url: str) -> tuple[str, str]:
+    """REDIS_SENTINEL_MASTER and REDIS_SENTINEL_PASSWORD: the master's name is needed
+    exactly when REDIS_URL or BROKER_URL lists sentinels."""
+    master = (env.get("REDIS_SENTINEL_MASTER") or "").strip()
+    password = env.get("REDIS_SENTINEL_PASSWORD") or ""
+    uses = is_sentinel_url(redis_url) or is_sentinel_url(broker_url)
+    if uses and not master:
+        raise ConfigError(
+            "REDIS_SENTINEL_MASTER must name the master the sentinels monitor "
+            "(REDIS_URL or BROKER_URL lists sentinels)"
+        )
+    if not uses and (master or password):
+        raise ConfigError(
+            "REDIS_SENTINEL_MASTER and REDIS_SENTINEL_PASSWORD apply only when REDIS_URL "
+            "or BROKER_URL lists sentinels (sentinel://host:port;sentinel://...)"
+        )
+    if any(ch.isspace() for ch in master):
+        raise ConfigError("REDIS_SENTINEL_MASTER must not contain spaces")
+    return master, password
+
+
+def _read_budget(env: Mapping[str, str], stale_after_s: float) -> float:
+    """EXPORT_READ_BUDGET_S: at most half of STALE_AFTER_S, since a read writes nothing
+    until its first rows arrive and a silence of STALE_AFTER_S takes a run back (half,
+    not all: a database crash may move the run's last write back by a quarter, see
+    DURABLE_PROGRESS_FRACTION). Unset: 60 s, or half of STALE_AFTER_S if that is less."""
+    ceiling = stale_after_s / 2
+    if not (env.get("EXPORT_READ_BUDGET_S") or "").strip():
+        return min(60.0, ceiling)
+    budget = _number(env, "EXPORT_READ_BUDGET_S", 60.0, float, 0.001)
+    if budget > ceiling:
+        raise ConfigError(
+            f"EXPORT_READ_BUDGET_S ({budget:g}) must be at most half of STALE_AFTER_S "
+            f"({stale_after_s:g}): an export's read writes nothing until its rows arrive, "
+            "and a longer silence takes the run back; raise STALE_AFTER_S or lower "
+            "EXPORT_READ_BUDGET_S"
+        )
+    return budget
+
+
 def _port(env: Mapping[str, str], name: str) -> int:
     port = _number(env, name, 0, int, 0)
     if port > 65535:
@@ -202,16 +282,19 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         )
     redis_url = _url(env, "REDIS_URL", DEFAULT_REDIS_URL, REDIS_SCHEMES)
     queue_prefix = _text(env, "QUEUE_PREFIX", "teamdesk")
+    broker_url = _broker_url(env, redis_url, queue_prefix)
+    master, sentinel_password = _sentinel(env, redis_url, broker_url)
+    stale_after_s = _number(env, "STALE_AFTER_S", 120.0, float, 0.001)
     return Settings(
         database_url=_url(env, "DATABASE_URL", DEFAULT_DATABASE_URL, _DATABASE_SCHEMES),
         redis_url=redis_url,
-        broker_url=_broker_url(env, redis_url, queue_prefix),
+        broker_url=broker_url,
         queue_prefix=queue_prefix,
         log_level=level,
         worker_instance_id=_text(env, "WORKER_INSTANCE_ID", socket.gethostname()),
         max_task_attempts=_number(env, "MAX_TASK_ATTEMPTS", 3, int, 1),
         retry_base_delay_s=_number(env, "RETRY_BASE_DELAY_S", 2.0, float, 0.0),
-        stale_after_s=_number(env, "STALE_AFTER_S", 120.0, float, 0.001),
+        stale_after_s=stale_after_s,
         scan_interval_s=_number(env, "SCAN_INTERVAL_S", 3.0, float, 0.001),
         heartbeat_ttl_s=_number(env, "HEARTBEAT_TTL_S", 20.0, float, 0.001),
         max_recoveries=_number(env, "MAX_RECOVERIES", 2, int, 0),
@@ -230,6 +313,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         metrics_host=_text(env, "METRICS_HOST", "127.0.0.1"),
         task_retention_days=_number(env, "TASK_RETENTION_DAYS", 30.0, float, 1.0),
         audit_retention_days=_number(env, "AUDIT_RETENTION_DAYS", 30.0, float, 1.0),
+        redis_sentinel_master=master,
+        redis_sentinel_password=sentinel_password,
+        export_read_budget_s=_read_budget(env, stale_after_s),
     )
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import threading
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg2
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from teamdesk.config import get_settings
+from teamdesk.config import database_hosts, get_settings
 
 _engine: Engine | None = None
 _lock = threading.Lock()
@@ -22,11 +23,22 @@ PREPARED_KEY = "teamdesk_prepared"
 
 
 def sqlalchemy_url(url: str) -> str:
-    """DATABASE_URL with the psycopg2 driver named (SQLAlchemy 2.1 defaults to psycopg 3)."""
+    """DATABASE_URL with the psycopg2 driver named (SQLAlchemy 2.1 defaults to psycopg 3).
+
+    libpq's list of hosts (``postgresql://u@h1:5432,h2:5432/db?target_session_attrs=
+    read-write``, a primary and its standbys, tried in order) is written in SQLAlchemy's
+    form, one ``host`` query parameter per host (``postgresql+psycopg2://u@/db?host=h1:5432
+    &host=h2:5432&...``); the driver hands libpq the same list."""
     for prefix in ("postgresql://", "postgres://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg2://" + url[len(prefix) :]
-    return url
+            url = "postgresql+psycopg2://" + url[len(prefix) :]
+    hosts = database_hosts(url)
+    if len(hosts) == 1:
+        return url
+    parts = urlsplit(url)
+    user = parts.netloc.rpartition("@")[0]
+    query = "&".join([*(f"host={host}" for host in hosts), *filter(None, [parts.query])])
+    return urlunsplit((parts.scheme, f"{user}@" if user else "", parts.path, query, ""))
 
 
 def make_engine(url: str, prepared_statements: bool = True, **kwargs: object) -> Engine:

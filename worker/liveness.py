@@ -74,7 +74,7 @@ class Liveness:
     ) -> None:
         self.settings = settings
         self.offer = offer  # what the process consumes now, read at every renewal
-        self.client = redis_client(settings.redis_url, RENEW_TIMEOUT_S)
+        self.client = redis_client(settings, settings.redis_url, RENEW_TIMEOUT_S)
         self.heartbeat = Heartbeat(
             self.client,
             settings.queue_prefix,
@@ -84,7 +84,7 @@ class Liveness:
         )
         self.delivery_tags = delivery_tags
         self.broker = (
-            redis_client(settings.broker_url, RENEW_TIMEOUT_S)
+            redis_client(settings, settings.broker_url, RENEW_TIMEOUT_S)
             if is_redis_url(settings.broker_url)
             else None
         )

@@ -41,7 +41,7 @@ Outcomes = dict[str, bool]
 
 def redis_check(settings: Settings, scope: str, timeout_s: float) -> bool:
     """Whether ``scope`` has a live member; raises when Redis does not answer in time."""
-    client = redis_client(settings.redis_url, timeout_s)
+    client = redis_client(settings, settings.redis_url, timeout_s)
     try:
         return has_heartbeat(client, settings.queue_prefix, scope)
     finally:

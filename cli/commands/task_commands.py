@@ -100,7 +100,7 @@ def read_roles_once() -> Any:
     from teamdesk.redis_client import redis_client
 
     settings = get_settings()
-    client = redis_client(settings.redis_url, ROLES_TIMEOUT_S)
+    client = redis_client(settings, settings.redis_url, ROLES_TIMEOUT_S)
     try:
         return roles_or_none(client, settings.queue_prefix)
     finally:

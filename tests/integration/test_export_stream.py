@@ -62,12 +62,11 @@ def test_a_read_that_waits_past_its_budget_is_a_failed_attempt(
     engine: sa.Engine,
     world: World,
     make_app: Callable[..., Celery],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A read the database cannot serve (here: the tickets table locked) ends at the
-    budget as a failed attempt, instead of holding the worker process forever."""
-    monkeypatch.setattr(export, "READ_BUDGET_S", 1)
-    app = make_app(retry_base_delay_s=600)
+    budget (EXPORT_READ_BUDGET_S) as a failed attempt, instead of holding the worker
+    process forever."""
+    app = make_app(retry_base_delay_s=600, export_read_budget_s=1.0)
     with engine.begin() as conn:
         add_tickets(conn, world.team_id, world.customer_id, 3)
     task_id = create_export(engine, world)

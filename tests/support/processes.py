@@ -52,6 +52,8 @@ def settings_env(settings: Settings, **extra: object) -> dict[str, str]:
             "PYTHONUNBUFFERED": "1",
         }
     )
+    if settings.redis_sentinel_master:
+        env["REDIS_SENTINEL_MASTER"] = settings.redis_sentinel_master
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

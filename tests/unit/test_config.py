@@ -9,7 +9,10 @@ import sys
 import pytest
 
 from ledger.retention import Retention
+from tasks.celery_app import celery_config
 from teamdesk.config import ConfigError, Settings, load_settings
+from teamdesk.db import sqlalchemy_url
+from teamdesk.redis_client import SentinelTarget, sentinel_target
 
 
 def test_defaults_match_the_spec() -> None:
@@ -44,6 +47,7 @@ def test_values_are_read_and_broker_follows_redis() -> None:
         redis_url="redis://cache:6380/2",
         broker_url="redis://cache:6380/2",
         stale_after_s=1.5,
+        export_read_budget_s=0.75,
         log_level="warn",
         max_task_attempts=5,
         worker_instance_id="pod-7",
@@ -70,6 +74,77 @@ def test_rabbitmq_needs_the_clusters_own_virtual_host(url: str) -> None:
     )
 
 
+def test_a_database_url_may_list_a_primary_and_its_standbys() -> None:
+    """libpq's host list with target_session_attrs (a failover pair) is accepted as given
+    and handed to SQLAlchemy as one host parameter per host."""
+    url = "postgresql://app:s3cret@db-a:5432,db-b:5433/teamdesk?target_session_attrs=read-write"
+    assert load_settings({"DATABASE_URL": url}).database_url == url
+    assert sqlalchemy_url(url) == (
+        "postgresql+psycopg2://app:s3cret@/teamdesk?host=db-a:5432&host=db-b:5433"
+        "&target_session_attrs=read-write"
+    )
+    assert sqlalchemy_url("postgresql://u@h/db") == "postgresql+psycopg2://u@h/db"
+
+
+def test_redis_under_sentinel_needs_the_masters_name() -> None:
+    url = "sentinel://:pw@s1:26379/2;sentinel://s2:26380;sentinel://s3"
+    s = load_settings(
+        {"REDIS_URL": url, "REDIS_SENTINEL_MASTER": "desk", "REDIS_SENTINEL_PASSWORD": "x"}
+    )
+    assert (s.redis_url, s.broker_url, s.redis_sentinel_master) == (url, url, "desk")
+    assert sentinel_target(url) == SentinelTarget(
+        sentinels=[("s1", 26379), ("s2", 26380), ("s3", 26379)], db=2, username=None, password="pw"
+    )
+    options = celery_config(s)
+    expected = {
+        "master_name": "desk",
+        "sentinel_kwargs": {"socket_timeout": 2.0, "socket_connect_timeout": 2.0, "password": "x"},
+    }
+    assert options["broker_transport_options"] == {
+        "global_keyprefix": "teamdesk:",
+        "visibility_timeout": 3600,
+        **expected,
+    }
+    assert options["result_backend_transport_options"] == {
+        "global_keyprefix": "teamdesk:",
+        **expected,
+    }
+    with pytest.raises(ConfigError) as missing:
+        load_settings({"BROKER_URL": url})
+    assert str(missing.value) == (
+        "REDIS_SENTINEL_MASTER must name the master the sentinels monitor "
+        "(REDIS_URL or BROKER_URL lists sentinels)"
+    )
+    with pytest.raises(ConfigError) as stray:
+        load_settings({"REDIS_SENTINEL_MASTER": "desk"})
+    assert "apply only when REDIS_URL or BROKER_URL lists sentinels" in str(stray.value)
+    with pytest.raises(ConfigError) as mixed:
+        load_settings(
+            {"REDIS_URL": "sentinel://s1:26379;redis://r:6379", "REDIS_SENTINEL_MASTER": "m"}
+        )
+    assert str(mixed.value) == (
+        "REDIS_URL: list every sentinel as sentinel://host:port, separated by ';'"
+    )
+
+
+def test_the_export_read_budget_stays_under_half_of_stale_after() -> None:
+    """An export's read is silent until its rows arrive; a read longer than half of
+    STALE_AFTER_S would let the dispatcher take a live export back."""
+    assert load_settings({}).export_read_budget_s == 60.0
+    assert load_settings({"STALE_AFTER_S": "20"}).export_read_budget_s == 10.0
+    assert (
+        load_settings({"STALE_AFTER_S": "300", "EXPORT_READ_BUDGET_S": "90"}).export_read_budget_s
+        == 90.0
+    )
+    with pytest.raises(ConfigError) as refused:
+        load_settings({"STALE_AFTER_S": "60", "EXPORT_READ_BUDGET_S": "60"})
+    assert str(refused.value) == (
+        "EXPORT_READ_BUDGET_S (60) must be at most half of STALE_AFTER_S (60): an export's "
+        "read writes nothing until its rows arrive, and a longer silence takes the run "
+        "back; raise STALE_AFTER_S or lower EXPORT_READ_BUDGET_S"
+    )
+
+
 @pytest.mark.parametrize(
     ("env", "needle"),
     [
@@ -85,6 +160,10 @@ def test_rabbitmq_needs_the_clusters_own_virtual_host(url: str) -> None:
         ),
         ({"DATABASE_URL": "mysql://u@h/db"}, "DATABASE_URL must start with one of"),
         ({"DATABASE_URL": "postgresql://u@h:notaport/db"}, "DATABASE_URL is not a valid URL"),
+        ({"DATABASE_URL": "postgresql://u@h:1,h2:x/db"}, "DATABASE_URL is not a valid URL"),
+        ({"DATABASE_URL": "postgresql://u@h:1,/db"}, "DATABASE_URL must name a host"),
+        ({"REDIS_URL": "sentinel://s:bad"}, "REDIS_URL is not a valid URL"),
+        ({"EXPORT_READ_BUDGET_S": "0"}, "EXPORT_READ_BUDGET_S must be at least"),
         ({"REDIS_URL": "redis://"}, "REDIS_URL must name a host"),
         ({"BROKER_URL": "kafka://h"}, "BROKER_URL must start with one of"),
         ({"QUEUE_PREFIX": "a b"}, "QUEUE_PREFIX must not contain spaces"),
