@@ -5,6 +5,8 @@ A worker started with ``TEAMDESK_TEST_HOOKS=tests.support.remote_gates`` and
 points: it pushes a token to ``<prefix>:gate-reached:<point>`` and blocks on
 ``<prefix>:gate-open:<point>`` until the test pushes a release token. The wait is bounded
 (TEAMDESK_TEST_GATE_TIMEOUT_S, default 60 s) so a forgotten gate cannot hang a worker.
+The gates live in REDIS_URL, or in TEAMDESK_TEST_GATE_REDIS_URL where the test fails the
+cluster's own Redis over.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from teamdesk import hooks
 
 GATES_ENV = "TEAMDESK_TEST_GATES"
 TIMEOUT_ENV = "TEAMDESK_TEST_GATE_TIMEOUT_S"
+GATE_REDIS_ENV = "TEAMDESK_TEST_GATE_REDIS_URL"
 
 
 def reached_key(prefix: str, point: str) -> str:
@@ -52,7 +55,7 @@ def _install_from_env() -> None:
     if not points:
         return
     prefix = os.environ.get("QUEUE_PREFIX", "teamdesk")
-    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    url = os.environ.get(GATE_REDIS_ENV) or os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     timeout = float(os.environ.get(TIMEOUT_ENV, "60"))
 
     for point in points:
