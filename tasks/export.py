@@ -18,6 +18,7 @@ end with LF; a cell starting with ``=``, ``+``, ``-``, ``@``, TAB or CR gets a l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 from datetime import time as dtime
 from typing import Any
@@ -30,6 +31,7 @@ from ledger.errors import PermissionLost, TooManyRows
 from ledger.filters import ExportFilters, validate_filters
 from ledger.permissions import export_refusal
 from ledger.service import role_of
+from tasks import watchdog
 from tasks.execution import Context
 from teamdesk import hooks
 
@@ -59,6 +61,11 @@ TEXT_COLUMNS = f"""id::text AS c1,
 
 class ExportReadTimeout(Exception):
     """The export's read ran past EXPORT_READ_BUDGET_S (a failed attempt)."""
+
+
+class ExportReadSilent(Exception):
+    """The export's read went half of STALE_AFTER_S without progress and was cancelled
+    before its silence could look like a stalled execution (a failed attempt)."""
 
 
 def require_permission(scope: str, creator_role: str | None) -> None:
@@ -133,8 +140,8 @@ class CsvStream:
     buffer (the CSV and nothing else; the completion sends these very bytes), with
     progress every ``batch_size`` rows while the stream runs."""
 
-    def __init__(self, ctx: Context, batch_size: int) -> None:
-        self.ctx, self.batch_size = ctx, batch_size
+    def __init__(self, ctx: Context, batch_size: int, reported: Callable[[], None]) -> None:
+        self.ctx, self.batch_size, self.reported = ctx, batch_size, reported
         self.total: int | None = None
         self.rows = 0
         self.csv = bytearray(HEADER.encode())
@@ -148,6 +155,7 @@ class CsvStream:
         self.rows += 1
         if self.rows % self.batch_size == 0 and self.rows < self.total:
             _batch_done(self.ctx, self.rows, self.total, self._progress_conn())
+            self.reported()
 
     def _progress_conn(self) -> Connection:
         """The execution connection is busy with the COPY: progress during the stream goes
@@ -172,18 +180,22 @@ class CsvStream:
 def read_csv(ctx: Context, where: str, params: dict[str, Any]) -> CsvStream:
     """The export's rows as CSV, streamed by one COPY on the execution connection: one
     REPEATABLE READ, READ ONLY snapshot, bounded to EXPORT_READ_BUDGET_S by
-    statement_timeout."""
-    cursor = ctx.conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    statement_timeout, and cancelled when it goes half of STALE_AFTER_S without writing
+    progress (tasks/watchdog.py), so the read gives up before its silence would look
+    like a stalled execution."""
+    dbapi = ctx.conn.connection.dbapi_connection
+    cursor = dbapi.cursor()  # type: ignore[union-attr]
     limit = ctx.settings.export_max_rows
     budget_ms = max(1, round(ctx.settings.export_read_budget_s * 1000))
     query = STREAM.format(budget_ms=budget_ms, columns=TEXT_COLUMNS, where=where, cap=int(limit))
-    stream = CsvStream(ctx, ctx.settings.export_batch_size)
-    try:
-        cursor.copy_expert(cursor.mogrify(query, params).decode(), stream)
-    except psycopg2.errors.QueryCanceled as exc:
-        raise ExportReadTimeout() from exc
-    finally:
-        stream.close()
+    with watchdog.watch(dbapi, ctx.settings.stale_after_s / 2) as watch:
+        stream = CsvStream(ctx, ctx.settings.export_batch_size, watch.touch)
+        try:
+            cursor.copy_expert(cursor.mogrify(query, params).decode(), stream)
+        except psycopg2.errors.QueryCanceled as exc:
+            raise (ExportReadSilent() if watch.fired else ExportReadTimeout()) from exc
+        finally:
+            stream.close()
     if stream.total is None or stream.total > limit:
         raise TooManyRows(MSG_TOO_MANY.format(limit=limit))
     return stream

@@ -15,9 +15,17 @@ from celery import Celery
 from ledger import lease, service
 from tasks import export
 from teamdesk import hooks
+from teamdesk.config import get_settings
 from tests.support.csv_reference import expected_csv
 from tests.support.dispatching import running_cluster
-from tests.support.factories import World, add_ticket, add_tickets, insert_task, task_row
+from tests.support.factories import (
+    World,
+    add_ticket,
+    add_tickets,
+    audit_events,
+    insert_task,
+    task_row,
+)
 from tests.support.waiting import wait_for
 
 
@@ -81,6 +89,38 @@ def test_a_read_that_waits_past_its_budget_is_a_failed_attempt(
             locker.exec_driver_sql("ROLLBACK")
     row = task_row(engine, task_id)
     assert (row["attempts"], row["execution_id"], row["result_csv"]) == (1, None, None)
+    assert row["last_error"] == "The task hit a temporary error and will be retried."
+
+
+def test_a_read_silent_for_half_of_stale_after_is_cancelled_not_taken_back(
+    engine: sa.Engine, world: World, make_app: Callable[..., Celery]
+) -> None:
+    """A read that writes no progress (the tickets table locked: no row arrives) for half
+    of STALE_AFTER_S is cancelled (tasks/watchdog.py) and ends as a failed attempt of the
+    same run, though its whole budget (EXPORT_READ_BUDGET_S, 60 s) is far from spent.
+    Before, the read stayed silent for its budget and the dispatcher took the live run
+    back at STALE_AFTER_S (RECOVER), the execution still holding the worker process."""
+    app = make_app(stale_after_s=4.0, retry_base_delay_s=600)
+    assert get_settings().export_read_budget_s == 60.0
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 3)
+    task_id = create_export(engine, world)
+    with engine.connect() as locker:
+        locker.exec_driver_sql("BEGIN; LOCK TABLE tickets IN ACCESS EXCLUSIVE MODE")
+        try:
+            with running_cluster(app):
+                wait_for(lambda: task_row(engine, task_id)["attempts"] == 1, what="the claim")
+                wait_for(
+                    lambda: task_row(engine, task_id)["status"] == "WAITING",
+                    timeout=20,
+                    what="the silent read to end",
+                )
+        finally:
+            locker.exec_driver_sql("ROLLBACK")
+    assert audit_events(engine, task_id) == ["CLAIM", "WAIT"]
+    row = task_row(engine, task_id)
+    assert (row["run"], row["attempts"], row["recoveries"]) == (0, 1, 0)
+    assert (row["execution_id"], row["result_csv"]) == (None, None)
     assert row["last_error"] == "The task hit a temporary error and will be retried."
 
 

@@ -47,7 +47,6 @@ def test_values_are_read_and_broker_follows_redis() -> None:
         redis_url="redis://cache:6380/2",
         broker_url="redis://cache:6380/2",
         stale_after_s=1.5,
-        export_read_budget_s=0.75,
         log_level="warn",
         max_task_attempts=5,
         worker_instance_id="pod-7",
@@ -124,24 +123,6 @@ def test_redis_under_sentinel_needs_the_masters_name() -> None:
         )
     assert str(mixed.value) == (
         "REDIS_URL: list every sentinel as sentinel://host:port, separated by ';'"
-    )
-
-
-def test_the_export_read_budget_stays_under_half_of_stale_after() -> None:
-    """An export's read is silent until its rows arrive; a read longer than half of
-    STALE_AFTER_S would let the dispatcher take a live export back."""
-    assert load_settings({}).export_read_budget_s == 60.0
-    assert load_settings({"STALE_AFTER_S": "20"}).export_read_budget_s == 10.0
-    assert (
-        load_settings({"STALE_AFTER_S": "300", "EXPORT_READ_BUDGET_S": "90"}).export_read_budget_s
-        == 90.0
-    )
-    with pytest.raises(ConfigError) as refused:
-        load_settings({"STALE_AFTER_S": "60", "EXPORT_READ_BUDGET_S": "60"})
-    assert str(refused.value) == (
-        "EXPORT_READ_BUDGET_S (60) must be at most half of STALE_AFTER_S (60): an export's "
-        "read writes nothing until its rows arrive, and a longer silence takes the run "
-        "back; raise STALE_AFTER_S or lower EXPORT_READ_BUDGET_S"
     )
 
 

@@ -1,0 +1,98 @@
+"""A bound on silence: cancel a statement that has not reported for too long.
+
+An export streams its CSV with one COPY and writes progress every batch; between two
+writes its ledger row is silent, and a row silent for ``STALE_AFTER_S`` is taken back
+(docs/design.md, "Lease"). ``statement_timeout`` bounds the whole read, not the silences
+inside it, and no Python runs while psycopg2 waits for the next record. So a read under
+:func:`watch` that goes ``limit_s`` without :meth:`Watch.touch` is cancelled (libpq's
+cancel request, which PostgreSQL serves outside ``max_connections`` and PgBouncer
+forwards): the COPY ends with ``QueryCanceled``, a failed attempt retried as usual,
+before the silence could look like a stalled execution.
+
+One daemon thread per process (started on first use; a forked child starts with a fresh
+registry and lock, never one the parent's thread held at the fork) sleeps until the
+earliest deadline. The cancel is sent while the registry's lock is held, and
+leaving :func:`watch` takes that lock: once the caller is out, no cancel of its watch is
+still on its way to the connection's next statement.
+
+Deadlines are this host's monotonic clock: a timeout of one process's own wait, like a
+socket timeout, not a threshold other hosts compare against.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import Any, Protocol
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Watch:
+    """One watched statement: its connection and when it must have reported by."""
+
+    __slots__ = ("conn", "deadline", "fired", "limit_s")
+
+    def __init__(self, conn: Cancellable, limit_s: float) -> None:
+        self.conn, self.limit_s = conn, limit_s
+        self.deadline = time.monotonic() + limit_s
+        self.fired = False
+
+    def touch(self) -> None:
+        """The statement reported (its row was written): the silence starts again."""
+        self.deadline = time.monotonic() + self.limit_s
+
+
+_cond = threading.Condition()
+_watches: set[Watch] = set()
+_thread_pid: int | None = None
+
+
+def _run() -> None:
+    with _cond:
+        while True:
+            now = time.monotonic()
+            for expired in [w for w in _watches if w.deadline <= now]:
+                _watches.discard(expired)
+                expired.fired = True
+                # A connection already lost fails its read by itself.
+                with suppress(Exception):
+                    expired.conn.cancel()
+            wait = min((w.deadline for w in _watches), default=now + 3600) - now
+            _cond.wait(timeout=max(wait, 0.01))
+
+
+def _forget_in_child() -> None:
+    global _cond, _watches, _thread_pid
+    _cond, _watches, _thread_pid = threading.Condition(), set(), None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _ensure_thread() -> None:
+    global _thread_pid
+    if _thread_pid != os.getpid():
+        _thread_pid = os.getpid()
+        threading.Thread(target=_run, name="teamdesk-watchdog", daemon=True).start()
+
+
+@contextmanager
+def watch(conn: Any, limit_s: float) -> Iterator[Watch]:
+    """Cancel ``conn``'s statement (a DB-API connection with ``cancel()``, psycopg2's)
+    when ``limit_s`` pass without :meth:`Watch.touch`; ``Watch.fired`` says it did."""
+    entry = Watch(conn, limit_s)
+    with _cond:
+        _ensure_thread()
+        _watches.add(entry)
+        _cond.notify()
+    try:
+        yield entry
+    finally:
+        with _cond:
+            _watches.discard(entry)

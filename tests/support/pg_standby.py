@@ -1,0 +1,115 @@
+"""A streaming standby of a private PostgreSQL (soak/postgres.py), for failover tests.
+
+``pg_basebackup -R -X stream`` copies the primary's data directory and writes
+``standby.signal`` and ``primary_conninfo``; the copy then starts on a free 127.0.0.1 port
+of its own and streams the primary's WAL (asynchronous replication, PostgreSQL's default:
+no ``synchronous_standby_names``). ``pg_ctl promote`` turns it into a primary. Like
+:class:`~soak.postgres.SoakPostgres`, every binary runs as the ``postgres`` user when the
+test runs as root. The primary needs nothing beyond initdb's defaults: ``wal_level =
+replica``, ``max_wal_senders = 10`` and a ``host replication all 127.0.0.1/32 trust``
+line in its ``pg_hba.conf``.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg2
+
+from soak.postgres import START_TIMEOUT_S, SUPERUSER, SoakPostgres
+from tests.support.waiting import wait_for
+
+STREAMING_TIMEOUT_S = 30.0
+SLOT = "teamdesk_standby"  # keeps the WAL the standby still needs on the primary
+
+
+def _scalar(url: str, sql: str) -> Any:
+    """The one value ``sql`` returns on a new autocommit connection to ``url``."""
+    conn = psycopg2.connect(url, connect_timeout=2)
+    try:
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            cur.execute(sql)
+            row = cur.fetchone()
+            return None if row is None else row[0]
+    finally:
+        conn.close()
+
+
+class Standby(SoakPostgres):
+    """A hot standby of ``primary``, made by ``pg_basebackup`` instead of ``initdb``."""
+
+    def __init__(self, workdir: Path, primary: SoakPostgres) -> None:
+        super().__init__(workdir)
+        self.primary = primary
+
+    def create(self) -> None:
+        """Copy the primary (its databases as they are now) and start streaming from it."""
+        self._own_home()
+        self._run(
+            "pg_basebackup", "-D", str(self.data), "-R", "-X", "stream", "-c", "fast",
+            "-C", "-S", SLOT, "-h", "127.0.0.1", "-p", str(self.primary.port),
+            "-U", SUPERUSER, "--no-sync",
+        )  # fmt: skip
+        self.start()
+
+    def _own_home(self) -> None:
+        """The home directory, the postgres user's when we are root (as SoakPostgres.create
+        does for the primary's)."""
+        self.home.mkdir(parents=True)
+        if self.as_root:
+            os.chmod(self.home.parent, 0o711)
+            entry = pwd.getpwnam(SUPERUSER)
+            os.chown(self.home, entry.pw_uid, entry.pw_gid)
+
+    def streaming(self) -> bool:
+        """Whether the primary reports this standby's WAL receiver as streaming."""
+        state = _scalar(
+            self.primary.admin_url,
+            "SELECT r.state FROM pg_stat_replication r JOIN pg_replication_slots s "
+            f"ON s.active_pid = r.pid WHERE s.slot_name = '{SLOT}'",
+        )
+        return bool(state == "streaming")
+
+    def in_recovery(self) -> bool:
+        return bool(_scalar(self.admin_url, "SELECT pg_is_in_recovery()"))
+
+    def has_replayed(self, lsn: str) -> bool:
+        """Whether this standby has replayed the primary's WAL up to ``lsn``."""
+        behind = _scalar(
+            self.admin_url, f"SELECT pg_wal_lsn_diff('{lsn}', pg_last_wal_replay_lsn())"
+        )
+        return behind is not None and behind <= 0
+
+    def promote(self) -> None:
+        """``pg_ctl promote``, waiting until the server has left recovery."""
+        self._run("pg_ctl", "promote", "-D", str(self.data), "-w", "-t", str(START_TIMEOUT_S))
+
+
+def primary_wal_lsn(primary: SoakPostgres) -> str:
+    """The primary's WAL insert position now: asynchronous commits included, which
+    ``pg_current_wal_lsn()`` (the write position) leaves out until the WAL writer wrote
+    them."""
+    return str(_scalar(primary.admin_url, "SELECT pg_current_wal_insert_lsn()"))
+
+
+@contextmanager
+def streaming_standby(primary: SoakPostgres) -> Iterator[Standby]:
+    """A standby of ``primary``, streaming before the block starts; stopped and removed
+    when it ends, whatever happened."""
+    workdir = Path(tempfile.mkdtemp(prefix="td-standby-"))
+    standby = Standby(workdir, primary)
+    try:
+        standby.create()
+        wait_for(standby.streaming, STREAMING_TIMEOUT_S, what="the standby to stream")
+        yield standby
+    finally:
+        standby.destroy()
+        shutil.rmtree(workdir, ignore_errors=True)
