@@ -88,6 +88,17 @@ class Standby(SoakPostgres):
         )
         return behind is not None and behind <= 0
 
+    def stop_streaming(self) -> None:
+        """Stop receiving the primary's WAL (``primary_conninfo`` emptied, the WAL receiver
+        gone): what the primary writes from now on never reaches this server."""
+        _scalar(self.admin_url, "ALTER SYSTEM SET primary_conninfo = ''")
+        _scalar(self.admin_url, "SELECT pg_reload_conf()")
+        wait_for(
+            lambda: _scalar(self.admin_url, "SELECT count(*) FROM pg_stat_wal_receiver") == 0,
+            STREAMING_TIMEOUT_S,
+            what="the standby's WAL receiver to stop",
+        )
+
     def promote(self) -> None:
         """``pg_ctl promote``, waiting until the server has left recovery."""
         self._run("pg_ctl", "promote", "-D", str(self.data), "-w", "-t", str(START_TIMEOUT_S))
