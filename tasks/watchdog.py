@@ -11,9 +11,9 @@ before the silence could look like a stalled execution.
 
 One daemon thread per process (started on first use; a forked child starts with a fresh
 registry and lock, never one the parent's thread held at the fork) sleeps until the
-earliest deadline. The cancel is sent while the registry's lock is held, and
-leaving :func:`watch` takes that lock: once the caller is out, no cancel of its watch is
-still on its way to the connection's next statement.
+earliest deadline. Leaving :func:`watch` waits until a cancel it fired has been sent
+(libpq's cancel returns once the server has it), so once the caller is out no cancel of
+its watch is still on its way to the connection's next statement.
 
 Deadlines are this host's monotonic clock: a timeout of one process's own wait, like a
 socket timeout, not a threshold other hosts compare against.
@@ -36,12 +36,13 @@ class Cancellable(Protocol):
 class Watch:
     """One watched statement: its connection and when it must have reported by."""
 
-    __slots__ = ("conn", "deadline", "fired", "limit_s")
+    __slots__ = ("conn", "deadline", "fired", "limit_s", "sent")
 
     def __init__(self, conn: Cancellable, limit_s: float) -> None:
         self.conn, self.limit_s = conn, limit_s
         self.deadline = time.monotonic() + limit_s
-        self.fired = False
+        self.fired = False  # the deadline passed: a cancel is (being) sent
+        self.sent = False  # ... and it has been sent
 
     def touch(self) -> None:
         """The statement reported (its row was written): the silence starts again."""
@@ -54,17 +55,25 @@ _thread_pid: int | None = None
 
 
 def _run() -> None:
-    with _cond:
+    cond = _cond
+    with cond:
         while True:
             now = time.monotonic()
             for expired in [w for w in _watches if w.deadline <= now]:
                 _watches.discard(expired)
                 expired.fired = True
-                # A connection already lost fails its read by itself.
-                with suppress(Exception):
-                    expired.conn.cancel()
+                # Sent without the lock (a cancel may wait on the network), but its watch
+                # cannot end before it is sent: see watch().
+                cond.release()
+                try:
+                    with suppress(Exception):  # a lost connection fails its read anyway
+                        expired.conn.cancel()
+                finally:
+                    cond.acquire()
+                expired.sent = True
+                cond.notify_all()
             wait = min((w.deadline for w in _watches), default=now + 3600) - now
-            _cond.wait(timeout=max(wait, 0.01))
+            cond.wait(timeout=max(wait, 0.01))
 
 
 def _forget_in_child() -> None:
@@ -96,3 +105,5 @@ def watch(conn: Any, limit_s: float) -> Iterator[Watch]:
     finally:
         with _cond:
             _watches.discard(entry)
+            while entry.fired and not entry.sent:
+                _cond.wait()
