@@ -150,13 +150,19 @@ def _deliver(task: Task, message: delivery.Delivery, body: Body) -> dict[str, An
 @contextmanager
 def _execution_connection(engine: Engine) -> Iterator[Connection]:
     """The execution's own connection (autocommit). Closing one the database dropped (a
-    restart, a terminated backend) fails while it resets the session; that must not
-    replace the execution's outcome (its retry, rejection or completion), so such a
-    connection is invalidated instead: the pool drops it."""
+    restart, a terminated backend, a failover) fails while it resets the session; that
+    must not replace the execution's outcome (its retry, rejection or completion), so such
+    a connection is invalidated instead: the pool drops it. A statement sent on the raw
+    driver connection (an export's COPY) leaves SQLAlchemy unaware that the server went
+    away, and the pool's reset would log a traceback: such a connection is invalidated
+    before it is closed."""
     conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
     try:
         yield conn
     finally:
+        if _server_gone(conn):
+            with suppress(Exception):
+                conn.invalidate()
         try:
             conn.close()
         except DATABASE_ERRORS:
@@ -164,6 +170,15 @@ def _execution_connection(engine: Engine) -> Iterator[Connection]:
                 conn.invalidate()
             with suppress(Exception):
                 conn.close()
+
+
+def _server_gone(conn: Connection) -> bool:
+    """Whether the driver connection under ``conn`` is closed (psycopg2 marks it when the
+    server went away) while SQLAlchemy still holds it as valid."""
+    if conn.invalidated or conn.closed:
+        return False
+    dbapi = conn.connection.dbapi_connection
+    return dbapi is not None and bool(getattr(dbapi, "closed", False))
 
 
 def _skipped(conn: Connection, message: delivery.Delivery) -> dict[str, Any]:

@@ -120,6 +120,14 @@ class Liveness:
                 self.registered = self._attempt("renew", self._renew) is True
                 self.database_ok = self._attempt("database", self._check_database) is True
 
+    def offer_now(self) -> None:
+        """Renew at once, with what the worker consumes now: after intake resumed, so the
+        dispatcher sees this worker's queues within a scan instead of one renewal interval
+        later (meanwhile it would size the window at nothing and warn of no consumers)."""
+        with self._lock:
+            if not self.heartbeat.stopping:
+                self.registered = self._attempt("renew", self._renew) is True
+
     def _renew(self) -> bool:
         if self.offer is not None:
             self.heartbeat.consumes = self.offer()

@@ -133,6 +133,7 @@ class Intake:
                 queues.select_add(queues[name])
             else:
                 consumer.add_task_queue(name)
+        self.liveness.offer_now()
 
 
 class LivenessStep(bootsteps.StartStopStep):

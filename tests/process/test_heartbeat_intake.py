@@ -36,6 +36,7 @@ from tests.support.queues import queued_ids, send_message
 from tests.support.remote_gates import RemoteGate
 from tests.support.tcp_proxy import tcp_proxy
 from tests.support.waiting import wait_for
+from worker.liveness import renew_interval_s
 
 pytestmark = pytest.mark.slow
 
@@ -178,3 +179,35 @@ def test_refused_new_connections_never_take_back_a_running_export(
     assert started(w1, task_id) == [parked["execution_id"][:8]]
     assert w1.events("task.lease_lost") == []
     app.close()
+
+
+def test_a_resumed_worker_offers_its_queues_at_once(
+    settings: Settings, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """With the default HEARTBEAT_TTL_S (renewals every 5 s): once intake resumes, the
+    heartbeat says which queues the worker consumes right away. Before, the renewal of
+    the resuming tick ran before the consumer took its queues back and offered nothing,
+    so for one interval the dispatcher sized the window at nothing and could warn that
+    no worker consumes the queue."""
+    s = settings
+    assert s.heartbeat_ttl_s == 20.0
+    interval = renew_interval_s(s)
+    target = urlsplit(s.database_url)
+    with tcp_proxy(target.hostname or "127.0.0.1", target.port or 5432) as proxy:
+        env = settings_env(s, DATABASE_URL=through(s.database_url, proxy.port))
+        with cluster(tmp_path) as procs:
+            proxy.refuse_new()  # its first database check fails: it starts paused
+            w1 = Proc("w1", worker_argv("w1", queues="exports"), env, tmp_path).start()
+            procs.append(w1)
+            m1 = w1.wait_event("worker.started")["member"]
+            w1.wait_event("worker.consuming_paused")
+            wait_for(lambda: offered(redis_client, s.queue_prefix, m1) == (), what="the pause")
+            proxy.accept_new()
+            w1.wait_event("worker.consuming_resumed", timeout=2 * interval + 5)
+            wait_for(
+                lambda: offered(redis_client, s.queue_prefix, m1) == ("exports",),
+                timeout=interval / 2,
+                what="the resumed worker's queues in its heartbeat, before the next renewal",
+            )
+            w1.send(signal.SIGTERM)
+            assert w1.wait(timeout=30) == 0
