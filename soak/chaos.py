@@ -1,6 +1,7 @@
 """What every fault works with: the schedule, its records and the cluster it acts on
 (soak/faults.py lists the kinds; soak/outages.py, soak/probes.py and soak/tools.py hold
-the Redis, PostgreSQL, hook, faketime and Celery-command-line faults)."""
+the Redis, PostgreSQL, hook, faketime and Celery-command-line faults). The soak's Redis is
+a Sentinel group (soak/sentinel.py): every Redis fault acts on its current master."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from soak.cluster import Cluster, SoakRedis
+from soak.cluster import Cluster
 from soak.gate import DbGate
 from soak.postgres import SoakPostgres
+from soak.sentinel import SentinelGroup
 from soak.timeline import Timeline
 from soak.workload import TaskPlan
 
@@ -31,10 +33,12 @@ KINDS = (
     "redis",
     "flush",
     "squeeze",
+    "failover",
     "skew",
     "txfreeze",
     "longterm",
     "pgrestart",
+    "pgsqueeze",
     "purge",
     "revoke",
 )
@@ -130,7 +134,7 @@ class Chaos:
     """Everything a fault acts on, and the threads that bring things back."""
 
     cluster: Cluster
-    redis_server: SoakRedis
+    redis_server: SentinelGroup
     postgres: SoakPostgres
     engine: sa.Engine
     gate: DbGate
@@ -143,6 +147,9 @@ class Chaos:
     term_exit_codes: list[int | None] = field(default_factory=list)
     revokes: list[Revoke] = field(default_factory=list)
     purges: list[Purge] = field(default_factory=list)
+    # A service the soak could not bring back whole (a Redis group that did not re-form):
+    # the run fails as an unfinished recovery.
+    unrecovered: list[str] = field(default_factory=list)
     redis_lock: threading.Lock = field(default_factory=threading.Lock)
     pg_lock: threading.Lock = field(default_factory=threading.Lock)
     _threads: list[threading.Thread] = field(default_factory=list)

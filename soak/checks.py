@@ -16,10 +16,11 @@ whose message ``purge`` took must be going again (re-published, claimed or ended
 ``PURGE_GOAL_S`` of the purge (``purge-stalled``), not when its queued marker expires.
 
 A run that ends FAILED after its last attempt where each failed attempt (its CLAIM ..
-WAIT/FAIL in the audit trail) spans a fault that cut the workers' database connections
-(``pgkill``, ``pgrestart``) did what the attempt budget is for: it is counted, not a
-violation. Any other failed end of a case that expects COMPLETED is (a run FAILED with
-"stopped responding too many times" included: its recoveries were false ones).
+WAIT/FAIL in the audit trail) spans a fault that cut the workers' database connections or
+refused new ones (``pgkill``, ``pgrestart``, ``pgsqueeze``) did what the attempt budget is
+for: it is counted, not a violation. Any other failed end of a case that expects COMPLETED
+is (a run FAILED with "stopped responding too many times" included: its recoveries were
+false ones).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ CANCELS = sa.text("""
       FROM task_audit WHERE event = 'CANCEL' AND task_id = ANY(CAST(:ids AS uuid[]))
      GROUP BY task_id
 """)
-DATABASE_FAULTS = ("pgkill", "pgrestart")
+DATABASE_FAULTS = ("pgkill", "pgrestart", "pgsqueeze")
 REVOKED_ENDS = (("CANCELLED", 0), ("COMPLETED", 0))
 
 

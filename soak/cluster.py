@@ -1,4 +1,4 @@
-"""The soak's processes: a dedicated ``redis-server``, three workers and one beat.
+"""The soak's processes: three workers and one beat (its Redis: soak/sentinel.py).
 
 The soak plays the orchestrator: it starts every process, restarts the ones a fault
 stopped, and (like Compose's ``restart: unless-stopped``) restarts any process that
@@ -13,22 +13,17 @@ times can be read on the real clock.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import redis
-
 from soak.timeline import DRAINING, Timeline
-from tests.support.processes import Proc, celery_argv, free_port, worker_argv
+from tests.support.processes import Proc, celery_argv, worker_argv
 
-REDIS_START_TIMEOUT_S = 10.0
 SHUTDOWN_TIMEOUT_S = 75.0  # the workers' drain budget: a long export finishes inside it
 HARD_EXIT_AFTER_S = 10.0  # worker/lifecycle.py: the last guard after the budget
 STOP_TIMEOUT_S = SHUTDOWN_TIMEOUT_S + HARD_EXIT_AFTER_S + 15.0  # a SIGTERM'd worker's exit
@@ -41,65 +36,6 @@ WORKER_QUEUES = "exports,reminders"
 # libfaketime's broken time.sleep in that mode (its docstring says how).
 FAKETIME_FIX = Path(__file__).resolve().parent / "faketime_fix"
 FAKETIME_ENV = {"FAKETIME_DONT_FAKE_MONOTONIC": "1"}
-
-
-class SoakRedis:
-    """A ``redis-server`` on a free 127.0.0.1 port, without persistence: a restart loses
-    every key (queued and unacknowledged messages, markers, heartbeats, beat's lock)."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.workdir = workdir / "redis"
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.process: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("soak: redis-server is not installed")
-        self.binary = binary
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.starts += 1
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
-        args += ["--save", "", "--appendonly", "no", "--dir", str(self.workdir)]
-        log = (self.workdir / f"redis.{self.starts}.log").open("wb")
-        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        self._wait_answering()
-
-    def _wait_answering(self) -> None:
-        client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1)
-        deadline = time.monotonic() + REDIS_START_TIMEOUT_S
-        try:
-            while True:
-                try:
-                    client.ping()
-                    return
-                except redis.ConnectionError:
-                    assert self.process is not None
-                    if self.process.poll() is not None or time.monotonic() > deadline:
-                        raise SystemExit("soak: redis-server did not start") from None
-                    time.sleep(0.05)
-        finally:
-            client.close()
-
-    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
-        """Send ``sig`` (SIGTERM or SIGKILL) and wait for the exit."""
-        process = self.process
-        if process is None or process.poll() is not None:
-            return
-        with suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGCONT)
-            os.kill(process.pid, sig)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
 
 
 @dataclass

@@ -8,17 +8,22 @@ the details):
 - ``stop``      SIGSTOP a worker (the whole group, or only its main process) for longer
                 than ``HEARTBEAT_TTL_S``, sometimes longer than ``STALE_AFTER_S``; SIGCONT.
 - ``pgkill``    ``pg_terminate_backend`` on the workers' PostgreSQL connections.
-- ``redis``     SIGTERM or SIGKILL the soak's Redis, then start it again on the same port.
+- ``redis``     SIGTERM or SIGKILL the soak's Redis master, then start it again (empty)
+                on the same port, sooner than the sentinels would fail it over.
 - ``flush``     FLUSHALL of the soak's Redis (an operator's mistake, a failover to an
                 empty replica): messages, markers, heartbeats and the leader lock go.
 - ``squeeze``   Redis ``maxmemory`` a little above its use, ``volatile-lru``, for a few
                 seconds: keys with a TTL are evicted, writes may be refused.
+- ``failover``  SIGKILL of the Redis master under Sentinel: the replica is promoted; the old
+                master's port comes back as its replica, in sync before the fault ends.
 - ``skew``      a worker, or the dispatcher (beat), restarted under ``faketime`` 150 s ahead
                 or behind; restarted on the real clock later.
 - ``txfreeze``  SIGSTOP of the pool process inside a reminder's transaction (its team's
                 advisory lock held) for longer than ``STALE_AFTER_S``; SIGCONT.
 - ``longterm``  SIGTERM of the worker running a 52 s export (26 s short): the drain must finish it.
 - ``pgrestart`` ``pg_ctl stop -m fast|immediate`` and start of the soak's own PostgreSQL.
+- ``pgsqueeze`` every free connection of the soak's PostgreSQL held for longer than
+                ``2 x HEARTBEAT_TTL_S``: open connections work on, new ones are refused.
 - ``purge``     ``celery -A tasks purge -f -Q exports,reminders``: the waiting messages go,
                 their runs must be published again within two scans.
 - ``revoke``    ``celery -A tasks control revoke <id>-<run>`` (or ``control terminate
@@ -157,10 +162,12 @@ FAULTS: dict[str, Fault] = {
     "redis": outages.redis_restart,
     "flush": outages.flush,
     "squeeze": outages.squeeze,
+    "failover": outages.failover,
     "skew": probes.skew,
     "txfreeze": probes.txfreeze,
     "longterm": probes.longterm,
     "pgrestart": outages.pgrestart,
+    "pgsqueeze": outages.pgsqueeze,
     "purge": tools.purge,
     "revoke": tools.revoke,
 }

@@ -17,7 +17,8 @@ worker that sees the task sees its mark):
   ``FREEZE_WAIT_S`` for the soak to SIGSTOP it.
 - ``long`` (the ``longterm`` fault): the export takes ``SOAK_LONG_EXPORT_S`` (52 s; 26 s short),
   spread evenly over its batches so that its progress writes stay closer together than
-  ``STALE_AFTER_S``; each execution lights ``long-<task>-<execution>`` at its first batch.
+  half of ``STALE_AFTER_S`` (the longest silence an execution may keep: tasks/watchdog.py);
+  each execution lights ``long-<task>-<execution>`` at its first batch.
 
 Every task also pauses a little where a fault hurts most, so that faults find work in
 flight: an export ``SOAK_EXPORT_PAUSE_S`` after each batch read (its read transaction

@@ -35,8 +35,8 @@ the row's staleness:
   ``updated_at``), the very values the claim's staleness guard compared, in the claim's own
   transaction (a crash that loses the claim loses the record with it);
 - *dead*: the holder's process was dead at the claim: its worker killed, exited, in a cold
-  shutdown, or its pool process killed by ``celery control terminate`` (logged by the
-  worker, soak/logscan.py);
+  shutdown, or its pool process killed by ``celery control terminate`` or by its own worker
+  (logged by the worker, soak/logscan.py);
 - *frozen*: the process running the execution was stopped at the claim: its worker's whole
   process group (``stop``), or that pool process (``txfreeze``). No grace after the
   SIGCONT: the claim does not read heartbeats. A ``stop`` of the worker's main process
@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from soak.logscan import TERMINATED, Execution, Logs
+from soak.logscan import TERMINATED, Execution, Logs, killed
 from soak.timeline import DEAD, DRAINING, FROZEN, MAIN_ONLY, Timeline
 
 REVOCATIONS = sa.text("""
@@ -257,11 +257,12 @@ class LeaseJudge:
         process, pid = (execution.process, execution.pid) if execution else (None, None)
         if execution is None and rev.claimed is not None:
             process = self.logs.received_by(f"{rev.task_id}-{rev.run}", rev.claimed)
-        if execution is not None and execution.end == TERMINATED:
+        if execution is not None and killed(execution):
             assert execution.ended_at is not None
             if execution.ended_at <= rev.at:
                 ago = rev.at - execution.ended_at
-                why = f"its pool process was killed by control terminate {ago:.1f}s before"
+                how = "control terminate" if execution.end == TERMINATED else "its worker"
+                why = f"its pool process was killed by {how} {ago:.1f}s before"
                 return ClaimVerdict(rev, "terminated", f"{why}; {silence}", silent_s)
         if process is None:
             why = f"holder not named by the logs; {silence}"

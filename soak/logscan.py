@@ -18,6 +18,14 @@ fault) has the worker's main process log ``Terminating <task>-<run>`` and kill t
 process running it. An execution of that run, in that incarnation, started and not ended
 by then ends there (``TERMINATED``): its process is dead from that moment.
 
+Nor does one whose pool process died otherwise while the worker lived on: Celery's prefork
+pool SIGKILLs a new pool process whose start message it did not read within 4 s ("Timed out
+waiting for UP message", seen after its main process spent seconds reconnecting to the
+broker during a Redis failover), and billiard then prints, without a time, ``Process
+'ForkPoolWorker-3' pid:7018 exited with 'signal 9 (SIGKILL)'``. Every execution of that
+incarnation in that pid, started and not ended by then, ends there (``POOL_EXITED``), at
+the time of the next timed line of the file (the process was dead by then at the latest).
+
 Log times are the process's own clock: an incarnation started under ``faketime`` is read
 back by its offset. The result is on the database's clock (the soak's host, whose clock
 is PostgreSQL's, plus the offset measured at the start).
@@ -26,6 +34,7 @@ is PostgreSQL's, plus the offset measured at the start).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -42,6 +51,13 @@ TERMINATED = "terminated"  # an execution's end: its pool process killed by cont
 # The main process logs "Terminating" once the pool has the job; the pool process may log
 # its claim's task.started a moment later (and then die).
 TERMINATE_SLACK_S = 1.0
+POOL_EXITED = "pool process exited"  # an execution's end: its pool process died (billiard)
+POOL_EXIT = re.compile(r"^Process '[^']*' pid:(\d+) exited with '([^']*)'")
+
+
+def killed(execution: Execution) -> bool:
+    """Whether the execution ended because its process was killed (not by its own end)."""
+    return execution.end == TERMINATED or str(execution.end).startswith(POOL_EXITED)
 
 
 @dataclass
@@ -66,6 +82,8 @@ class Logs:
     receipts: dict[str, list[tuple[float, str]]]
     # (when, incarnation, message id) of every "Terminating <id>" (control terminate)
     terminations: list[tuple[float, str, str]] = field(default_factory=list)
+    # (when at the latest, incarnation, pid, status) of every pool process billiard saw exit
+    pool_exits: list[tuple[float, str, int, str]] = field(default_factory=list)
 
     def received_by(self, message: str, claimed_at: float) -> str | None:
         """The incarnation that received ``message`` last before ``claimed_at``."""
@@ -98,8 +116,49 @@ def scan(incarnations: list[Incarnation], offset_s: float) -> Logs:
     for inc in incarnations:
         for record in records(inc):
             _read(logs, inc, record, offset_s)
+        logs.pool_exits += pool_exits(inc, offset_s)
     _terminate(logs)
+    _pool_exited(logs)
     return logs
+
+
+def pool_exits(inc: Incarnation, offset_s: float) -> list[tuple[float, str, int, str]]:
+    """billiard's ``Process '...' pid:N exited with '...'`` lines, each at the time of the
+    next timed line (or of the last one, at the end of the file)."""
+    try:
+        lines = inc.log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    found: list[tuple[float, str, int, str]] = []
+    pending: list[tuple[int, str]] = []
+    last: float | None = None
+    for line in lines:
+        match = POOL_EXIT.match(line)
+        if match:
+            pending.append((int(match.group(1)), match.group(2)))
+            continue
+        try:
+            record = json.loads(line)
+            last = real_time(record, inc, offset_s)
+        except (ValueError, TypeError, KeyError):
+            continue
+        found += [(last, inc.name, pid, status) for pid, status in pending]
+        pending = []
+    if last is not None:
+        found += [(last, inc.name, pid, status) for pid, status in pending]
+    return found
+
+
+def _pool_exited(logs: Logs) -> None:
+    """End each execution whose pool process billiard saw exit."""
+    for at, process, pid, status in logs.pool_exits:
+        for found in logs.executions.values():
+            if (
+                (found.process, found.pid) == (process, pid)
+                and found.started_at <= at
+                and (found.ended_at is None or found.ended_at > at)
+            ):
+                found.ended_at, found.end = at, f"{POOL_EXITED} ({status})"
 
 
 def _ended_unnamed(logs: Logs, inc: Incarnation, record: dict[str, Any], at: float) -> None:

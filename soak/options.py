@@ -10,22 +10,30 @@ from soak.cluster import SHUTDOWN_TIMEOUT_S
 from teamdesk.config import Settings
 
 DEFAULT_TASKS, SHORT_TASKS = 3000, 200
-DEFAULT_FAULTS, SHORT_FAULTS = 10 * len(KINDS), 2 * len(KINDS)  # 10 (2) of each kind
+DEFAULT_PER_KIND, SHORT_PER_KIND = 10, 2  # faults of each chosen kind (--kinds)
+DEFAULT_FAULTS, SHORT_FAULTS = DEFAULT_PER_KIND * len(KINDS), SHORT_PER_KIND * len(KINDS)
 # The chaos window stays 440 s (66 s short) whatever the number of kinds: each kind keeps
 # its density (10 in 440 s) and the tasks their arrival rate; the mean gap shrinks instead.
+# So does --kinds: 10 (2) faults of each chosen kind over the same window.
 DEFAULT_WINDOW_S, SHORT_WINDOW_S = 440.0, 66.0
-DEFAULT_FAULT_GAP_S = DEFAULT_WINDOW_S / DEFAULT_FAULTS  # 3.4 s with 13 kinds
-SHORT_FAULT_GAP_S = SHORT_WINDOW_S / SHORT_FAULTS  # 2.5 s
+DEFAULT_FAULT_GAP_S = DEFAULT_WINDOW_S / DEFAULT_FAULTS  # 2.9 s with 15 kinds
+SHORT_FAULT_GAP_S = SHORT_WINDOW_S / SHORT_FAULTS  # 2.2 s
 DEFAULT_QUIESCE_S, SHORT_QUIESCE_S = 180.0, 120.0
 
 EXPORT_MAX_ROWS = 300  # below a whole export team (400 tickets): "too many rows" cases
-EXPORT_BATCH_SIZE = 20  # 1-10 batches per export; a long export 15
+EXPORT_BATCH_SIZE = 12  # 2-17 batches per export; a long export 24-25 (soak/workload.py)
 STALE_AFTER_S = 6.0
 HEARTBEAT_TTL_S = 3.0
 SCAN_INTERVAL_S = 1.0
 # A long export: >= 50 s, and under the export's 60 s read budget (tasks/export.py); the
 # short soak's is half as long (still eight heartbeat TTLs and four STALE_AFTER_S).
 LONG_EXPORT_S, SHORT_LONG_EXPORT_S = 52.0, 26.0
+# The soak's Redis is a Sentinel group (soak/sentinel.py). The sentinels fail a master over
+# once it has not answered for this long: longer than the ``redis`` fault's restart (down
+# 0-2 s, then up in ~0.1 s; with the sentinels' ping a second apart they see at most ~3.3 s
+# of silence), so that fault stays a reboot and ``failover`` is the one that fails over.
+SENTINEL_DOWN_AFTER_MS = 5000
+SENTINEL_MASTER = "soak"
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,8 @@ def parse(argv: list[str] | None, description: str) -> Options:
     parser.add_argument(
         "--faults",
         type=int,
-        help=f"faults to inject (default {DEFAULT_FAULTS}; --short {SHORT_FAULTS})",
+        help=f"faults to inject (default {DEFAULT_FAULTS}; --short {SHORT_FAULTS}; with "
+        f"--kinds {DEFAULT_PER_KIND} ({SHORT_PER_KIND}) of each kind chosen)",
     )
     parser.add_argument("--short", action="store_true", help="the quick variant for make test")
     parser.add_argument("--keep", action="store_true", help="keep the database and the logs")
@@ -64,7 +73,7 @@ def parse(argv: list[str] | None, description: str) -> Options:
         "--fault-gap",
         type=float,
         help=f"mean seconds between faults (default {DEFAULT_FAULT_GAP_S:.2f}; --short "
-        f"{SHORT_FAULT_GAP_S:.2f})",
+        f"{SHORT_FAULT_GAP_S:.2f}; with --kinds the window over the default number of faults)",
     )
     parser.add_argument("--quiesce-timeout", type=float, help="seconds to wait for quiet")
     parser.add_argument(
@@ -74,18 +83,20 @@ def parse(argv: list[str] | None, description: str) -> Options:
     )
     args = parser.parse_args(argv)
     short = bool(args.short)
+    kinds = _kinds(parser, args.kinds)
+    per_kind, window_s = (
+        (SHORT_PER_KIND, SHORT_WINDOW_S) if short else (DEFAULT_PER_KIND, DEFAULT_WINDOW_S)
+    )
     return Options(
         seed=args.seed,
         tasks=args.tasks or (SHORT_TASKS if short else DEFAULT_TASKS),
-        faults=args.faults
-        if args.faults is not None
-        else (SHORT_FAULTS if short else DEFAULT_FAULTS),
-        fault_gap_s=args.fault_gap or (SHORT_FAULT_GAP_S if short else DEFAULT_FAULT_GAP_S),
+        faults=args.faults if args.faults is not None else per_kind * len(kinds),
+        fault_gap_s=args.fault_gap or window_s / (per_kind * len(kinds)),
         quiesce_timeout_s=args.quiesce_timeout or (SHORT_QUIESCE_S if short else DEFAULT_QUIESCE_S),
         long_export_s=SHORT_LONG_EXPORT_S if short else LONG_EXPORT_S,
         keep=bool(args.keep),
         short=short,
-        kinds=_kinds(parser, args.kinds),
+        kinds=kinds,
     )
 
 
@@ -98,11 +109,13 @@ def _kinds(parser: argparse.ArgumentParser, text: str) -> tuple[str, ...]:
 
 
 def soak_settings(database_url: str, redis_url: str, prefix: str) -> Settings:
-    """Shortened timings, through configuration variables only (see soak/README.md for why)."""
+    """Shortened timings, through configuration variables only (see soak/README.md for why).
+    ``redis_url`` lists the sentinels of the master ``SENTINEL_MASTER``."""
     return Settings(
         database_url=database_url,
         redis_url=redis_url,
         broker_url=redis_url,
+        redis_sentinel_master=SENTINEL_MASTER,
         queue_prefix=prefix,
         log_level="info",
         worker_instance_id="soak",

@@ -1,4 +1,5 @@
-"""Faults of the platform's services: the soak's own Redis and its own PostgreSQL.
+"""Faults of the platform's services: the soak's own Redis (a Sentinel group,
+soak/sentinel.py: every Redis fault acts on its current master) and its own PostgreSQL.
 
 - ``pgkill``: ``pg_terminate_backend`` on the workers' connections (``application_name =
   'teamdesk-tasks'``; the soak's own are ``teamdesk-soak``), 1-4 rounds 0.25 s apart, each
@@ -6,15 +7,28 @@
 - ``pgrestart``: ``pg_ctl stop -m fast`` (70 %) or ``-m immediate`` (30 %: no checkpoint,
   crash recovery at the start, asynchronous commits lost), down 0-2 s, ``pg_ctl start``.
   Every connection of every process is cut; the soak's own work waits (soak/gate.py).
-- ``redis``: SIGTERM or SIGKILL the Redis, down 0-2 s, start it again (empty).
+- ``pgsqueeze``: the soak opens connections (as the superuser, like everyone) until the
+  server refuses one ("too many clients"), holds them ``2 x HEARTBEAT_TTL_S`` + 1-3 s,
+  taking every slot that frees meanwhile, then closes them all. Connections already open
+  keep working; every new one is refused. No slot is left for anyone: one left free goes
+  to whoever asks first (a worker's liveness check asks every 0.75 s), and the squeeze
+  would leak. The soak's own transactions wait at the gate instead, as for a restart; its
+  readers outside the gate look again when refused.
+- ``redis``: SIGTERM or SIGKILL the master, down 0-2 s, start it again on its port (empty;
+  its replica resyncs and is emptied too). Shorter than the sentinels' down-after
+  (soak/options.py): a reboot to them, not a failover.
 - ``flush``: ``FLUSHALL``: the same loss without the disconnection (clients keep their
   connections, and what they cached about the server, such as declared queues).
 - ``squeeze``: ``maxmemory`` = ``used_memory`` + ``SQUEEZE_HEADROOM_BYTES`` with the
   ``volatile-lru`` policy for 2-5 s: keys with a TTL (queued markers, results, the
   leader lock, heartbeat keys if they have one) are evicted, and once none is left,
   writes are refused (OOM). Then ``maxmemory 0`` and the previous policy.
+- ``failover``: SIGKILL the master; the sentinels promote the replica (what the master had
+  not replicated is lost); the old master's port starts again as the new master's replica
+  and the fault ends once it is in sync and every sentinel sees it (the group is whole for
+  the next one).
 
-Redis faults never overlap (one lock); neither do PostgreSQL restarts.
+Redis faults never overlap (one lock); neither do PostgreSQL faults.
 """
 
 from __future__ import annotations
@@ -26,10 +40,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psycopg2
 import redis
 import sqlalchemy as sa
 
 from soak.chaos import Chaos, Record
+from soak.postgres import MAX_CONNECTIONS
 
 WORKER_CONNECTIONS = sa.text("""
     SELECT pid, state FROM pg_stat_activity
@@ -41,6 +57,14 @@ LOCK_WAIT_S = 45.0  # a fault of one service waits this long for the previous on
 PG_SETTLE_S = 2.0
 SQUEEZE_HEADROOM_BYTES = 64 * 1024
 REDIS_TIMEOUT_S = 5.0
+# pgsqueeze: what the server says when it has no slot left (the second for a role without
+# superuser; the soak's processes all connect as the superuser).
+REFUSED = ("too many clients", "remaining connection slots are reserved")
+SQUEEZE_APPLICATION = "teamdesk-soak-squeeze"
+SQUEEZE_TOP_UP_S = 0.2  # how often a held squeeze takes the slots that freed
+CLIENT_BACKENDS = sa.text(
+    "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'"
+)
 
 
 def _one_at_a_time(
@@ -132,11 +156,84 @@ def _pg_restart(chaos: Chaos, record: Record, mode: str, down_s: float) -> None:
     time.sleep(PG_SETTLE_S)  # the next database fault finds the workers connected again
 
 
+def pgsqueeze(chaos: Chaos, record: Record) -> None:
+    ttl = chaos.timings.heartbeat_ttl_s
+    hold_s = round(record.rng.uniform(2 * ttl + 1.0, 2 * ttl + 3.0), 1)
+    record.detail = f"every free connection held {hold_s}s"
+    _one_at_a_time(chaos, chaos.pg_lock, record, _pg_squeeze, hold_s)
+
+
+def _pg_squeeze(chaos: Chaos, record: Record, hold_s: float) -> None:
+    held: list[Any] = []
+    with chaos.gate.exclusive() as drained:
+        if not drained:
+            record.detail = "skipped: the soak's own transactions did not end"
+            return
+        try:
+            _squeeze_connections(chaos, record, held, hold_s)
+        finally:
+            for conn in held:
+                conn.close()
+    time.sleep(PG_SETTLE_S)  # the next database fault finds the workers connected again
+
+
+def _squeeze_connections(chaos: Chaos, record: Record, held: list[Any], hold_s: float) -> None:
+    """Fill ``held`` until the server refuses, then keep it full for ``hold_s``."""
+    filling = time.monotonic()
+    refusal = _take_free_slots(chaos, held)
+    filled_s = time.monotonic() - filling
+    if refusal is None or not held:
+        record.detail = f"skipped: {record.detail}: the server did not refuse a connection"
+        return
+    others = _other_clients(held[0], len(held))
+    start = chaos.timeline.now()
+    taken, deadline = len(held), time.monotonic() + hold_s
+    while time.monotonic() < deadline:
+        time.sleep(SQUEEZE_TOP_UP_S)
+        _take_free_slots(chaos, held)
+    chaos.timeline.event("pgsqueeze", start, f"{len(held)} connections held")
+    record.detail += (
+        f": took {taken} connections in {filled_s:.1f}s ({others} others open), "
+        f"{len(held) - taken} more freed during the hold; refused {refusal!r}"
+    )
+
+
+def _take_free_slots(chaos: Chaos, held: list[Any]) -> str | None:
+    """Open connections into ``held`` until the server refuses one: its message, or None
+    when it failed otherwise (unreachable) or never refused."""
+    while len(held) < MAX_CONNECTIONS:
+        try:
+            held.append(
+                psycopg2.connect(
+                    chaos.postgres.admin_url,
+                    connect_timeout=2,
+                    application_name=SQUEEZE_APPLICATION,
+                )
+            )
+        except psycopg2.OperationalError as exc:
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            return message if any(r in message for r in REFUSED) else None
+    return None
+
+
+def _other_clients(conn: Any, held: int) -> int:
+    """Client connections open besides the squeeze's own (the cluster's and the soak's)."""
+    with conn.cursor() as cur:
+        cur.execute(str(CLIENT_BACKENDS))
+        (total,) = cur.fetchone()
+    conn.rollback()
+    return int(total) - held
+
+
 # ---- Redis --------------------------------------------------------------------------------
 def _client(chaos: Chaos) -> redis.Redis:
-    return redis.Redis.from_url(
-        chaos.redis_server.url, socket_timeout=REDIS_TIMEOUT_S, decode_responses=True
-    )
+    """A client of the current master (through the sentinels); answers are bytes."""
+    return chaos.redis_server.client(REDIS_TIMEOUT_S)
+
+
+def _unrecovered(chaos: Chaos, record: Record, exc: Exception) -> None:
+    record.detail += f"; NOT RECOVERED: {exc}"
+    chaos.unrecovered.append(f"{record.kind} at {record.at_s:.1f}s: {exc}")
 
 
 def redis_restart(chaos: Chaos, record: Record) -> None:
@@ -147,12 +244,18 @@ def redis_restart(chaos: Chaos, record: Record) -> None:
 
 
 def _redis_restart(chaos: Chaos, record: Record, sig: signal.Signals, down_s: float) -> None:
+    group = chaos.redis_server
+    port = group.master_port
     start = chaos.timeline.now()
-    chaos.redis_server.stop(sig)
-    time.sleep(down_s)
-    chaos.redis_server.start()
-    chaos.timeline.event("redis", start, "restart")
-    record.detail += f", restart #{chaos.redis_server.starts - 1}"
+    try:
+        failed_over = group.restart_master(sig, down_s)
+    except RuntimeError as exc:
+        _unrecovered(chaos, record, exc)
+        return
+    chaos.timeline.event("redis", start, f"restart of the master :{port}")
+    record.detail += f", master :{port}, whole again after {chaos.timeline.now() - start:.1f}s"
+    if failed_over:
+        record.detail += f" (the sentinels failed over meanwhile: :{group.master_port} master)"
 
 
 def flush(chaos: Chaos, record: Record) -> None:
@@ -185,7 +288,7 @@ def squeeze(chaos: Chaos, record: Record) -> None:
 def _squeeze(chaos: Chaos, record: Record, hold_s: float) -> None:
     client = _client(chaos)
     try:
-        policy = str(client.config_get("maxmemory-policy")["maxmemory-policy"])
+        policy = _text(client.config_get("maxmemory-policy"), "maxmemory-policy")
         evicted = int(client.info("stats")["evicted_keys"])
         used = int(client.info("memory")["used_memory"])
         start = chaos.timeline.now()
@@ -203,3 +306,34 @@ def _squeeze(chaos: Chaos, record: Record, hold_s: float) -> None:
         record.detail += f"; Redis error {type(exc).__name__}"
     finally:
         client.close()
+
+
+def _text(answer: Any, key: str) -> str:
+    """``key``'s value in a CONFIG GET answer (bytes or str)."""
+    pairs = {_decode(k): _decode(v) for k, v in dict(answer).items()}
+    return pairs[key]
+
+
+def _decode(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def failover(chaos: Chaos, record: Record) -> None:
+    record.detail = "SIGKILL of the master"
+    _one_at_a_time(chaos, chaos.redis_lock, record, _failover)
+
+
+def _failover(chaos: Chaos, record: Record) -> None:
+    group = chaos.redis_server
+    old = group.master_port
+    start = chaos.timeline.now()
+    try:
+        promoted_s, rejoined_s = group.failover()
+    except RuntimeError as exc:
+        _unrecovered(chaos, record, exc)
+        return
+    chaos.timeline.event("failover", start, f":{old} killed, :{group.master_port} promoted")
+    record.detail = (
+        f"SIGKILL of the master :{old}, :{group.master_port} promoted after {promoted_s:.1f}s, "
+        f":{old} back as its replica, in sync {rejoined_s:.1f}s later"
+    )

@@ -58,7 +58,10 @@ class Report:
         self.say(f"soak: worker logs {log_counts(self.cluster)}")
         for error in operator.errors[:5]:
             self.say(f"soak: note: user action error {error}")
-        lines = [r.line() for r in records] + ["", "timeline (database clock):"]
+        origin = datetime.fromtimestamp(chaos.timeline.origin, UTC).isoformat(
+            timespec="milliseconds"
+        )
+        lines = [r.line() for r in records] + ["", f"timeline (database clock, 0 s = {origin}):"]
         (self.workdir / "faults.txt").write_text("\n".join(lines + chaos.timeline.lines()) + "\n")
 
     def leases(self, verifier: checks.Verifier) -> None:

@@ -2,8 +2,9 @@
 
 1. Its own PostgreSQL server (initdb, a free port, soak/postgres.py) with a fresh database
    migrated from ``ledger/migrations`` (plus the soak's own ``soak_marks`` and, filled by a
-   trigger, ``soak_takeovers``: soak/leases.py), a fresh key prefix, and a dedicated
-   ``redis-server`` on a free 127.0.0.1 port.
+   trigger, ``soak_takeovers``: soak/leases.py), a fresh key prefix, and its own Redis
+   under Sentinel (a master, a replica, three sentinels on free 127.0.0.1 ports:
+   soak/sentinel.py).
 2. The seeded world (soak/world.py), one plan per task (soak/workload.py) and the fault
    schedule (soak/chaos.py).
 3. Three ``celery -A tasks worker -Q exports,reminders`` processes (prefork) and one
@@ -43,19 +44,22 @@ from ledger.migrate import upgrade
 from soak import beacons, checks, hooks, logscan, workload
 from soak import world as W
 from soak.chaos import Chaos, Planned, Timings, plan
-from soak.cluster import Cluster, SoakRedis
+from soak.cluster import Cluster
 from soak.faults import Injector
 from soak.gate import DbGate
 from soak.leases import RECORD_TAKEOVERS, LeaseJudge
 from soak.options import (
     EXPORT_BATCH_SIZE,
     EXPORT_MAX_ROWS,
+    SENTINEL_DOWN_AFTER_MS,
+    SENTINEL_MASTER,
     Options,
     parse,
     soak_settings,
 )
 from soak.postgres import SoakPostgres
 from soak.report import Report
+from soak.sentinel import SentinelGroup
 from soak.timeline import Timeline
 from teamdesk.config import Settings
 from teamdesk.db import make_engine
@@ -64,11 +68,12 @@ from tests.support.processes import settings_env
 HOOKS_MODULE = "soak.hooks"
 SOAK_APPLICATION = "teamdesk-soak"  # the soak's own connections; pgkill spares them
 WORKERS, CONCURRENCY = 3, 2
-EXPORT_PAUSE_S = 0.1  # per batch of 20 rows (soak/hooks.py): exports take 0.1-1 s
+EXPORT_PAUSE_S = 0.06  # per batch of 12 rows (soak/hooks.py): exports take 0.1-1 s
 REMINDER_PAUSE_S = 0.05  # inside the reminder's transaction, after its side effects
 SUBMIT_SHARE = 0.8  # tasks are created during the first 80 % of the chaos window
 WORKER_START_TIMEOUT_S = 60.0
-SETTLE_TIMEOUT_S = 240.0  # a longterm fault: its export starts, runs, drains (< 2 min)
+# A longterm fault: its export starts (up to probes.BEACON_WAIT_S), runs and drains (< 1 min)
+SETTLE_TIMEOUT_S = 240.0
 
 ACTIVE = sa.text("""
     SELECT id, status, run, attempts, recoveries, dispatched_at, updated_at, lease_holder
@@ -93,7 +98,7 @@ class Soak:
         self.postgres: SoakPostgres | None = None
         self.settings = Settings()
         self.engine: sa.Engine | None = None
-        self.redis: SoakRedis | None = None
+        self.redis: SentinelGroup | None = None
         self.cluster: Cluster | None = None
         self.timeline = Timeline()
         self.gate = DbGate()
@@ -167,12 +172,14 @@ class Soak:
             self.say(f"soak: TIMEOUT: still not quiet after {self.opts.quiesce_timeout_s:.0f} s")
         if not settled:
             self.say("soak: TIMEOUT: a fault's recovery (restart, SIGCONT, Redis) did not finish")
+        for failure in chaos.unrecovered:
+            self.say(f"soak: NOT RECOVERED: {failure}")
         found = verifier.violations
         created = sum(1 for p in prepared.plans if p.task_id is not None)
         injected = sum(1 for r in injector.records if r.injected)
         self.say(f"soak: {created} tasks, {injected} faults, {len(found)} violations")
         (self.workdir / "report.txt").write_text("\n".join([*self.out, *unprinted]) + "\n")
-        return 1 if found or not quiet or not settled else 0
+        return 1 if found or not quiet or not settled or chaos.unrecovered else 0
 
     def verify(self, prepared: Prepared, chaos: Chaos) -> checks.Verifier:
         assert self.cluster is not None
@@ -215,14 +222,16 @@ class Soak:
         with engine.begin() as conn:
             W.insert(conn, world)
         tickets_before = checks.fingerprint(engine, [t.id for t in world.export_teams])
-        self.redis = SoakRedis(self.workdir)
+        self.redis = SentinelGroup(self.workdir / "redis", SENTINEL_MASTER, SENTINEL_DOWN_AFTER_MS)
         self.redis.start()
         assert self.postgres is not None
-        self.settings = soak_settings(self.postgres.url(self.run_id), self.redis.url, self.run_id)
+        self.settings = soak_settings(self.postgres.url(self.run_id), self.redis.url(), self.run_id)
+        ports = ",".join(str(port) for port in self.redis.sentinel_ports)
         self.say(
             f"soak: seed {opts.seed}, {opts.tasks} tasks, {opts.faults} faults over "
             f"{opts.window_s:.0f} s; database {self.run_id} on its own PostgreSQL (port "
-            f"{self.postgres.port}), redis port {self.redis.port}, logs {self.workdir}"
+            f"{self.postgres.port}), Redis master port {self.redis.master_port}, replica "
+            f"{self.redis.replica_port}, sentinels {ports}; logs {self.workdir}"
         )
         return Prepared(world, plans, schedule, tickets_before)
 
@@ -288,7 +297,7 @@ class Soak:
         assert self.redis is not None
         message = f"{task_id}-{run}"
         prefix = self.run_id
-        client = redis.Redis.from_url(self.redis.url, socket_timeout=2, decode_responses=True)
+        client = self.redis.client(2.0)
         try:
             marker = client.get(f"{prefix}:queued:{message}")
             meta = client.get(f"{prefix}:celery-task-meta-{message}")
@@ -297,7 +306,7 @@ class Soak:
         finally:
             client.close()
         state = json.loads(meta).get("status") if meta else None
-        text = None if marker is None else str(marker)  # decode_responses: a str
+        text = marker.decode() if isinstance(marker, bytes) else marker
         shown = "absent" if text is None else "ended" if text.startswith("ended ") else "set"
         return f"queued marker {shown}, message state {state}"
 

@@ -16,8 +16,9 @@ Cases (shares of ``--tasks``):
 
 Cases a fault creates at its own time (``by_fault``), each expected COMPLETED:
 
-- ``long``            marked ``long``: an export of 281..300 rows that takes 52 s (26 s short)
-                      (``longterm`` SIGTERMs its worker while it runs);
+- ``long``            marked ``long``: an export of 277..300 rows that takes 52 s (26 s short),
+                      a progress write every 2.2 s at most (``longterm`` SIGTERMs its
+                      worker while it runs);
 - ``frozen``          marked ``freeze``: a reminder whose first execution is SIGSTOPped
                       inside its transaction (``txfreeze``);
 - ``behind``          two reminders of the frozen one's team, created while it is frozen:
@@ -65,7 +66,10 @@ CASE_SHARES = (
 
 FAULT_CASES = ("long", "frozen", "behind", "spare")
 BEHIND_PER_FROZEN = 2
-LONG_MIN_BATCHES = 15  # a long export's pause per batch stays well under STALE_AFTER_S
+# A long export's 52 s over at least 24 batches: a progress write every 2.2 s at most, under
+# half of STALE_AFTER_S (3 s), the longest silence an execution may keep (tasks/watchdog.py
+# cancels a read silent that long: ExportReadSilent, a failed attempt).
+LONG_MIN_BATCHES = 24
 
 # Tasks arrive in waves (at most WAVES, at least MIN_WAVE tasks each), so the queues hold
 # a backlog at times: a Redis restart then loses queued messages, not just idle workers.
@@ -152,7 +156,7 @@ class Sizes:
     frozen: int = 0  # one per txfreeze fault (and BEHIND_PER_FROZEN behind each)
     spare: int = 0  # one per revoke fault (used only when it finds no run to revoke)
     max_rows: int = 300  # EXPORT_MAX_ROWS
-    batch_size: int = 20  # EXPORT_BATCH_SIZE
+    batch_size: int = 12  # EXPORT_BATCH_SIZE
 
 
 def build(rng: random.Random, sizes: Sizes, window_s: float) -> tuple[W.World, list[TaskPlan]]:

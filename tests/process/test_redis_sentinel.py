@@ -3,7 +3,7 @@ heartbeats, the queued markers and the leader lock all reach Redis through its s
 (``REDIS_URL`` = ``BROKER_URL`` = ``sentinel://...;sentinel://...``, ``REDIS_SENTINEL_MASTER``),
 and a failover costs seconds: every task completes once, no process exits.
 
-A private group (tests/support/redis_sentinel.py: a master, one replica, three real
+A private group (soak/sentinel.py, shared with the soak: a master, one replica, three real
 sentinels) serves two real workers and a real beat. 100 exports and 100 reminders are
 created; every export parks at its first batch (a remote gate, kept in the shared Redis,
 not the one failed over), so when the four worker processes are all parked, four exports
@@ -27,6 +27,7 @@ import redis
 import sqlalchemy as sa
 
 from ledger import service
+from soak.sentinel import MASTER_NAME, sentinel_group
 from teamdesk.config import Settings
 from tests.process.test_shutdown import GATED
 from tests.support.factories import (
@@ -38,7 +39,6 @@ from tests.support.factories import (
     task_row,
 )
 from tests.support.processes import Proc, celery_argv, cluster, settings_env, worker_argv
-from tests.support.redis_sentinel import MASTER_NAME, sentinel_group
 from tests.support.remote_gates import GATE_REDIS_ENV, RemoteGate
 from tests.support.waiting import wait_for
 
