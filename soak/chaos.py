@@ -121,6 +121,7 @@ class Purge:
     purged: int | None = None  # as the command line said ("Purged N messages")
     runs: dict[tuple[uuid.UUID, int], datetime] = field(default_factory=dict)
     resumed_s: dict[tuple[uuid.UUID, int], float | None] = field(default_factory=dict)
+    resumed_at: dict[tuple[uuid.UUID, int], float] = field(default_factory=dict)  # db clock
 
 
 @dataclass

@@ -106,6 +106,22 @@ class Timeline:
             self.events.append(event)
         return event
 
+    def covered_s(self, kinds: dict[str, float], start: float, end: float) -> float:
+        """Seconds of [start, end] that an event of ``kinds`` covered, each event followed by
+        its kind's allowance (overlapping events counted once)."""
+        with self._lock:
+            spans = sorted(
+                (max(e.start, start), min(e.end + kinds[e.kind], end))
+                for e in self.events
+                if e.kind in kinds
+            )
+        covered, reached = 0.0, start
+        for lo, hi in spans:
+            lo = max(lo, reached)
+            if hi > lo:
+                covered, reached = covered + hi - lo, hi
+        return covered
+
     def of(self, process: str) -> list[Window]:
         with self._lock:
             return [w for w in self.windows if w.process == process]

@@ -263,6 +263,7 @@ def _watch_purged(chaos: Chaos, record: Record, found: Purge) -> None:
                 continue
             if (row.run, row.status, row.dispatched_at) != (key[1], "WAITING", stamp):
                 found.resumed_s[key] = round(max(0.0, now - start), 2)
+                found.resumed_at[key] = now
                 del pending[key]
         time.sleep(PURGE_POLL_S)
     gone = [s for s in found.resumed_s.values() if s is not None]
