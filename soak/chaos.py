@@ -128,6 +128,7 @@ class Purge:
 class Timings:
     heartbeat_ttl_s: float
     stale_after_s: float
+    task_wait_s: float = 120.0  # a fault's own task, to reach its hook point (options.py)
 
 
 @dataclass

@@ -28,6 +28,12 @@ SCAN_INTERVAL_S = 1.0
 # A long export: >= 50 s, and under the export's 60 s read budget (tasks/export.py); the
 # short soak's is half as long (still eight heartbeat TTLs and four STALE_AFTER_S).
 LONG_EXPORT_S, SHORT_LONG_EXPORT_S = 52.0, 26.0
+# How long txfreeze and longterm wait for their own task to reach its hook point: it queues
+# behind the workload's backlog, up to a minute and a half in the middle of a full soak's
+# window (faults that stop every worker's intake - pgsqueeze, failover - add to it; at 60 s
+# 8 of 10 longterm faults of a full soak found no execution in time). The short soak's
+# backlog is small: waiting longer there mostly made the run longer.
+TASK_WAIT_S, SHORT_TASK_WAIT_S = 120.0, 60.0
 # The soak's Redis is a Sentinel group (soak/sentinel.py). The sentinels fail a master over
 # once it has not answered for this long: longer than the ``redis`` fault's restart (down
 # 0-2 s, then up in ~0.1 s; with the sentinels' ping a second apart they see at most ~3.3 s
@@ -44,6 +50,7 @@ class Options:
     fault_gap_s: float
     quiesce_timeout_s: float
     long_export_s: float
+    task_wait_s: float
     keep: bool
     short: bool
     kinds: tuple[str, ...] = KINDS
@@ -94,6 +101,7 @@ def parse(argv: list[str] | None, description: str) -> Options:
         fault_gap_s=args.fault_gap or window_s / (per_kind * len(kinds)),
         quiesce_timeout_s=args.quiesce_timeout or (SHORT_QUIESCE_S if short else DEFAULT_QUIESCE_S),
         long_export_s=SHORT_LONG_EXPORT_S if short else LONG_EXPORT_S,
+        task_wait_s=SHORT_TASK_WAIT_S if short else TASK_WAIT_S,
         keep=bool(args.keep),
         short=short,
         kinds=kinds,

@@ -33,11 +33,6 @@ from soak.timeline import FROZEN
 
 SKEW_HOLD_S = (10.0, 30.0)  # how long a skewed process runs before it is set right
 RESTORE_WAIT_S = 120.0  # for the skewed member to be free of other faults again
-# For a fault's task to reach its hook point: it queues behind the workload's backlog, up to
-# a minute and a half in the middle of a full soak's window (faults that stop every
-# worker's intake - pgsqueeze, failover - add to it). At 60 s, 8 of 10 longterm faults of
-# a full soak found no execution in time.
-BEACON_WAIT_S = 120.0
 LONG_INTO_S = (1.0, 5.0)  # how far into the long export the SIGTERM lands
 HOLD_OWNER_WAIT_S = 10.0
 
@@ -110,7 +105,7 @@ def _freeze(
     behind: list[workload.TaskPlan],
     frozen_s: float,
 ) -> None:
-    beacon = beacons.wait(chaos.beacon_dir, f"freeze-{plan.task_id}", BEACON_WAIT_S)
+    beacon = beacons.wait(chaos.beacon_dir, f"freeze-{plan.task_id}", chaos.timings.task_wait_s)
     if beacon is None:
         record.detail = f"skipped: {record.detail} never reached its transaction"
         return
@@ -166,7 +161,7 @@ def _running_execution(chaos: Chaos, plan: workload.TaskPlan) -> dict[str, Any] 
 def _term_during_export(
     chaos: Chaos, record: Record, plan: workload.TaskPlan, into_s: float
 ) -> None:
-    deadline = time.monotonic() + BEACON_WAIT_S
+    deadline = time.monotonic() + chaos.timings.task_wait_s
     while time.monotonic() < deadline:
         beacon = _running_execution(chaos, plan)
         if beacon is None:

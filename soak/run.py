@@ -72,7 +72,7 @@ EXPORT_PAUSE_S = 0.06  # per batch of 12 rows (soak/hooks.py): exports take 0.1-
 REMINDER_PAUSE_S = 0.05  # inside the reminder's transaction, after its side effects
 SUBMIT_SHARE = 0.8  # tasks are created during the first 80 % of the chaos window
 WORKER_START_TIMEOUT_S = 60.0
-# A longterm fault: its export starts (up to probes.BEACON_WAIT_S), runs and drains (< 1 min)
+# A longterm fault: its export starts (up to options.TASK_WAIT_S), runs and drains (< 1 min)
 SETTLE_TIMEOUT_S = 240.0
 
 ACTIVE = sa.text("""
@@ -248,7 +248,7 @@ class Soak:
             self.gate,
             self.timeline,
             self.rng,
-            Timings(settings.heartbeat_ttl_s, settings.stale_after_s),
+            Timings(settings.heartbeat_ttl_s, settings.stale_after_s, self.opts.task_wait_s),
             self.workdir / "beacons",
         )
         chaos.plans = prepared.plans

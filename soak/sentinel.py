@@ -98,6 +98,9 @@ class SentinelGroup:
         """The master, its replica, the sentinels; returns once the group is whole."""
         self._serve(self.master_port)
         self._serve(self.replica_port, replica_of=self.master_port)
+        # A sentinel learns of the replica from the master's INFO: at once if it is
+        # attached by then, else at the next INFO, 10 s later.
+        _wait(lambda: _info(self.replica_port).get("master_link_status") == "up", "the replica")
         self.sentinels = [self._sentinel(port) for port in self.sentinel_ports]
         _wait(self._whole, "the sentinel group to form")
 
