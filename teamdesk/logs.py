@@ -41,6 +41,7 @@ EVENTS = frozenset(
         "task.revoked",
         "task.failed",
         "task.lease_lost",
+        "task.cancelled",
         "task.stalled",
         "dispatcher.failed",
         "dispatcher.recovered",
