@@ -235,7 +235,7 @@ def test_cancel_while_running_stops_at_next_write_and_reads_as_cancelled(
     assert flower_view == "REVOKED"
     assert outcomes(events, message) == []  # no task-succeeded
     assert AsyncResult(message, app=celery_app).state == "REVOKED"
-    assert [r.task_id for r in event_records(caplog, "task.cancelled")] == [str(task_id)]
+    assert [field(r, "task_id") for r in event_records(caplog, "task.cancelled")] == [str(task_id)]
     assert event_records(caplog, "task.lease_lost") == []
     assert task_row(engine, task_id) == cancelled
     assert (cancelled["status"], cancelled["result_csv"], cancelled["progress"]) == (
