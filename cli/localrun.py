@@ -40,6 +40,7 @@ from ledger.migrate import upgrade
 from tasks.demo_pause import SLOW_EXPORT_ENV, delay_from_env
 from teamdesk.config import Settings, is_sentinel_url
 from teamdesk.db import make_engine, sqlalchemy_url
+from teamdesk.failures import database_failure, redis_failure
 from teamdesk.redis_client import redis_client
 
 PROCFILE = Path(__file__).with_name("Procfile")  # the processes ``make run`` starts
@@ -131,7 +132,7 @@ def ensure_database(database_url: str) -> bool:
             return True
     except sa_exc.DBAPIError as exc:
         raise RunError(
-            f"cannot create or open database {name!r} ({type(exc).__name__}); check "
+            f"cannot create or open database {name!r}: {database_failure(exc)}; check "
             "DATABASE_URL and that PostgreSQL is running and lets this user create databases"
         ) from None
     finally:
@@ -167,7 +168,7 @@ def check_redis(settings: Settings) -> None:
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise RunError(redis_hint(settings.redis_url, type(exc).__name__)) from None
+        raise RunError(redis_hint(settings.redis_url, redis_failure(exc))) from None
     finally:
         client.close()
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from cli.commands import local, serve, task_commands, watch
 from teamdesk.config import settings_or_exit
+from teamdesk.failures import database_failure
 from teamdesk.logs import setup_logging
 
 Handler = Callable[[argparse.Namespace], int]
@@ -82,7 +83,7 @@ def _set_up_app_role(database_url: str, role: str, password: str | None) -> int:
 
 def _migrate_failed(exc: Exception) -> int:
     print(
-        f"teamdesk-tasks migrate: cannot migrate the database ({type(exc).__name__}); "
+        f"teamdesk-tasks migrate: cannot migrate the database: {database_failure(exc)}; "
         "check DATABASE_URL and that PostgreSQL is running",
         file=sys.stderr,
     )
