@@ -195,13 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        settings = settings_or_exit()
-    except SystemExit:
-        # Container health checks reserve exit code 2; the probe only says 0 or 1.
-        if args.command == "health":
-            return 1
-        raise
+    settings = settings_or_exit()
     setup_logging("cli", settings.log_level)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     handler: Handler = args.handler

@@ -190,8 +190,9 @@ def test_every_command_has_help() -> None:
         assert proc.returncode == 0 and "usage: teamdesk-tasks" in proc.stdout, name
 
 
-def test_health_probe_never_exits_2_on_bad_config() -> None:
-    """Container health checks reserve exit code 2; the probe says 0 or 1 only."""
+def test_health_probe_refuses_bad_config_like_every_command() -> None:
+    """A configuration error is exit 2 and one line, for the probe as for every command
+    (a container runtime counts any non-zero exit as a failed check)."""
     env = {**os.environ, "HEARTBEAT_TTL_S": "abc"}
     proc = subprocess.run(
         [sys.executable, "-m", "cli.main", "health"],
@@ -200,8 +201,10 @@ def test_health_probe_never_exits_2_on_bad_config() -> None:
         text=True,
         timeout=60,
     )
-    assert proc.returncode == 1
-    assert "HEARTBEAT_TTL_S must be a number" in proc.stderr
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "teamdesk-tasks: configuration error: HEARTBEAT_TTL_S must be a number, got 'abc'\n"
+    )
 
 
 @pytest.mark.parametrize(
