@@ -208,7 +208,12 @@ def prepare(settings: Settings, options: LocalOptions) -> DemoTeam:
     return team
 
 
-def banner(team: DemoTeam, options: LocalOptions, processes: dict[str, str]) -> str:
+def banner(
+    team: DemoTeam,
+    options: LocalOptions,
+    processes: dict[str, str],
+    metrics: dict[str, int] | None = None,
+) -> str:
     """The addresses and the ready-to-paste commands printed before the processes start."""
     api = f"http://127.0.0.1:{options.api_port}"
     token = team.staff.token
@@ -226,6 +231,7 @@ def banner(team: DemoTeam, options: LocalOptions, processes: dict[str, str]) -> 
             f"  API      {api}   (OpenAPI: {api}/docs)",
             f"  Flower   http://127.0.0.1:{options.flower_port}   user {FLOWER_USER}, "
             f"password {password}",
+            *_metrics_line(metrics or {}),
             f"  Demo     team {team.team_id} ({state}, {team.tickets} tickets)",
             *_slow_line(options),
             f"           staff {team.staff.email}, token {token}"
@@ -250,6 +256,13 @@ def banner(team: DemoTeam, options: LocalOptions, processes: dict[str, str]) -> 
     )
 
 
+def _metrics_line(ports: dict[str, int]) -> list[str]:
+    if not ports:
+        return []
+    each = ", ".join(f"{name} :{port}" for name, port in ports.items())
+    return [f"  Metrics  http://127.0.0.1:<port>/metrics   {each}"]
+
+
 def _slow_line(options: LocalOptions) -> list[str]:
     if options.slow_exports_s <= 0:
         return ["           exports too quick to watch? --slow-exports 2 (demo only)"]
@@ -266,21 +279,42 @@ def cluster_manager(settings: Settings) -> ClusterManager:
     return ClusterManager(stop_grace_s=drain_s + KILL_GRACE_S, drain_s=drain_s)
 
 
+def metrics_ports(base: int, processes: dict[str, str]) -> dict[str, int]:
+    """With METRICS_PORT set, each process that serves metrics (all but Flower) gets its
+    own port, counted up from it in the Procfile's order: one port for all of them would
+    let the first take it and the others die on 'address already in use'."""
+    if not base:
+        return {}
+    serving = [name for name, command in processes.items() if " flower" not in f" {command}"]
+    ports = {name: base + offset for offset, name in enumerate(serving)}
+    if max(ports.values(), default=base) > 65535:
+        raise RunError(f"METRICS_PORT {base} leaves no room for {len(ports)} ports")
+    return ports
+
+
 def _start_manager(
-    options: LocalOptions, processes: dict[str, str], manager: ClusterManager
+    options: LocalOptions,
+    processes: dict[str, str],
+    manager: ClusterManager,
+    ports: dict[str, int],
 ) -> int:
     env = child_env(options)
+    env.pop("METRICS_PORT", None)
     for name, command in processes.items():
-        manager.add_process(name, exec_command(command), env=env)
+        own = {**env, "METRICS_PORT": str(ports[name])} if name in ports else env
+        manager.add_process(name, exec_command(command), env=own)
     manager.loop()
     return manager.returncode if manager.returncode is not None else 1
 
 
 def run_local(settings: Settings, options: LocalOptions) -> int:
     processes = read_procfile(options.procfile)
+    ports = metrics_ports(settings.metrics_port, processes)
+    for port in ports.values():
+        check_port(port, "another METRICS_PORT", "METRICS_PORT")
     team = prepare(settings, options)
-    print(banner(team, options, processes), flush=True)
-    return _start_manager(options, processes, cluster_manager(settings))
+    print(banner(team, options, processes, ports), flush=True)
+    return _start_manager(options, processes, cluster_manager(settings), ports)
 
 
 def _port_from_env(name: str, default: int) -> int:

@@ -103,6 +103,20 @@ def task_metrics() -> TaskMetrics:
         return _task_metrics
 
 
+def declare_task_families(kinds: list[str]) -> None:
+    """Create every series of the task metrics at zero, so a worker's endpoint serves
+    them from its start (a family without a sample is not served at all, and a dashboard
+    or an alert cannot tell "nothing happened" from "no such metric")."""
+    instruments = task_metrics()
+    for kind in (k.lower() for k in kinds):
+        instruments.claims.labels(kind)
+        instruments.lease_lost.labels(kind)
+        instruments.cancelled.labels(kind)
+        for outcome in OUTCOMES:
+            instruments.duration.labels(kind, outcome)
+    instruments.draining.set(0)
+
+
 def use_multiprocess(directory: str | None = None) -> Path:
     """Switch this process, and the children it forks later, to multiprocess mode; call
     before any task metric exists (a worker's ``celeryd_init``). The directory is

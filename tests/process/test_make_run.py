@@ -16,13 +16,14 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from contextlib import suppress
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
 
@@ -238,9 +239,44 @@ def probe(runners: Runner, *args: str) -> tuple[int, str, str]:
     return done.returncode, done.stdout, done.stderr
 
 
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive free ports (METRICS_PORT's base under run-local)."""
+    for _ in range(50):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        with ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return base
+    raise AssertionError(f"no {count} consecutive free ports")
+
+
+def scrape(port: int) -> str:
+    code, body, _ = http(f"http://127.0.0.1:{port}/metrics")
+    assert code == 200
+    return body.decode()
+
+
 def test_make_run_serves_an_export_end_to_end_and_stops_cleanly(runners: Runner) -> None:
-    runner, api_port, flower_port = runners.start()
+    metrics_base = free_port_run(4)
+    runner, api_port, flower_port = runners.start(env={"METRICS_PORT": str(metrics_base)})
     wait_until_up(runner, api_port, flower_port)
+    # METRICS_PORT is a base: each process that serves metrics has its own port (the
+    # banner says which), and a worker serves its task families before its first task.
+    # Before, every process took the same port and all but one died.
+    names = ("exports", "mixed", "beat", "api")
+    ports = {name: metrics_base + offset for offset, name in enumerate(names)}
+    each = ", ".join(f"{name} :{port}" for name, port in ports.items())
+    assert f"  Metrics  http://127.0.0.1:<port>/metrics   {each}" in runner.output()
+    for worker in ("exports", "mixed"):
+        assert 'teamdesk_task_claims_total{kind="export"} 0.0' in scrape(ports[worker])
+    assert "teamdesk_dispatcher_leader" in scrape(ports["beat"])
+    assert "teamdesk_api_requests_total" in scrape(ports["api"])
     # The probes the banner prints answer "able" for this very cluster.
     printed = [line.strip() for line in runner.output().splitlines()]
     assert any(line.startswith(".venv/bin/teamdesk-tasks health --cluster") for line in printed)
