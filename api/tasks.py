@@ -27,6 +27,7 @@ from api.schemas import (
     ErrorOut,
     ExportRequest,
     ReminderRequest,
+    RetriedOut,
     TaskListOut,
     TaskOut,
 )
@@ -164,8 +165,9 @@ def get_task(
 @router.post(
     "/tasks/{task_id}/retry",
     status_code=202,
-    response_model=AcceptedOut,
-    summary="Start a new run of a FAILED or CANCELLED task (accepted, not done)",
+    response_model=RetriedOut,
+    summary="Start a new run of a FAILED or CANCELLED task (accepted, not done); the run "
+    "is ready at once, also for a reminder that was scheduled later",
     responses=_errors(403, 404, 409),
 )
 def retry_task(
@@ -179,7 +181,8 @@ def retry_task(
         caller = authenticate(conn, token)
         limits.throttle_token(caller)
         run = service.retry(conn, task_id, caller.user_id, max_unfinished=cap)
-    return {"task_id": task_id, "run": run, "status": "WAITING"}
+        run_at = service.get_task(conn, task_id, caller.user_id).row["run_at"]
+    return {"task_id": task_id, "run": run, "status": "WAITING", "run_at": run_at}
 
 
 @router.post(

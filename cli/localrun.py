@@ -245,6 +245,7 @@ def banner(
             f"  curl -s {auth} {api}/api/tasks/<TASK_ID>/csv   # the CSV, once COMPLETED",
             "  or follow it: .venv/bin/teamdesk-tasks watch <TASK_ID>",
             "",
+            *_reminder_lines(team, auth, api),
             "Can the cluster run tasks? (dispatcher, a worker per queue, PostgreSQL, Redis)",
             f"  .venv/bin/teamdesk-tasks health --cluster      # or: curl -s {api}"
             "/api/workers/health",
@@ -254,6 +255,20 @@ def banner(
             "",
         ]
     )
+
+
+def _reminder_lines(team: DemoTeam, auth: str, api: str) -> list[str]:
+    """A reminder that will really be sent: the ticket is open and assigned to the staff
+    user (one that is closed or unassigned would complete "skipped")."""
+    if team.reminder_ticket is None:
+        return []
+    body = f'{{"ticket_id":"{team.reminder_ticket}"}}'
+    return [
+        f"Send a reminder (ticket {team.reminder_ticket} is open, assigned to {team.staff.email}):",
+        f'  curl -s -X POST {auth} -H "Content-Type: application/json" -d '
+        f"'{body}' {api}/api/teams/{team.team_id}/reminders",
+        "",
+    ]
 
 
 def _metrics_line(ports: dict[str, int]) -> list[str]:

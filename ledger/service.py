@@ -48,11 +48,17 @@ RUN_AT_IN_WINDOW = text("""
            BETWEEN now() - interval '1 day' AND now() + interval '1 year'
 """)
 
+# A reminder that completes without side effects says why in its summary, after this.
+SKIPPED_PREFIX = "skipped: "
+
 # waiting_s: whole seconds a WAITING run has been ready (run_at passed), by the database's
-# clock; NULL when it is not waiting or is scheduled for later.
-TASK_COLUMNS = """id, kind, team_id, owner_id, scope, filters, status, run, attempts, progress,
+# clock; NULL when it is not waiting or is scheduled for later. skipped: a completion
+# without side effects (its summary starts with SKIPPED_PREFIX).
+TASK_COLUMNS = f"""id, kind, team_id, owner_id, scope, filters, status, run, attempts, progress,
     last_error, result_summary, run_at, dispatched_at, recoveries, expires_at, created_at,
     updated_at, (result_csv IS NOT NULL) AS has_csv,
+    (status = 'COMPLETED' AND coalesce(starts_with(result_summary, '{SKIPPED_PREFIX}'), false))
+        AS skipped,
     CASE WHEN status = 'WAITING' AND run_at <= now()
          THEN CAST(floor(extract(epoch FROM now() - run_at)) AS integer) END AS waiting_s"""
 

@@ -8,6 +8,8 @@ completes; 410 once expired or purged).
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
@@ -16,7 +18,7 @@ from api.errors import MSG_LIMIT, MSG_TASK_NOT_FOUND, MSG_TEAM_NOT_FOUND
 from api.tasks import MSG_EXPIRED, MSG_NOT_AN_EXPORT, MSG_NOT_COMPLETED
 from ledger import permissions, service
 from tests.support.api_helpers import bearer, task_in_state
-from tests.support.factories import World, set_role, task_row
+from tests.support.factories import World, add_ticket, set_role, task_row
 
 # --- GET /api/teams/{team_id}/tasks -------------------------------------------------------
 
@@ -94,7 +96,9 @@ def test_retry_is_accepted_and_opens_a_new_run(
 ) -> None:
     task_id = task_in_state(engine, world, state)
     response = client.post(f"/api/tasks/{task_id}/retry", headers=bearer(tokens["staff2"]))
-    assert (response.status_code, response.json()) == (
+    body = response.json()
+    run_at = datetime.fromisoformat(body.pop("run_at").replace("Z", "+00:00"))
+    assert (response.status_code, body) == (
         202,
         {"task_id": str(task_id), "run": 1, "status": "WAITING"},
     )
@@ -105,6 +109,25 @@ def test_retry_is_accepted_and_opens_a_new_run(
         0,
         None,
     )
+    assert run_at == row["run_at"]
+
+
+def test_a_retried_scheduled_reminder_is_ready_now_and_the_answer_says_so(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str]
+) -> None:
+    """The rule is kept (a retry is ready at once) and said: the answer's run_at is now,
+    not the reminder's scheduled time a day ahead."""
+    with engine.begin() as conn:
+        ticket = add_ticket(conn, world.team_id, world.customer_id, assignee_id=world.staff2_id)
+        task_id = service.create_reminder(
+            conn, world.team_id, world.staff_id, ticket, datetime.now(UTC) + timedelta(days=1)
+        )
+        service.cancel(conn, task_id, world.staff_id)
+        now = conn.execute(sa.text("SELECT now()")).scalar_one()
+    response = client.post(f"/api/tasks/{task_id}/retry", headers=bearer(tokens["staff"]))
+    assert response.status_code == 202
+    run_at = datetime.fromisoformat(response.json()["run_at"].replace("Z", "+00:00"))
+    assert now <= run_at == task_row(engine, task_id)["run_at"] < now + timedelta(minutes=1)
 
 
 @pytest.mark.parametrize("state", ["WAITING", "RUNNING", "COMPLETED"])

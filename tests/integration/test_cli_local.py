@@ -67,10 +67,23 @@ def test_demo_seed_creates_the_team_once_and_issues_fresh_tokens(
     assert 0 < stats["assigned"] < stats["tickets"]
     assert stats["with_comma"] > 0 and stats["with_quote"] > 0 and stats["formula_like"] > 0
     assert stats["days"] >= 28
+    # The ticket a demo reminder is sent for: open, assigned to the staff user.
+    reminder_ticket = seeded["reminder_ticket"]
+    assert (
+        scalar(
+            engine,
+            "SELECT t.status || ' ' || u.email FROM tickets t JOIN users u ON u.id = t.assignee_id "
+            "WHERE t.id = :id AND t.team_id = :team",
+            id=reminder_ticket,
+            team=team_id,
+        )
+        == f"OPEN {demo.STAFF_EMAIL}"
+    )
 
     second = cli("demo-seed")
     assert second.code == 0, second.err
     assert "already seeded" in second.out and str(team_id) in second.out
+    assert f"reminder  ticket {reminder_ticket} (open, assigned to staff)" in second.out
     assert scalar(engine, "SELECT count(*) FROM teams WHERE name = :n", n=demo.TEAM_NAME) == 1
     assert scalar(engine, "SELECT count(*) FROM tickets") == demo.DEFAULT_TICKETS
     tokens = [line.split("token ")[1] for line in second.out.splitlines() if "token tdk_" in line]

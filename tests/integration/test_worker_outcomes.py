@@ -403,6 +403,9 @@ def test_reminder_with_nothing_to_do_completes_without_side_effects(
         row = run_to_end(engine, task_id)
     assert (row["status"], row["result_summary"], row["progress"]) == ("COMPLETED", summary, 100)
     assert side_effects(engine, ticket) == before
+    with engine.connect() as conn:
+        view = service.get_task(conn, task_id, world.staff_id).as_dict()
+    assert (view["status"], view["skipped"]) == ("COMPLETED", True)  # visible as skipped
 
 
 def test_a_claim_that_fails_never_strands_the_run(

@@ -116,6 +116,12 @@ def printed_commands(runner: Proc) -> tuple[str, str]:
     return start, read
 
 
+def printed_reminder(runner: Proc) -> str:
+    """The banner's reminder curl (the second POST)."""
+    lines = [line.strip() for line in runner.output().splitlines()]
+    return next(line for line in lines if line.startswith("curl") and "/reminders" in line)
+
+
 def stop_everything(runner: Proc) -> None:
     """Teardown after a failure: the runner's children live in their own sessions, so
     killing the runner alone would leave them running."""
@@ -311,6 +317,24 @@ def test_make_run_serves_an_export_end_to_end_and_stops_cleanly(runners: Runner)
         100,
         f"{TICKETS} rows",
     )
+    # The banner's reminder is for an open ticket assigned to the staff user: it is sent,
+    # not skipped (before, the banner offered no ticket, and the first one a user found
+    # was often closed).
+    reminder = curl_request(printed_reminder(runner))
+    status, body, _ = http(
+        reminder["url"], method="POST", headers=reminder["headers"], body=reminder["body"]
+    )
+    assert status == 201, body
+    reminder_url = readback["url"].rsplit("/", 1)[0] + "/" + json.loads(body)["id"]
+
+    def reminded() -> dict[str, Any] | None:
+        code, answer, _ = http(reminder_url, headers=readback["headers"])
+        view: dict[str, Any] = json.loads(answer) if code == 200 else {}
+        return view if view.get("status") == "COMPLETED" else None
+
+    sent = wait_for(reminded, timeout=60, interval=0.2, what="the reminder to complete")
+    assert sent is not None and sent["skipped"] is False
+    assert str(sent["result_summary"]).startswith("reminder sent to ")
     code, csv_body, headers = http(f"{readback['url']}/csv", headers=readback["headers"])
     assert code == 200 and headers["content-type"].startswith("text/csv")
     assert len(list(csv.reader(io.StringIO(csv_body.decode())))) == TICKETS + 1
