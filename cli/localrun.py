@@ -97,8 +97,21 @@ def child_env(options: LocalOptions, base: dict[str, str] | None = None) -> dict
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.pop(SLOW_EXPORT_ENV, None)
-    if options.slow_exports_s > 0:  # demo only: the workers pause (tasks/demo_pause.py)
-        env[SLOW_EXPORT_ENV] = f"{options.slow_exports_s:g}"
+    env.pop("METRICS_PORT", None)
+    return env
+
+
+def process_env(
+    options: LocalOptions, command: str, shared: dict[str, str], metrics_port: int | None
+) -> dict[str, str]:
+    """One process's environment: ``shared`` (:func:`child_env`), its own METRICS_PORT
+    when it serves metrics, and the demo's export pause for workers only (beat and Flower
+    import the same app, and would print its DEMO ONLY warning for nothing)."""
+    env = dict(shared)
+    if metrics_port is not None:
+        env["METRICS_PORT"] = str(metrics_port)
+    if options.slow_exports_s > 0 and " worker " in f" {command} ":
+        env[SLOW_EXPORT_ENV] = f"{options.slow_exports_s:g}"  # demo only: tasks/demo_pause.py
     return env
 
 
@@ -313,11 +326,10 @@ def _start_manager(
     manager: ClusterManager,
     ports: dict[str, int],
 ) -> int:
-    env = child_env(options)
-    env.pop("METRICS_PORT", None)
+    shared = child_env(options)
     for name, command in processes.items():
-        own = {**env, "METRICS_PORT": str(ports[name])} if name in ports else env
-        manager.add_process(name, exec_command(command), env=own)
+        env = process_env(options, command, shared, ports.get(name))
+        manager.add_process(name, exec_command(command), env=env)
     manager.loop()
     return manager.returncode if manager.returncode is not None else 1
 

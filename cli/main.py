@@ -10,10 +10,12 @@ handler imports what it needs when it runs (see ``cli/commands/__init__.py``).
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from cli.commands import local, serve, task_commands, watch
 from teamdesk.config import settings_or_exit
@@ -192,9 +194,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """The arguments; an unknown option is refused by the command it was given to, with
+    that command's usage and the closest option it has (argparse's own answer is the
+    top-level usage, which lists no option at all)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = _subcommand(parser, getattr(args, "command", None))
+        target = command or parser
+        known = [o for action in target._actions for o in action.option_strings]
+        close = difflib.get_close_matches(extra[0], known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        target.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return args
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str | None) -> Any:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     settings = settings_or_exit()
     setup_logging("cli", settings.log_level)
     logging.getLogger("alembic").setLevel(logging.WARNING)

@@ -175,6 +175,23 @@ def test_entry_point_refuses_bad_config_without_traceback() -> None:
     assert "Traceback" not in proc.stderr and "hunter2" not in proc.stderr + proc.stdout
 
 
+def test_a_mistyped_option_is_refused_by_its_command_with_the_closest_match() -> None:
+    """``health --clsuter``: the health command's usage and "did you mean --cluster?".
+    Before: the top-level usage, which lists no option of any command."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", "health", "--clsuter"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "usage: teamdesk-tasks health [-h] [--scope S] [--cluster]\n"
+        "teamdesk-tasks health: error: unrecognized arguments: --clsuter "
+        "(did you mean --cluster?)\n"
+    )
+
+
 def test_every_command_has_help() -> None:
     from cli.main import build_parser
 
