@@ -134,6 +134,10 @@ class TaskOut(BaseModel):
 
 class TaskListOut(BaseModel):
     tasks: list[TaskOut] = Field(description="newest first")
+    next: uuid.UUID | None = Field(
+        default=None,
+        description="when the page is full: pass it as ?before= for the next (older) page",
+    )
 
 
 class AcceptedOut(BaseModel):

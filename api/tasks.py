@@ -138,11 +138,15 @@ def list_tasks(
     token: TokenDep,
     res: ResourcesDep,
     limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = DEFAULT_LIST_LIMIT,
+    before: Annotated[
+        uuid.UUID | None, Query(description="the last task of the previous page (its `next`)")
+    ] = None,
 ) -> dict[str, Any]:
     with res.engine.begin() as conn:
         user_id = authenticate(conn, token).user_id
-        views = service.list_tasks(conn, team_id, user_id, limit)
-    return {"tasks": _explained([view.as_dict() for view in views], res)}
+        views = service.list_tasks(conn, team_id, user_id, limit, before)
+    page = _explained([view.as_dict() for view in views], res)
+    return {"tasks": page, "next": views[-1].id if len(views) == limit else None}
 
 
 @router.get(

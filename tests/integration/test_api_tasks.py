@@ -8,6 +8,7 @@ completes; 410 once expired or purged).
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -42,6 +43,41 @@ def test_list_shows_what_each_user_may_see_newest_first(
     assert ids("staff", "?limit=1") == [str(staff_mine)]
     outsider = client.get(url, headers=bearer(tokens["outsider"]))
     assert (outsider.status_code, outsider.json()) == (404, {"detail": MSG_TEAM_NOT_FOUND})
+
+
+def test_the_list_pages_with_next_through_every_task(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str]
+) -> None:
+    """Past the first page: each full page names its last task as ``next``, and
+    ``?before=`` it gives the next older page, down to the last (``next`` null). Before,
+    the list stopped at 200 with no way on."""
+    created = [task_in_state(engine, world, "WAITING") for _ in range(5)]
+    with engine.begin() as conn:  # same created_at for two: the id breaks the tie
+        conn.execute(
+            sa.text(
+                "UPDATE background_tasks SET created_at = now() - interval '1 hour' "
+                "WHERE id = ANY(:ids)"
+            ),
+            {"ids": created[:2]},
+        )
+    url = f"/api/teams/{world.team_id}/tasks?limit=2"
+    seen: list[str] = []
+    pages = 0
+    query = url
+    while True:
+        body = client.get(query, headers=bearer(tokens["staff"])).json()
+        pages += 1
+        seen += [task["id"] for task in body["tasks"]]
+        if body["next"] is None:
+            break
+        assert body["next"] == body["tasks"][-1]["id"]
+        query = f"{url}&before={body['next']}"
+    newest_first = [str(t) for t in reversed(created[2:])]
+    oldest_two = sorted((str(t) for t in created[:2]), reverse=True)
+    assert seen == newest_first + oldest_two
+    assert pages == 3
+    other = client.get(f"{url}&before={uuid.uuid4()}", headers=bearer(tokens["staff"]))
+    assert (other.status_code, other.json()) == (200, {"tasks": [], "next": None})
 
 
 def test_list_items_never_carry_the_csv(
