@@ -385,6 +385,10 @@ def test_sigterm_lets_an_export_in_flight_finish_before_everything_exits_0(
     row = task_row(engine, uuid.UUID(task_id))
     assert row["status"] == "RUNNING"
     assert str(row["execution_id"]) == parked["execution_id"]
+    # It says what it waits for (before: nothing while the export drained).
+    # The worker that holds it (either consumes exports) is the one named.
+    note = re.compile(r"waiting for (exports|mixed) to stop \(workers finish their running tasks")
+    wait_for(lambda: note.search(runner.output()), timeout=30, what="the waiting note")
 
     gate.release(times=3)
     assert_stopped_cleanly(runner)
