@@ -41,22 +41,12 @@ SERVICE = "api"
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 
 
-class _DropColorMessage(logging.Filter):
-    """uvicorn adds a ``color_message`` copy of some lines, with terminal escapes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.__dict__.pop("color_message", None)
-        return True
-
-
 def _json_logs(level: str) -> None:
     setup_logging(SERVICE, level)
     for name in UVICORN_LOGGERS:
         uvicorn_logger = logging.getLogger(name)
         uvicorn_logger.handlers.clear()
-        uvicorn_logger.propagate = True
-        if not any(isinstance(f, _DropColorMessage) for f in uvicorn_logger.filters):
-            uvicorn_logger.addFilter(_DropColorMessage())
+        uvicorn_logger.propagate = True  # uvicorn's color_message: dropped by teamdesk.logs
 
 
 def _metrics_endpoint(settings: Settings) -> Any:

@@ -50,6 +50,7 @@ MSG_TEAM_NOT_FOUND = "Team not found."
 MSG_TASK_NOT_FOUND = NotFound().message
 MSG_UNAVAILABLE = "the service is temporarily unavailable; try again shortly"
 MSG_BODY_JSON = "the request body must be a JSON object"
+MSG_CONTENT_TYPE = "send the request body as JSON, with Content-Type: application/json"
 MSG_INVALID = "the request is invalid; see /docs for the expected form"
 MSG_LIMIT = f"limit must be a whole number from 1 to {MAX_LIST_LIMIT}"
 
@@ -116,7 +117,14 @@ async def database_unavailable(request: Request, exc: Exception) -> JSONResponse
 async def invalid_request(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     status, message = validation_answer(exc.errors(), _route_path(request))
+    if message == MSG_BODY_JSON and not _says_json(request):
+        message = MSG_CONTENT_TYPE  # the usual cause: curl -d without -H "Content-Type: ..."
     return await _unless_unauthenticated(request, error(status, message))
+
+
+def _says_json(request: Request) -> bool:
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or media_type.endswith("+json")
 
 
 async def http_error(request: Request, exc: Exception) -> Response:

@@ -113,6 +113,11 @@ class TaskOut(BaseModel):
     created_at: datetime
     updated_at: datetime
     has_csv: bool = Field(description="whether GET /api/tasks/{id}/csv has a file to give")
+    skipped: bool = Field(
+        description="a reminder that completed without sending anything (the ticket was "
+        "resolved, closed or unassigned, or its assignee left the team): result_summary "
+        "says why"
+    )
     waiting_s: int | None = Field(
         default=None,
         description="whole seconds the task has been WAITING since it became ready to run "
@@ -129,6 +134,10 @@ class TaskOut(BaseModel):
 
 class TaskListOut(BaseModel):
     tasks: list[TaskOut] = Field(description="newest first")
+    next: uuid.UUID | None = Field(
+        default=None,
+        description="when the page is full: pass it as ?before= for the next (older) page",
+    )
 
 
 class AcceptedOut(BaseModel):
@@ -137,6 +146,15 @@ class AcceptedOut(BaseModel):
     task_id: uuid.UUID
     run: int
     status: Literal["WAITING", "CANCELLED"]
+
+
+class RetriedOut(AcceptedOut):
+    """A retry was accepted: the new run, and when it is ready."""
+
+    run_at: datetime = Field(
+        description="when the new run is ready: now, by the database's clock (a retried "
+        "reminder is sent at once, not at its earlier run_at)"
+    )
 
 
 class ErrorOut(BaseModel):

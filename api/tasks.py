@@ -27,6 +27,7 @@ from api.schemas import (
     ErrorOut,
     ExportRequest,
     ReminderRequest,
+    RetriedOut,
     TaskListOut,
     TaskOut,
 )
@@ -137,11 +138,15 @@ def list_tasks(
     token: TokenDep,
     res: ResourcesDep,
     limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = DEFAULT_LIST_LIMIT,
+    before: Annotated[
+        uuid.UUID | None, Query(description="the last task of the previous page (its `next`)")
+    ] = None,
 ) -> dict[str, Any]:
     with res.engine.begin() as conn:
         user_id = authenticate(conn, token).user_id
-        views = service.list_tasks(conn, team_id, user_id, limit)
-    return {"tasks": _explained([view.as_dict() for view in views], res)}
+        views = service.list_tasks(conn, team_id, user_id, limit, before)
+    page = _explained([view.as_dict() for view in views], res)
+    return {"tasks": page, "next": views[-1].id if len(views) == limit else None}
 
 
 @router.get(
@@ -164,8 +169,9 @@ def get_task(
 @router.post(
     "/tasks/{task_id}/retry",
     status_code=202,
-    response_model=AcceptedOut,
-    summary="Start a new run of a FAILED or CANCELLED task (accepted, not done)",
+    response_model=RetriedOut,
+    summary="Start a new run of a FAILED or CANCELLED task (accepted, not done); the run "
+    "is ready at once, also for a reminder that was scheduled later",
     responses=_errors(403, 404, 409),
 )
 def retry_task(
@@ -179,7 +185,8 @@ def retry_task(
         caller = authenticate(conn, token)
         limits.throttle_token(caller)
         run = service.retry(conn, task_id, caller.user_id, max_unfinished=cap)
-    return {"task_id": task_id, "run": run, "status": "WAITING"}
+        run_at = service.get_task(conn, task_id, caller.user_id).row["run_at"]
+    return {"task_id": task_id, "run": run, "status": "WAITING", "run_at": run_at}
 
 
 @router.post(

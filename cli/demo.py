@@ -88,6 +88,15 @@ INSERT_TICKETS = text("""
 
 COUNT_TICKETS = text("SELECT count(*) FROM tickets WHERE team_id = :team_id")
 
+# A ticket a reminder would really be sent for (open, assigned to the staff user), newest
+# first: the banner's ready-to-paste reminder. A closed one would end "skipped".
+REMINDER_TICKET = text("""
+    SELECT t.id FROM tickets t JOIN users u ON u.id = t.assignee_id
+     WHERE t.team_id = :team_id AND t.status = 'OPEN' AND lower(u.email) = lower(:staff_email)
+     ORDER BY t.created_at DESC, t.id
+     LIMIT 1
+""")
+
 
 @dataclass(frozen=True)
 class DemoUser:
@@ -105,6 +114,7 @@ class DemoTeam:
     users: list[DemoUser] = field(default_factory=list)
     revoked_tokens: int = 0  # the users' earlier live tokens of the same name
     token_name: str | None = None
+    reminder_ticket: uuid.UUID | None = None  # open, assigned to the staff user
 
     @property
     def staff(self) -> DemoUser:
@@ -117,6 +127,7 @@ class DemoTeam:
             "created": self.created,
             "tickets": self.tickets,
             "revoked_tokens": self.revoked_tokens,
+            "reminder_ticket": None if self.reminder_ticket is None else str(self.reminder_ticket),
             "users": [
                 {"email": u.email, "role": u.role, "user_id": str(u.user_id), "token": u.token}
                 for u in self.users
@@ -174,7 +185,11 @@ def seed(
     team_id = _create(conn, tickets) if found is None else uuid.UUID(str(found.id))
     count = int(conn.execute(COUNT_TICKETS, {"team_id": team_id}).scalar_one())
     users, revoked = _users(conn, token_name)
-    return DemoTeam(team_id, created, count, users, revoked, token_name)
+    ticket = conn.execute(
+        REMINDER_TICKET, {"team_id": team_id, "staff_email": STAFF_EMAIL}
+    ).scalar_one_or_none()
+    reminder = None if ticket is None else uuid.UUID(str(ticket))
+    return DemoTeam(team_id, created, count, users, revoked, token_name, reminder)
 
 
 def describe(team: DemoTeam) -> str:
@@ -188,6 +203,8 @@ def describe(team: DemoTeam) -> str:
     lines = [head, f"team id   {team.team_id}"]
     for user in team.users:
         lines.append(f"{user.role.lower():<9} {user.email:<28} token {user.token}")
+    if team.reminder_ticket is not None:
+        lines.append(f"reminder  ticket {team.reminder_ticket} (open, assigned to staff)")
     lines.append("Tokens are shown only now (only their hashes are stored).")
     if team.revoked_tokens:
         lines.append(revoked_note(team))

@@ -32,6 +32,7 @@ from honcho.process import Process
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 LOST = -1  # the return code shown for a child whose helper vanished without reporting
 HELPER_GRACE_S = 1.0  # how long a dead helper's stop message may still be on its way
+WAITING_NOTE_S = 5.0  # while stopping: how often to say what is still running
 
 
 def _signal_pid(pid: int, sig: signal.Signals, group: bool = False) -> None:
@@ -104,6 +105,7 @@ class ClusterManager(Manager):
         self.unexpected: list[str] = []
         self._kill_at: float | None = None
         self._killed = False
+        self._next_note: float | None = None
 
     # -- signals -------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -124,7 +126,22 @@ class ClusterManager(Manager):
     def terminate(self) -> None:
         if not self._terminating:
             self._kill_at = time.monotonic() + self.stop_grace_s
+            self._next_note = time.monotonic() + WAITING_NOTE_S
         super().terminate()
+
+    def _note_waiting(self) -> None:
+        """While stopping, every WAITING_NOTE_S: which processes are still running (the
+        workers finishing their tasks) and when what is left will be killed."""
+        now = time.monotonic()
+        if self._next_note is None or self._killed or now < self._next_note:
+            return
+        self._next_note = now + WAITING_NOTE_S
+        running = [name for name, proc in self._processes.items() if "returncode" not in proc]
+        if running and self._kill_at is not None:
+            self._system_print(
+                f"waiting for {', '.join(running)} to stop (workers finish their running "
+                f"tasks; killed in {max(0.0, self._kill_at - now):.0f} s)\n"
+            )
 
     def kill(self) -> None:
         self._killed = True
@@ -185,6 +202,7 @@ class ClusterManager(Manager):
                 if self._all_started() and self._all_stopped():
                     return
                 self._reap_lost_helpers()
+            self._note_waiting()
             at = self._kill_at
             if at is not None and not self._killed and time.monotonic() > at:
                 self._system_print(f"still running after {self.stop_grace_s:g} s\n")

@@ -40,6 +40,7 @@ from ledger.migrate import upgrade
 from tasks.demo_pause import SLOW_EXPORT_ENV, delay_from_env
 from teamdesk.config import Settings, is_sentinel_url
 from teamdesk.db import make_engine, sqlalchemy_url
+from teamdesk.failures import database_failure, redis_failure
 from teamdesk.redis_client import redis_client
 
 PROCFILE = Path(__file__).with_name("Procfile")  # the processes ``make run`` starts
@@ -96,8 +97,21 @@ def child_env(options: LocalOptions, base: dict[str, str] | None = None) -> dict
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.pop(SLOW_EXPORT_ENV, None)
-    if options.slow_exports_s > 0:  # demo only: the workers pause (tasks/demo_pause.py)
-        env[SLOW_EXPORT_ENV] = f"{options.slow_exports_s:g}"
+    env.pop("METRICS_PORT", None)
+    return env
+
+
+def process_env(
+    options: LocalOptions, command: str, shared: dict[str, str], metrics_port: int | None
+) -> dict[str, str]:
+    """One process's environment: ``shared`` (:func:`child_env`), its own METRICS_PORT
+    when it serves metrics, and the demo's export pause for workers only (beat and Flower
+    import the same app, and would print its DEMO ONLY warning for nothing)."""
+    env = dict(shared)
+    if metrics_port is not None:
+        env["METRICS_PORT"] = str(metrics_port)
+    if options.slow_exports_s > 0 and " worker " in f" {command} ":
+        env[SLOW_EXPORT_ENV] = f"{options.slow_exports_s:g}"  # demo only: tasks/demo_pause.py
     return env
 
 
@@ -131,7 +145,7 @@ def ensure_database(database_url: str) -> bool:
             return True
     except sa_exc.DBAPIError as exc:
         raise RunError(
-            f"cannot create or open database {name!r} ({type(exc).__name__}); check "
+            f"cannot create or open database {name!r}: {database_failure(exc)}; check "
             "DATABASE_URL and that PostgreSQL is running and lets this user create databases"
         ) from None
     finally:
@@ -167,7 +181,7 @@ def check_redis(settings: Settings) -> None:
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise RunError(redis_hint(settings.redis_url, type(exc).__name__)) from None
+        raise RunError(redis_hint(settings.redis_url, redis_failure(exc))) from None
     finally:
         client.close()
 
@@ -207,7 +221,12 @@ def prepare(settings: Settings, options: LocalOptions) -> DemoTeam:
     return team
 
 
-def banner(team: DemoTeam, options: LocalOptions, processes: dict[str, str]) -> str:
+def banner(
+    team: DemoTeam,
+    options: LocalOptions,
+    processes: dict[str, str],
+    metrics: dict[str, int] | None = None,
+) -> str:
     """The addresses and the ready-to-paste commands printed before the processes start."""
     api = f"http://127.0.0.1:{options.api_port}"
     token = team.staff.token
@@ -225,6 +244,7 @@ def banner(team: DemoTeam, options: LocalOptions, processes: dict[str, str]) -> 
             f"  API      {api}   (OpenAPI: {api}/docs)",
             f"  Flower   http://127.0.0.1:{options.flower_port}   user {FLOWER_USER}, "
             f"password {password}",
+            *_metrics_line(metrics or {}),
             f"  Demo     team {team.team_id} ({state}, {team.tickets} tickets)",
             *_slow_line(options),
             f"           staff {team.staff.email}, token {token}"
@@ -238,6 +258,7 @@ def banner(team: DemoTeam, options: LocalOptions, processes: dict[str, str]) -> 
             f"  curl -s {auth} {api}/api/tasks/<TASK_ID>/csv   # the CSV, once COMPLETED",
             "  or follow it: .venv/bin/teamdesk-tasks watch <TASK_ID>",
             "",
+            *_reminder_lines(team, auth, api),
             "Can the cluster run tasks? (dispatcher, a worker per queue, PostgreSQL, Redis)",
             f"  .venv/bin/teamdesk-tasks health --cluster      # or: curl -s {api}"
             "/api/workers/health",
@@ -247,6 +268,27 @@ def banner(team: DemoTeam, options: LocalOptions, processes: dict[str, str]) -> 
             "",
         ]
     )
+
+
+def _reminder_lines(team: DemoTeam, auth: str, api: str) -> list[str]:
+    """A reminder that will really be sent: the ticket is open and assigned to the staff
+    user (one that is closed or unassigned would complete "skipped")."""
+    if team.reminder_ticket is None:
+        return []
+    body = f'{{"ticket_id":"{team.reminder_ticket}"}}'
+    return [
+        f"Send a reminder (ticket {team.reminder_ticket} is open, assigned to {team.staff.email}):",
+        f'  curl -s -X POST {auth} -H "Content-Type: application/json" -d '
+        f"'{body}' {api}/api/teams/{team.team_id}/reminders",
+        "",
+    ]
+
+
+def _metrics_line(ports: dict[str, int]) -> list[str]:
+    if not ports:
+        return []
+    each = ", ".join(f"{name} :{port}" for name, port in ports.items())
+    return [f"  Metrics  http://127.0.0.1:<port>/metrics   {each}"]
 
 
 def _slow_line(options: LocalOptions) -> list[str]:
@@ -265,11 +307,28 @@ def cluster_manager(settings: Settings) -> ClusterManager:
     return ClusterManager(stop_grace_s=drain_s + KILL_GRACE_S, drain_s=drain_s)
 
 
+def metrics_ports(base: int, processes: dict[str, str]) -> dict[str, int]:
+    """With METRICS_PORT set, each process that serves metrics (all but Flower) gets its
+    own port, counted up from it in the Procfile's order: one port for all of them would
+    let the first take it and the others die on 'address already in use'."""
+    if not base:
+        return {}
+    serving = [name for name, command in processes.items() if " flower" not in f" {command}"]
+    ports = {name: base + offset for offset, name in enumerate(serving)}
+    if max(ports.values(), default=base) > 65535:
+        raise RunError(f"METRICS_PORT {base} leaves no room for {len(ports)} ports")
+    return ports
+
+
 def _start_manager(
-    options: LocalOptions, processes: dict[str, str], manager: ClusterManager
+    options: LocalOptions,
+    processes: dict[str, str],
+    manager: ClusterManager,
+    ports: dict[str, int],
 ) -> int:
-    env = child_env(options)
+    shared = child_env(options)
     for name, command in processes.items():
+        env = process_env(options, command, shared, ports.get(name))
         manager.add_process(name, exec_command(command), env=env)
     manager.loop()
     return manager.returncode if manager.returncode is not None else 1
@@ -277,9 +336,12 @@ def _start_manager(
 
 def run_local(settings: Settings, options: LocalOptions) -> int:
     processes = read_procfile(options.procfile)
+    ports = metrics_ports(settings.metrics_port, processes)
+    for port in ports.values():
+        check_port(port, "another METRICS_PORT", "METRICS_PORT")
     team = prepare(settings, options)
-    print(banner(team, options, processes), flush=True)
-    return _start_manager(options, processes, cluster_manager(settings))
+    print(banner(team, options, processes, ports), flush=True)
+    return _start_manager(options, processes, cluster_manager(settings), ports)
 
 
 def _port_from_env(name: str, default: int) -> int:

@@ -10,13 +10,16 @@ handler imports what it needs when it runs (see ``cli/commands/__init__.py``).
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from cli.commands import local, serve, task_commands, watch
 from teamdesk.config import settings_or_exit
+from teamdesk.failures import database_failure
 from teamdesk.logs import setup_logging
 
 Handler = Callable[[argparse.Namespace], int]
@@ -82,7 +85,7 @@ def _set_up_app_role(database_url: str, role: str, password: str | None) -> int:
 
 def _migrate_failed(exc: Exception) -> int:
     print(
-        f"teamdesk-tasks migrate: cannot migrate the database ({type(exc).__name__}); "
+        f"teamdesk-tasks migrate: cannot migrate the database: {database_failure(exc)}; "
         "check DATABASE_URL and that PostgreSQL is running",
         file=sys.stderr,
     )
@@ -191,16 +194,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """The arguments; an unknown option is refused by the command it was given to, with
+    that command's usage and the closest option it has (argparse's own answer is the
+    top-level usage, which lists no option at all)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = _subcommand(parser, getattr(args, "command", None))
+        target = command or parser
+        known = [o for action in target._actions for o in action.option_strings]
+        close = difflib.get_close_matches(extra[0], known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        target.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return args
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str | None) -> Any:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        settings = settings_or_exit()
-    except SystemExit:
-        # Container health checks reserve exit code 2; the probe only says 0 or 1.
-        if args.command == "health":
-            return 1
-        raise
+    args = parse(parser, argv)
+    settings = settings_or_exit()
     setup_logging("cli", settings.log_level)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     handler: Handler = args.handler

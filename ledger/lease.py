@@ -451,6 +451,18 @@ SKIP_REASON = """
 """
 
 
+CANCELLED_RUN = """
+    SELECT status = 'CANCELLED' AND run = %(run)s FROM background_tasks WHERE id = %(task_id)s
+"""
+
+
+def was_cancelled(conn: Connection, held: Lease) -> bool:
+    """After :class:`LeaseLost`: whether the lease went to a cancel of its own run (the
+    row CANCELLED at that run), rather than to a newer execution or the dispatcher."""
+    row = _execute(conn, CANCELLED_RUN, {"task_id": str(held.task_id), "run": held.run}).fetchone()
+    return bool(row is not None and row[0])
+
+
 def skip_reason(conn: Connection, task_id: uuid.UUID, run: int, stamp: datetime | None) -> str:
     """Why :func:`claim` returned None for this message, in words (read after it)."""
     row = _execute(conn, SKIP_REASON, {"task_id": str(task_id)}).fetchone()

@@ -48,11 +48,17 @@ RUN_AT_IN_WINDOW = text("""
            BETWEEN now() - interval '1 day' AND now() + interval '1 year'
 """)
 
+# A reminder that completes without side effects says why in its summary, after this.
+SKIPPED_PREFIX = "skipped: "
+
 # waiting_s: whole seconds a WAITING run has been ready (run_at passed), by the database's
-# clock; NULL when it is not waiting or is scheduled for later.
-TASK_COLUMNS = """id, kind, team_id, owner_id, scope, filters, status, run, attempts, progress,
+# clock; NULL when it is not waiting or is scheduled for later. skipped: a completion
+# without side effects (its summary starts with SKIPPED_PREFIX).
+TASK_COLUMNS = f"""id, kind, team_id, owner_id, scope, filters, status, run, attempts, progress,
     last_error, result_summary, run_at, dispatched_at, recoveries, expires_at, created_at,
     updated_at, (result_csv IS NOT NULL) AS has_csv,
+    (status = 'COMPLETED' AND coalesce(starts_with(result_summary, '{SKIPPED_PREFIX}'), false))
+        AS skipped,
     CASE WHEN status = 'WAITING' AND run_at <= now()
          THEN CAST(floor(extract(epoch FROM now() - run_at)) AS integer) END AS waiting_s"""
 
@@ -74,10 +80,15 @@ SELECT_TASK_FOR_UPDATE = text(
 )
 
 # permissions.may_see, in SQL.
+# A page: the newest, or those older than the task ``before`` (the last of the previous
+# page) in the same order - a keyset, so a page costs the same however deep it is.
 LIST_TASKS = text(f"""
     SELECT {TASK_COLUMNS} FROM background_tasks
      WHERE team_id = :team_id
        AND CASE WHEN scope = 'TEAM' THEN :is_staff ELSE owner_id = :user_id END
+       AND (CAST(:before AS uuid) IS NULL
+            OR (created_at, id) < (SELECT b.created_at, b.id FROM background_tasks b
+                                    WHERE b.id = CAST(:before AS uuid) AND b.team_id = :team_id))
      ORDER BY created_at DESC, id DESC
      LIMIT :limit
 """)
@@ -287,12 +298,19 @@ def get_task(conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID) -> TaskVi
 
 
 def list_tasks(
-    conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID, limit: int = 100
+    conn: Connection,
+    team_id: uuid.UUID,
+    user_id: uuid.UUID,
+    limit: int = 100,
+    before: uuid.UUID | None = None,
 ) -> list[TaskView]:
+    """The team's tasks ``user_id`` may see, newest first: the first ``limit``, or those
+    after the task ``before`` (the last one of the previous page; a task of another team
+    gives an empty page)."""
     role = _member_role(conn, team_id, user_id)
+    params = {"team_id": team_id, "user_id": user_id, "is_staff": role == STAFF}
     rows = conn.execute(
-        LIST_TASKS,
-        {"team_id": team_id, "user_id": user_id, "is_staff": role == STAFF, "limit": limit},
+        LIST_TASKS, {**params, "limit": limit, "before": None if before is None else str(before)}
     ).mappings()
     return [TaskView(row) for row in rows]
 

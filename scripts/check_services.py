@@ -10,8 +10,9 @@ from urllib.parse import urlsplit
 HINTS = {
     "PostgreSQL": "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
     "Redis": (
-        "redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save '' --appendonly no"
+        "redis-server --daemonize yes --bind 127.0.0.1 -::1 --port {port} --save '' --appendonly no"
     ),
+    "RabbitMQ": "rabbitmq-server -detached",
 }
 
 
@@ -39,15 +40,17 @@ def main() -> int:
         checks.append(("RabbitMQ", "amqp://127.0.0.1:5672//", 5672))
     failed = False
     for name, url, port in checks:
+        url = url.split(";", 1)[0]  # Redis under Sentinel: the first sentinel
         parts = urlsplit(url)
-        where = f"{parts.hostname or '127.0.0.1'}:{parts.port or port}"
+        port = parts.port or (26379 if parts.scheme == "sentinel" else port)
+        where = f"{parts.hostname or '127.0.0.1'}:{port}"
         if answers(url, port):
             print(f"ok: {name} answers at {where}")
         else:
             failed = True
             print(
                 f"MISSING: {name} does not answer at {where}. Start it, for example:\n"
-                f"    {HINTS[name]}",
+                f"    {HINTS[name].format(port=port)}",
                 file=sys.stderr,
             )
     return 1 if failed else 0

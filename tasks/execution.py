@@ -4,8 +4,9 @@ Outcomes (docs/design.md, "Lifecycle"):
 - success: the body committed its completion under the lease. A completion statement
   that matches no row raises :class:`LeaseLost`, so a body that returns has completed:
   ``task.completed`` needs no re-read of the ledger.
-- :class:`LeaseLost`: a newer execution (or a cancel, or the dispatcher) owns the row. Log
-  ``task.lease_lost`` and return quietly: no progress 100, no failure, no retry.
+- :class:`LeaseLost`: a newer execution (or the dispatcher) owns the row. Log
+  ``task.lease_lost`` and return quietly: no progress 100, no failure, no retry. When a
+  cancel of this run took the lease, log ``task.cancelled`` and end the message REVOKED.
 - :class:`TaskRejected`: write FAILED now and end the queue message failed, no retry.
 - anything else: with attempts left, write WAITING, ready again after the backoff
   ``RETRY_BASE_DELAY_S * 2^(n-1)`` by the database's clock, and end the message as RETRY
@@ -31,7 +32,7 @@ from typing import Any, NoReturn
 
 import redis
 from celery import Task
-from celery.exceptions import Retry
+from celery.exceptions import Ignore, Retry
 from sqlalchemy.engine import Connection, Engine
 
 from ledger import lease
@@ -137,11 +138,11 @@ def _deliver(task: Task, message: delivery.Delivery, body: Body) -> dict[str, An
         try:
             summary = body(context)
         except LeaseLost:
-            return _lease_lost(held, fields)
+            return _lease_lost(task, conn, held, fields)
         except TaskRejected as exc:
-            return _rejected(task, held, exc, fields)
+            return _rejected(task, conn, held, exc, fields)
         except Exception as exc:
-            return _failed_attempt(task, held, exc, settings, fields)
+            return _failed_attempt(task, conn, held, exc, settings, fields)
         # The completion matched its row (else LeaseLost above): no re-read needed.
         log_event(log, "task.completed", **fields)
         return _outcome(task_id, run, "completed", summary=summary)
@@ -209,9 +210,27 @@ def _claim_failed(task_id: uuid.UUID, run: int, stamp: str | None, exc: Exceptio
     raise Retry(MSG_CLAIM_FAILED, exc=TaskFailed(MSG_CLAIM_FAILED)) from None
 
 
-def _lease_lost(held: lease.Lease, fields: dict[str, Any]) -> dict[str, Any]:
-    log_event(log, "task.lease_lost", **fields)
-    return _outcome(held.task_id, held.run, "lease_lost")
+def _lease_lost(
+    task: Task, conn: Connection, held: lease.Lease, fields: dict[str, Any]
+) -> dict[str, Any]:
+    """The lease is gone. A cancel of this run ends the message as what it is: logged
+    ``task.cancelled``, REVOKED in the result backend and in Flower (a ``task-revoked``
+    event, and no ``task-succeeded``: Celery's ``Ignore`` acknowledges the message and
+    reports nothing more). Anything else (a newer execution, the dispatcher) is
+    ``task.lease_lost``. One read says which; if it fails, lease_lost."""
+    try:
+        cancelled = lease.was_cancelled(conn, held)
+    except Exception:  # the connection may be the reason the lease went
+        cancelled = False
+    if not cancelled:
+        log_event(log, "task.lease_lost", **fields)
+        return _outcome(held.task_id, held.run, "lease_lost")
+    log_event(log, "task.cancelled", **fields)
+    if not task.request.called_directly:
+        with suppress(Exception):  # best effort: the ledger already says CANCELLED
+            task.send_event("task-revoked", terminated=False, signum=None, expired=False)
+            task.backend.mark_as_revoked(task.request.id, "cancelled", request=task.request)
+    raise Ignore()
 
 
 def _store_failure(task: Task, exc: Exception) -> None:
@@ -228,7 +247,7 @@ def _store_failure(task: Task, exc: Exception) -> None:
 
 
 def _rejected(
-    task: Task, held: lease.Lease, exc: TaskRejected, fields: dict[str, Any]
+    task: Task, conn: Connection, held: lease.Lease, exc: TaskRejected, fields: dict[str, Any]
 ) -> dict[str, Any]:
     """A rejection is final: FAILED with its reason. If the ledger cannot be told (tried
     again while PostgreSQL is unreachable, as a failed attempt's report is), the row stays
@@ -240,7 +259,7 @@ def _rejected(
     except Exception as report_exc:
         written, report_error = True, {"report_error": type(report_exc).__name__}
     if not written:
-        return _lease_lost(held, fields)
+        return _lease_lost(task, conn, held, fields)
     log_event(
         log,
         "task.failed",
@@ -256,7 +275,12 @@ def _rejected(
 
 
 def _failed_attempt(
-    task: Task, held: lease.Lease, exc: Exception, settings: Settings, fields: dict[str, Any]
+    task: Task,
+    conn: Connection,
+    held: lease.Lease,
+    exc: Exception,
+    settings: Settings,
+    fields: dict[str, Any],
 ) -> dict[str, Any]:
     """Record the failed attempt in the ledger: FAILED on the last one, else WAITING until
     the backoff has passed. If the ledger cannot be told, the row stays RUNNING under this
@@ -271,7 +295,7 @@ def _failed_attempt(
     except Exception as report_exc:
         written, report_error = True, {"report_error": type(report_exc).__name__}
     if not written:
-        return _lease_lost(held, fields)
+        return _lease_lost(task, conn, held, fields)
     error = type(exc).__name__
     if final:
         log_event(

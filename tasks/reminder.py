@@ -26,6 +26,7 @@ from sqlalchemy.engine import Connection, Row
 from ledger import lease
 from ledger.errors import PermissionLost, TaskRejected
 from ledger.permissions import reminder_refusal
+from ledger.service import SKIPPED_PREFIX
 from tasks.execution import Context
 from teamdesk import hooks
 from teamdesk.config import Settings
@@ -97,13 +98,13 @@ def _ticket_id(ctx: Context) -> uuid.UUID:
 def _why_not(ticket: Row[object] | None) -> str | None:
     """The reason to complete without side effects, or None to send the reminder."""
     if ticket is None:
-        return "skipped: the ticket no longer exists"
+        return f"{SKIPPED_PREFIX}the ticket no longer exists"
     if ticket.status in ("RESOLVED", "CLOSED"):
-        return f"skipped: the ticket is {ticket.status.lower()}"
+        return f"{SKIPPED_PREFIX}the ticket is {ticket.status.lower()}"
     if ticket.assignee_id is None:
-        return "skipped: the ticket has no assignee"
+        return f"{SKIPPED_PREFIX}the ticket has no assignee"
     if ticket.assignee_role is None:
-        return "skipped: the assignee left the team"
+        return f"{SKIPPED_PREFIX}the assignee left the team"
     return None
 
 

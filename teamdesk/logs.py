@@ -41,6 +41,7 @@ EVENTS = frozenset(
         "task.revoked",
         "task.failed",
         "task.lease_lost",
+        "task.cancelled",
         "task.stalled",
         "dispatcher.failed",
         "dispatcher.recovered",
@@ -102,6 +103,9 @@ class TeamdeskJsonFormatter(JsonFormatter):
         if event:
             log_record.pop("message", None)
         log_record.pop("event", None)
+        # uvicorn's copy of some lines with terminal colour escapes (its own "Started
+        # server process" comes before any filter of ours could be installed).
+        log_record.pop("color_message", None)
         rest = dict(log_record)
         log_record.clear()
         log_record.update(ordered)

@@ -38,7 +38,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 # libraries such as Flower fill with their own).
 REGISTRY = CollectorRegistry(auto_describe=True)
 
-OUTCOMES = ("completed", "skipped", "refused", "lease_lost", "retried", "failed")
+OUTCOMES = ("completed", "skipped", "refused", "cancelled", "lease_lost", "retried", "failed")
 # Exports take from milliseconds (a few rows) to a minute (10,000 rows, slow database).
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 UNKNOWN_KIND = "unknown"
@@ -64,7 +64,13 @@ class TaskMetrics:
         )
         self.lease_lost = Counter(
             "teamdesk_task_lease_lost",
-            "Executions that found their lease taken (a newer execution, a cancel, a recovery).",
+            "Executions that found their lease taken (a newer execution, a recovery).",
+            ["kind"],
+            registry=registry,
+        )
+        self.cancelled = Counter(
+            "teamdesk_task_cancelled",
+            "Executions stopped by a cancel of their run (the API, the CLI, a revoke).",
             ["kind"],
             registry=registry,
         )
@@ -95,6 +101,20 @@ def task_metrics() -> TaskMetrics:
             # In multiprocess mode the files are the registry: register nowhere.
             _task_metrics = TaskMetrics(None if _multiprocess_dir else REGISTRY)
         return _task_metrics
+
+
+def declare_task_families(kinds: list[str]) -> None:
+    """Create every series of the task metrics at zero, so a worker's endpoint serves
+    them from its start (a family without a sample is not served at all, and a dashboard
+    or an alert cannot tell "nothing happened" from "no such metric")."""
+    instruments = task_metrics()
+    for kind in (k.lower() for k in kinds):
+        instruments.claims.labels(kind)
+        instruments.lease_lost.labels(kind)
+        instruments.cancelled.labels(kind)
+        for outcome in OUTCOMES:
+            instruments.duration.labels(kind, outcome)
+    instruments.draining.set(0)
 
 
 def use_multiprocess(directory: str | None = None) -> Path:
@@ -157,6 +177,12 @@ def _lease_lost(fields: Mapping[str, Any]) -> None:
     _finish("lease_lost", fields)
 
 
+def _cancelled(fields: Mapping[str, Any]) -> None:
+    kind = getattr(_current, "kind", None) or UNKNOWN_KIND
+    task_metrics().cancelled.labels(kind.lower()).inc()
+    _finish("cancelled", fields)
+
+
 def _failed(fields: Mapping[str, Any]) -> None:
     # source=queue: Celery's failure callback (a lost child), in the main process; the
     # execution, if it ran, is gone without an outcome of its own.
@@ -170,6 +196,7 @@ _ON_EVENT = {
     "task.skipped": lambda fields: _finish("skipped", fields),
     "task.refused": lambda fields: _finish("refused", fields),
     "task.lease_lost": _lease_lost,
+    "task.cancelled": _cancelled,
     "task.attempt_failed": lambda fields: _finish("retried", fields),
     "task.failed": _failed,
     "worker.stopping": lambda fields: task_metrics().draining.set(1),

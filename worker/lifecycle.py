@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -48,6 +49,7 @@ from celery.worker import control as celery_control
 
 from ledger.errors import TaskRejected
 from tasks.execution import TaskFailed
+from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
 from teamdesk import db, hooks
 from teamdesk.config import get_settings
 from teamdesk.logs import log_event
@@ -152,14 +154,45 @@ def _say(message: str, *_: Any, **__: Any) -> None:
     logging.getLogger("celery.apps.worker").info("%s", message.strip())
 
 
+QUEUES = (EXPORTS_QUEUE, REMINDERS_QUEUE)
 _drain = Drain()
 _connected = False
 
 
-def _on_init(sender: Any = None, instance: Any = None, **_: Any) -> None:
+def _on_init(
+    sender: Any = None, instance: Any = None, options: dict[str, Any] | None = None, **_: Any
+) -> None:
+    _refuse_unknown_queues((options or {}).get("queues"))
     # The startup banner is plain text on stdout; worker.started carries its facts as JSON.
     if instance is not None:
         instance.quiet = True
+
+
+MSG_UNKNOWN_QUEUE = (
+    "celery worker: the queue {names} does not exist in this version; workers consume "
+    "{known} (-Q {default}); see CHANGELOG.md"
+)
+
+
+def _refuse_unknown_queues(selected: str | list[str] | tuple[str, ...] | None) -> None:
+    """``-Q`` naming a queue this version does not have (``maintenance``, from an older
+    command line): one line and exit 2, before Celery fails with a traceback whose hint
+    (``task_create_missing_queues``) would be wrong here."""
+    if not selected:
+        return
+    parts = [selected] if isinstance(selected, str) else list(selected)
+    names = [name.strip() for part in parts for name in part.split(",") if name.strip()]
+    unknown = [name for name in names if name not in QUEUES]
+    if unknown:
+        print(
+            MSG_UNKNOWN_QUEUE.format(
+                names=", ".join(repr(name) for name in unknown),
+                known=" and/or ".join(QUEUES),
+                default=",".join(QUEUES),
+            ),
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
 
 
 def _on_ready(sender: Any = None, **_: Any) -> None:

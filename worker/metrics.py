@@ -28,6 +28,7 @@ def _on_init(**_: Any) -> None:
     if not settings.metrics_port:
         return
     metrics.use_multiprocess()
+    metrics.declare_task_families(list(TASK_OF_KIND))
     metrics.serve(settings.metrics_port, settings.metrics_host)
     log.info("metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
 

@@ -14,7 +14,10 @@ finish counts as failed: ``"redis": false`` means "this check did not complete",
 ``HARD_CAP_S`` (a frozen Redis that accepted the connection, a stuck exit), it prints
 what is known and ends the process with exit 1.
 
-The output never holds addresses or exception text; only the four fields above.
+The JSON line never holds addresses or exception text; only the four fields above. When
+the probe fails it also says why on stderr, one line per failed check: the scope it
+looked for and the scopes that are live (``no live worker in scope 'vm'; live scopes:
+local-exports, local-mixed``), or which server did not answer.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any, TextIO
 
 from teamdesk.config import Settings
 from teamdesk.db import select_one
-from teamdesk.heartbeat import has_heartbeat
+from teamdesk.heartbeat import has_heartbeat, live_members
 from teamdesk.redis_client import redis_client
 
 CHECK_DEADLINE_S = 1.25  # stop waiting for the checks (the whole probe, started: under 2 s)
@@ -39,11 +42,15 @@ HARD_CAP_S = 3.5  # watchdog, counted from the probe's start (under 4 s with int
 Outcomes = dict[str, bool]
 
 
-def redis_check(settings: Settings, scope: str, timeout_s: float) -> bool:
-    """Whether ``scope`` has a live member; raises when Redis does not answer in time."""
+def redis_check(settings: Settings, scope: str, timeout_s: float) -> tuple[bool, list[str]]:
+    """Whether ``scope`` has a live member, and (when it has none) the scopes that do;
+    raises when Redis does not answer in time."""
     client = redis_client(settings, settings.redis_url, timeout_s)
     try:
-        return has_heartbeat(client, settings.queue_prefix, scope)
+        if has_heartbeat(client, settings.queue_prefix, scope):
+            return True, [scope]
+        members = live_members(client, settings.queue_prefix)
+        return False, sorted({member.rsplit("/", 1)[0] for member in members})
     finally:
         client.close()
 
@@ -67,21 +74,39 @@ def is_healthy(fields: dict[str, Any]) -> bool:
     return bool(fields["worker"] and fields["redis"] and fields["database"])
 
 
+def problems(fields: dict[str, Any], live_scopes: list[str] | None) -> list[str]:
+    """Why the probe failed, one line per failed check (none when it passed)."""
+    found = []
+    if not fields["redis"]:
+        found.append("Redis did not answer (REDIS_URL)")
+    elif not fields["worker"]:
+        scope = fields["scope"]
+        live = ", ".join(live_scopes or []) or "none"
+        found.append(
+            f"no live worker in scope {scope!r}; live scopes: {live} "
+            "(a worker's scope is its WORKER_INSTANCE_ID; check another with --scope)"
+        )
+    if not fields["database"]:
+        found.append("PostgreSQL did not answer (DATABASE_URL)")
+    return found
+
+
 class HealthProbe:
     """One run of the health check; :meth:`emit` prints what is known, once."""
 
-    def __init__(self, settings: Settings, scope: str, out: TextIO) -> None:
+    def __init__(self, settings: Settings, scope: str, out: TextIO, err: TextIO) -> None:
         self.settings = settings
         self.scope = scope
-        self._out = out
+        self._out, self._err = out, err
         self._outcomes: Outcomes = {}
+        self._live_scopes: list[str] | None = None
         self._print_lock = threading.Lock()
         self._printed = False
 
     def run(self, deadline_s: float, timeout_s: float) -> int:
         """Run both checks at once, wait at most ``deadline_s``, print, return 0 or 1."""
         threads = [
-            self._start_check("redis", lambda: redis_check(self.settings, self.scope, timeout_s)),
+            self._start_check("redis", lambda: self._redis_check(timeout_s)),
             self._start_check(
                 "database", lambda: database_check(self.settings.database_url, timeout_s)
             ),
@@ -92,6 +117,10 @@ class HealthProbe:
         fields = self.emit()
         return 0 if is_healthy(fields) else 1
 
+    def _redis_check(self, timeout_s: float) -> bool:
+        found, self._live_scopes = redis_check(self.settings, self.scope, timeout_s)
+        return found
+
     def emit(self) -> dict[str, Any]:
         """Print the result line unless it was printed already; returns the fields."""
         fields = report(dict(self._outcomes), self.scope)
@@ -100,6 +129,9 @@ class HealthProbe:
                 if not self._printed:
                     self._out.write(json.dumps(fields) + "\n")
                     self._out.flush()
+                    for problem in problems(fields, self._live_scopes):
+                        self._err.write(f"teamdesk-tasks health: {problem}\n")
+                    self._err.flush()
                     self._printed = True
             finally:
                 self._print_lock.release()
@@ -132,7 +164,7 @@ def health_command(
     For the CLI process only: a watchdog ends the process with exit 1, after printing
     what is known, if it is still running at ``hard_cap_s``.
     """
-    probe = HealthProbe(settings, scope or settings.worker_instance_id, sys.stdout)
+    probe = HealthProbe(settings, scope or settings.worker_instance_id, sys.stdout, sys.stderr)
     _start_watchdog(hard_cap_s, probe.emit)
     return probe.run(deadline_s, timeout_s)
 

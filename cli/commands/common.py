@@ -18,6 +18,8 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+from teamdesk.failures import database_failure
+
 EXIT_OK = 0
 EXIT_REFUSED = 1
 EXIT_INPUT = 2
@@ -130,6 +132,6 @@ def guarded(handler: Handler) -> Handler:
 
 def unreachable_message(exc: BaseException) -> str:
     return (
-        f"cannot use PostgreSQL ({type(exc).__name__}); "
+        f"cannot use PostgreSQL: {database_failure(exc)}; "
         "check DATABASE_URL and that PostgreSQL is running"
     )

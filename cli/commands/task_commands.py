@@ -134,7 +134,10 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
     with get_engine().begin() as conn:
         run = service.retry(conn, args.id, _user(conn, args.user), max_unfinished=_team_cap())
-    print(f"{args.id}: run {run} is WAITING; the dispatcher will publish it")
+    print(
+        f"{args.id}: run {run} is WAITING, ready now (a retry does not keep a reminder's "
+        "scheduled time); the dispatcher will publish it"
+    )
     return EXIT_OK
 
 

@@ -149,6 +149,29 @@ def test_malformed_json_is_422(
     assert count_tasks(engine) == 0
 
 
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded"])
+def test_a_body_not_sent_as_json_says_how_to_send_it(
+    client: TestClient,
+    engine: sa.Engine,
+    world: World,
+    tokens: dict[str, str],
+    content_type: str | None,
+) -> None:
+    """curl -d without -H "Content-Type: application/json" (curl then says form data):
+    the answer names the header. Before: "the request body must be a JSON object", for a
+    body that was one."""
+    headers = bearer(tokens["staff"])
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    body = b'{"scope":"TEAM","filters":{}}'
+    response = client.post(exports_url(world.team_id), content=body, headers=headers)
+    assert (response.status_code, response.json()) == (
+        422,
+        {"detail": "send the request body as JSON, with Content-Type: application/json"},
+    )
+    assert count_tasks(engine) == 0
+
+
 def test_oversized_body_is_413_and_writes_nothing(
     client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str]
 ) -> None:

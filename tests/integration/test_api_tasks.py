@@ -8,6 +8,9 @@ completes; 410 once expired or purged).
 
 from __future__ import annotations
 
+import uuid
+from datetime import UTC, datetime, timedelta
+
 import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
@@ -16,7 +19,7 @@ from api.errors import MSG_LIMIT, MSG_TASK_NOT_FOUND, MSG_TEAM_NOT_FOUND
 from api.tasks import MSG_EXPIRED, MSG_NOT_AN_EXPORT, MSG_NOT_COMPLETED
 from ledger import permissions, service
 from tests.support.api_helpers import bearer, task_in_state
-from tests.support.factories import World, set_role, task_row
+from tests.support.factories import World, add_ticket, set_role, task_row
 
 # --- GET /api/teams/{team_id}/tasks -------------------------------------------------------
 
@@ -40,6 +43,41 @@ def test_list_shows_what_each_user_may_see_newest_first(
     assert ids("staff", "?limit=1") == [str(staff_mine)]
     outsider = client.get(url, headers=bearer(tokens["outsider"]))
     assert (outsider.status_code, outsider.json()) == (404, {"detail": MSG_TEAM_NOT_FOUND})
+
+
+def test_the_list_pages_with_next_through_every_task(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str]
+) -> None:
+    """Past the first page: each full page names its last task as ``next``, and
+    ``?before=`` it gives the next older page, down to the last (``next`` null). Before,
+    the list stopped at 200 with no way on."""
+    created = [task_in_state(engine, world, "WAITING") for _ in range(5)]
+    with engine.begin() as conn:  # same created_at for two: the id breaks the tie
+        conn.execute(
+            sa.text(
+                "UPDATE background_tasks SET created_at = now() - interval '1 hour' "
+                "WHERE id = ANY(:ids)"
+            ),
+            {"ids": created[:2]},
+        )
+    url = f"/api/teams/{world.team_id}/tasks?limit=2"
+    seen: list[str] = []
+    pages = 0
+    query = url
+    while True:
+        body = client.get(query, headers=bearer(tokens["staff"])).json()
+        pages += 1
+        seen += [task["id"] for task in body["tasks"]]
+        if body["next"] is None:
+            break
+        assert body["next"] == body["tasks"][-1]["id"]
+        query = f"{url}&before={body['next']}"
+    newest_first = [str(t) for t in reversed(created[2:])]
+    oldest_two = sorted((str(t) for t in created[:2]), reverse=True)
+    assert seen == newest_first + oldest_two
+    assert pages == 3
+    other = client.get(f"{url}&before={uuid.uuid4()}", headers=bearer(tokens["staff"]))
+    assert (other.status_code, other.json()) == (200, {"tasks": [], "next": None})
 
 
 def test_list_items_never_carry_the_csv(
@@ -94,7 +132,9 @@ def test_retry_is_accepted_and_opens_a_new_run(
 ) -> None:
     task_id = task_in_state(engine, world, state)
     response = client.post(f"/api/tasks/{task_id}/retry", headers=bearer(tokens["staff2"]))
-    assert (response.status_code, response.json()) == (
+    body = response.json()
+    run_at = datetime.fromisoformat(body.pop("run_at").replace("Z", "+00:00"))
+    assert (response.status_code, body) == (
         202,
         {"task_id": str(task_id), "run": 1, "status": "WAITING"},
     )
@@ -105,6 +145,25 @@ def test_retry_is_accepted_and_opens_a_new_run(
         0,
         None,
     )
+    assert run_at == row["run_at"]
+
+
+def test_a_retried_scheduled_reminder_is_ready_now_and_the_answer_says_so(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str]
+) -> None:
+    """The rule is kept (a retry is ready at once) and said: the answer's run_at is now,
+    not the reminder's scheduled time a day ahead."""
+    with engine.begin() as conn:
+        ticket = add_ticket(conn, world.team_id, world.customer_id, assignee_id=world.staff2_id)
+        task_id = service.create_reminder(
+            conn, world.team_id, world.staff_id, ticket, datetime.now(UTC) + timedelta(days=1)
+        )
+        service.cancel(conn, task_id, world.staff_id)
+        now = conn.execute(sa.text("SELECT now()")).scalar_one()
+    response = client.post(f"/api/tasks/{task_id}/retry", headers=bearer(tokens["staff"]))
+    assert response.status_code == 202
+    run_at = datetime.fromisoformat(response.json()["run_at"].replace("Z", "+00:00"))
+    assert now <= run_at == task_row(engine, task_id)["run_at"] < now + timedelta(minutes=1)
 
 
 @pytest.mark.parametrize("state", ["WAITING", "RUNNING", "COMPLETED"])

@@ -67,10 +67,23 @@ def test_demo_seed_creates_the_team_once_and_issues_fresh_tokens(
     assert 0 < stats["assigned"] < stats["tickets"]
     assert stats["with_comma"] > 0 and stats["with_quote"] > 0 and stats["formula_like"] > 0
     assert stats["days"] >= 28
+    # The ticket a demo reminder is sent for: open, assigned to the staff user.
+    reminder_ticket = seeded["reminder_ticket"]
+    assert (
+        scalar(
+            engine,
+            "SELECT t.status || ' ' || u.email FROM tickets t JOIN users u ON u.id = t.assignee_id "
+            "WHERE t.id = :id AND t.team_id = :team",
+            id=reminder_ticket,
+            team=team_id,
+        )
+        == f"OPEN {demo.STAFF_EMAIL}"
+    )
 
     second = cli("demo-seed")
     assert second.code == 0, second.err
     assert "already seeded" in second.out and str(team_id) in second.out
+    assert f"reminder  ticket {reminder_ticket} (open, assigned to staff)" in second.out
     assert scalar(engine, "SELECT count(*) FROM teams WHERE name = :n", n=demo.TEAM_NAME) == 1
     assert scalar(engine, "SELECT count(*) FROM tickets") == demo.DEFAULT_TICKETS
     tokens = [line.split("token ")[1] for line in second.out.splitlines() if "token tdk_" in line]
@@ -148,21 +161,27 @@ def test_child_env_keeps_flower_password_off_command_lines(tmp_path: Path) -> No
     assert "s3cret" not in " ".join(localrun.read_procfile(localrun.PROCFILE).values())
 
 
+def free_ports_args() -> list[str]:
+    """run-local's two ports, free ones: the defaults may be taken by a running make run."""
+    return ["--api-port", str(free_port()), "--flower-port", str(free_port())]
+
+
 def test_run_local_says_which_service_is_missing(settings: Settings) -> None:
     closed = free_port()
+    ports = free_ports_args()  # never 8000 / 5555: a developer's make run may hold them
     no_db = run_script(
-        settings, "run-local", DATABASE_URL=f"postgresql://postgres@127.0.0.1:{closed}/x"
+        settings, "run-local", *ports, DATABASE_URL=f"postgresql://postgres@127.0.0.1:{closed}/x"
     )
     assert no_db.code == 1 and "Traceback" not in no_db.err
     assert no_db.err.startswith(
-        "teamdesk-tasks run-local: cannot create or open database 'x' (OperationalError); "
-        "check DATABASE_URL"
+        "teamdesk-tasks run-local: cannot create or open database 'x': connection refused "
+        f"at 127.0.0.1:{closed}; check DATABASE_URL"
     )
-    assert str(closed) not in no_db.err
-    no_redis = run_script(settings, "run-local", REDIS_URL=f"redis://127.0.0.1:{closed}/0")
+    no_redis = run_script(settings, "run-local", *ports, REDIS_URL=f"redis://127.0.0.1:{closed}/0")
     assert no_redis.code == 1 and "Traceback" not in no_redis.err
     assert no_redis.err == (
-        f"teamdesk-tasks run-local: cannot reach Redis (ConnectionError) on port {closed} "
+        f"teamdesk-tasks run-local: cannot reach Redis (connection refused at 127.0.0.1:{closed}) "
+        f"on port {closed} "
         "(from REDIS_URL); check REDIS_URL and start it, e.g.: redis-server --daemonize yes "
         f"--bind 127.0.0.1 -::1 --port {closed} --save '' --appendonly no\n"
     )
@@ -173,7 +192,9 @@ def test_run_local_refuses_a_port_in_use(settings: Settings) -> None:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        result = run_script(settings, "run-local", "--flower-port", str(port))
+        result = run_script(
+            settings, "run-local", "--api-port", str(free_port()), "--flower-port", str(port)
+        )
     assert result.code == 1
     assert result.err == (
         f"teamdesk-tasks run-local: port {port} on 127.0.0.1 is in use; choose another with "

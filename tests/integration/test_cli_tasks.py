@@ -239,7 +239,10 @@ def test_cancel_then_retry(cli: Any, engine: sa.Engine, world: World) -> None:
 
     retried = cli("retry", str(task_id), "--user", staff)
     assert retried.code == 0, retried.err
-    assert retried.out == f"{task_id}: run 1 is WAITING; the dispatcher will publish it\n"
+    assert retried.out == (
+        f"{task_id}: run 1 is WAITING, ready now (a retry does not keep a reminder's "
+        "scheduled time); the dispatcher will publish it\n"
+    )
     row = task_row(engine, task_id)
     assert (row["status"], row["run"], row["attempts"], row["dispatched_at"]) == (
         "WAITING",

@@ -124,9 +124,12 @@ def test_bad_arguments_exit_2_without_a_traceback(settings: Settings, engine: sa
     assert count_tasks(engine) == 0
 
 
-def test_an_unreachable_database_is_one_clear_line(settings: Settings) -> None:
+def test_an_unreachable_database_is_one_clear_line_naming_the_cause(settings: Settings) -> None:
+    """One line that says which: the port refused, the database or the role missing -
+    never the password. Before, all of them printed "cannot use PostgreSQL
+    (OperationalError)"."""
     closed = free_port()
-    url = f"postgresql://postgres@127.0.0.1:{closed}/nowhere"
+    refused = f"postgresql://postgres:hunter2@127.0.0.1:{closed}/nowhere"
     for args in (
         ["status", str(uuid.uuid4())],
         ["watch", str(uuid.uuid4())],
@@ -134,7 +137,22 @@ def test_an_unreachable_database_is_one_clear_line(settings: Settings) -> None:
         ["demo-seed"],
         ["token", "create", "a@b.test"],
     ):
-        result = run_script(settings, *args, DATABASE_URL=url)
+        result = run_script(settings, *args, DATABASE_URL=refused)
         assert result.code == 1, (args, result.err)
-        assert "cannot use PostgreSQL (OperationalError); check DATABASE_URL" in result.err
-        assert "Traceback" not in result.err and str(closed) not in result.err
+        assert (
+            f"cannot use PostgreSQL: connection refused at 127.0.0.1:{closed}; check DATABASE_URL"
+            in result.err
+        ), args
+        assert "Traceback" not in result.err and "hunter2" not in result.err
+    base = settings.database_url.rsplit("/", 1)[0]
+    for url, cause in (
+        (f"{base}/teamdsk_{uuid.uuid4().hex[:6]}", 'database "teamdsk_'),
+        (
+            base.replace("postgres@", "nobody:hunter2@", 1) + "/postgres",
+            'role "nobody" does not exist',
+        ),
+    ):
+        result = run_script(settings, "status", str(uuid.uuid4()), DATABASE_URL=url)
+        assert result.code == 1, result.err
+        assert f"cannot use PostgreSQL: {cause}" in result.err, result.err
+        assert "Traceback" not in result.err and "hunter2" not in result.err

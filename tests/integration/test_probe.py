@@ -90,11 +90,19 @@ def test_probe_fails_without_a_member_of_its_scope(
     gone = register(redis_client, queue_prefix)
     gone.remove()
 
+    register(redis_client, queue_prefix, scope="local-mixed")
+
     result = run_probe(probe_env(database_url, REDIS_URL, queue_prefix))
 
     assert result.fields == expected(worker=False, redis_ok=True, database=True)
     assert result.code == 1
     assert result.elapsed_s < BOUND_S
+    # Not silent: which scope it looked for, and which are live (before: nothing).
+    assert result.stderr == (
+        f"teamdesk-tasks health: no live worker in scope '{SCOPE}'; live scopes: "
+        "local-mixed, other-host (a worker's scope is its WORKER_INSTANCE_ID; check "
+        "another with --scope)\n"
+    )
 
 
 def test_probe_fails_when_postgresql_is_unreachable_and_hides_the_address(
@@ -109,6 +117,7 @@ def test_probe_fails_when_postgresql_is_unreachable_and_hides_the_address(
     assert result.fields == expected(worker=True, redis_ok=True, database=False)
     assert result.code == 1
     assert result.elapsed_s < BOUND_S
+    assert result.stderr == "teamdesk-tasks health: PostgreSQL did not answer (DATABASE_URL)\n"
     output = result.stdout + result.stderr
     assert "s3cret" not in output
     assert str(port) not in output

@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from ledger import lease
+from ledger import lease, service
 from ledger.errors import LeaseLost
 from tasks.execution import Context
 from tasks.reminder import run_reminder
@@ -69,6 +69,8 @@ def test_a_reminder_takes_no_second_connection_and_commits_once(
     )
     after = side_effects(engine, ticket)
     assert (after.notifications, after.events, after.version) == (1, 1, before.version + 1)
+    with engine.connect() as conn:
+        assert service.get_task(conn, task_id, world.staff_id).as_dict()["skipped"] is False
 
 
 def test_a_lost_lease_rolls_everything_back_and_ends_the_transaction(

@@ -25,13 +25,22 @@ def options(slow: float) -> localrun.LocalOptions:
     return localrun.LocalOptions(1, 2, "pw", False, Path("Procfile"), 0, slow)
 
 
-def test_run_local_hands_the_knob_to_its_processes_only_when_on() -> None:
+def test_run_local_hands_the_knob_to_its_workers_only_when_on() -> None:
+    """Only the workers get it: beat and Flower load the same app and printed the DEMO
+    ONLY warning for nothing."""
+    worker, beat = "celery -A tasks worker -Q exports", "celery -A tasks --quiet beat"
     inherited = {"TEAMDESK_DEMO_SLOW_EXPORT_S": "3", "PATH": "/usr/bin"}
-    off = localrun.child_env(options(0), inherited)
+    shared = localrun.child_env(options(0), inherited)
+    off = localrun.process_env(options(0), worker, shared, None)
     assert "TEAMDESK_DEMO_SLOW_EXPORT_S" not in off and "TEAMDESK_TEST_HOOKS" not in off
-    on = localrun.child_env(options(2.5), {"PATH": "/usr/bin"})
+    shared = localrun.child_env(options(2.5), {"PATH": "/usr/bin"})
+    on = localrun.process_env(options(2.5), worker, shared, None)
     assert on["TEAMDESK_DEMO_SLOW_EXPORT_S"] == "2.5"
     assert "TEAMDESK_TEST_HOOKS" not in on  # the worker's entry point installs the pause
+    assert "TEAMDESK_DEMO_SLOW_EXPORT_S" not in localrun.process_env(
+        options(2.5), beat, shared, None
+    )
+    assert localrun.process_env(options(0), beat, shared, 9102)["METRICS_PORT"] == "9102"
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from tests.support.factories import (
     World,
     add_ticket,
     add_tickets,
+    audit_events,
     insert_task,
     set_role,
     task_row,
@@ -204,13 +205,19 @@ def test_exhausted_attempts_then_manual_retry_opens_run_1(
     assert AsyncResult(queueing.message_id(task_id, 1), app=app).state == "PENDING"  # not stored
 
 
-def test_cancel_while_running_stops_at_next_write(
-    engine: sa.Engine, world: World, celery_app: Celery
+def test_cancel_while_running_stops_at_next_write_and_reads_as_cancelled(
+    engine: sa.Engine, world: World, celery_app: Celery, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The execution stops at its next write, and an operator sees a cancel, not a fault:
+    ``task.cancelled`` (never ``task.lease_lost``, whose counter pages someone), REVOKED
+    in Flower's view (a task-revoked event, no task-succeeded) and in the result backend.
+    Before, Flower showed SUCCESS ``{'outcome': 'lease_lost'}`` and the log and metric
+    said lease_lost."""
     with engine.begin() as conn:
         add_tickets(conn, world.team_id, world.customer_id, 20)
     task_id = create_export(engine, world)
     gate = Gate("after read")
+    message = queueing.message_id(task_id, 0)
     with (
         EventLog(celery_app) as events,
         hooks.installed("export.after_read", gate.hook()),
@@ -223,15 +230,20 @@ def test_cancel_while_running_stops_at_next_write(
             cancelled = task_row(engine, task_id)
         finally:
             gate.release()
-        message = queueing.message_id(task_id, 0)
-        wait_for(lambda: outcomes(events, message), what="the execution to stop")
-    assert "'outcome': 'lease_lost'" in outcomes(events, message)[0]
+        wait_for(lambda: events.of_type("task-revoked", message), what="the execution to stop")
+        flower_view = events.state.tasks[message].state
+    assert flower_view == "REVOKED"
+    assert outcomes(events, message) == []  # no task-succeeded
+    assert AsyncResult(message, app=celery_app).state == "REVOKED"
+    assert [field(r, "task_id") for r in event_records(caplog, "task.cancelled")] == [str(task_id)]
+    assert event_records(caplog, "task.lease_lost") == []
     assert task_row(engine, task_id) == cancelled
     assert (cancelled["status"], cancelled["result_csv"], cancelled["progress"]) == (
         "CANCELLED",
         None,
         0,
     )
+    assert audit_events(engine, task_id) == ["CLAIM", "CANCEL"]
 
 
 TRICKY_TITLES = [
@@ -391,6 +403,9 @@ def test_reminder_with_nothing_to_do_completes_without_side_effects(
         row = run_to_end(engine, task_id)
     assert (row["status"], row["result_summary"], row["progress"]) == ("COMPLETED", summary, 100)
     assert side_effects(engine, ticket) == before
+    with engine.connect() as conn:
+        view = service.get_task(conn, task_id, world.staff_id).as_dict()
+    assert (view["status"], view["skipped"]) == ("COMPLETED", True)  # visible as skipped
 
 
 def test_a_claim_that_fails_never_strands_the_run(

@@ -16,13 +16,14 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from contextlib import suppress
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,12 @@ def printed_commands(runner: Proc) -> tuple[str, str]:
     start = next(line for line in lines if line.startswith("curl -s -X POST"))
     read = next(line for line in lines if line.startswith("curl -s -H") and "<TASK_ID>" in line)
     return start, read
+
+
+def printed_reminder(runner: Proc) -> str:
+    """The banner's reminder curl (the second POST)."""
+    lines = [line.strip() for line in runner.output().splitlines()]
+    return next(line for line in lines if line.startswith("curl") and "/reminders" in line)
 
 
 def stop_everything(runner: Proc) -> None:
@@ -238,9 +245,44 @@ def probe(runners: Runner, *args: str) -> tuple[int, str, str]:
     return done.returncode, done.stdout, done.stderr
 
 
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive free ports (METRICS_PORT's base under run-local)."""
+    for _ in range(50):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        with ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return base
+    raise AssertionError(f"no {count} consecutive free ports")
+
+
+def scrape(port: int) -> str:
+    code, body, _ = http(f"http://127.0.0.1:{port}/metrics")
+    assert code == 200
+    return body.decode()
+
+
 def test_make_run_serves_an_export_end_to_end_and_stops_cleanly(runners: Runner) -> None:
-    runner, api_port, flower_port = runners.start()
+    metrics_base = free_port_run(4)
+    runner, api_port, flower_port = runners.start(env={"METRICS_PORT": str(metrics_base)})
     wait_until_up(runner, api_port, flower_port)
+    # METRICS_PORT is a base: each process that serves metrics has its own port (the
+    # banner says which), and a worker serves its task families before its first task.
+    # Before, every process took the same port and all but one died.
+    names = ("exports", "mixed", "beat", "api")
+    ports = {name: metrics_base + offset for offset, name in enumerate(names)}
+    each = ", ".join(f"{name} :{port}" for name, port in ports.items())
+    assert f"  Metrics  http://127.0.0.1:<port>/metrics   {each}" in runner.output()
+    for worker in ("exports", "mixed"):
+        assert 'teamdesk_task_claims_total{kind="export"} 0.0' in scrape(ports[worker])
+    assert "teamdesk_dispatcher_leader" in scrape(ports["beat"])
+    assert "teamdesk_api_requests_total" in scrape(ports["api"])
     # The probes the banner prints answer "able" for this very cluster.
     printed = [line.strip() for line in runner.output().splitlines()]
     assert any(line.startswith(".venv/bin/teamdesk-tasks health --cluster") for line in printed)
@@ -275,6 +317,24 @@ def test_make_run_serves_an_export_end_to_end_and_stops_cleanly(runners: Runner)
         100,
         f"{TICKETS} rows",
     )
+    # The banner's reminder is for an open ticket assigned to the staff user: it is sent,
+    # not skipped (before, the banner offered no ticket, and the first one a user found
+    # was often closed).
+    reminder = curl_request(printed_reminder(runner))
+    status, body, _ = http(
+        reminder["url"], method="POST", headers=reminder["headers"], body=reminder["body"]
+    )
+    assert status == 201, body
+    reminder_url = readback["url"].rsplit("/", 1)[0] + "/" + json.loads(body)["id"]
+
+    def reminded() -> dict[str, Any] | None:
+        code, answer, _ = http(reminder_url, headers=readback["headers"])
+        view: dict[str, Any] = json.loads(answer) if code == 200 else {}
+        return view if view.get("status") == "COMPLETED" else None
+
+    sent = wait_for(reminded, timeout=60, interval=0.2, what="the reminder to complete")
+    assert sent is not None and sent["skipped"] is False
+    assert str(sent["result_summary"]).startswith("reminder sent to ")
     code, csv_body, headers = http(f"{readback['url']}/csv", headers=readback["headers"])
     assert code == 200 and headers["content-type"].startswith("text/csv")
     assert len(list(csv.reader(io.StringIO(csv_body.decode())))) == TICKETS + 1
@@ -325,6 +385,10 @@ def test_sigterm_lets_an_export_in_flight_finish_before_everything_exits_0(
     row = task_row(engine, uuid.UUID(task_id))
     assert row["status"] == "RUNNING"
     assert str(row["execution_id"]) == parked["execution_id"]
+    # It says what it waits for (before: nothing while the export drained).
+    # The worker that holds it (either consumes exports) is the one named.
+    note = re.compile(r"waiting for (exports|mixed) to stop \(workers finish their running tasks")
+    wait_for(lambda: note.search(runner.output()), timeout=30, what="the waiting note")
 
     gate.release(times=3)
     assert_stopped_cleanly(runner)

@@ -129,3 +129,23 @@ def test_bad_log_level_refuses_to_start(settings: Settings) -> None:
         "fatal|error|warn|info|debug|trace|silent, got 'loud'"
     )
     assert "Traceback" not in proc.stderr
+
+
+def test_a_queue_of_an_older_version_is_one_line_not_a_traceback(settings: Settings) -> None:
+    """``-Q exports,maintenance`` (the queue earlier versions required): exit 2 and one
+    line naming it and the queues that exist. Before: Celery's 72-line traceback whose
+    hint (``task_create_missing_queues``) is wrong for this project."""
+    proc = subprocess.run(
+        celery_argv("worker", "-Q", "exports,maintenance", "--without-mingle"),
+        env=settings_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "celery worker: the queue 'maintenance' does not exist in this version; workers "
+        "consume exports and/or reminders (-Q exports,reminders); see CHANGELOG.md\n"
+    )
+    assert proc.stdout == ""

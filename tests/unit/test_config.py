@@ -175,6 +175,23 @@ def test_entry_point_refuses_bad_config_without_traceback() -> None:
     assert "Traceback" not in proc.stderr and "hunter2" not in proc.stderr + proc.stdout
 
 
+def test_a_mistyped_option_is_refused_by_its_command_with_the_closest_match() -> None:
+    """``health --clsuter``: the health command's usage and "did you mean --cluster?".
+    Before: the top-level usage, which lists no option of any command."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", "health", "--clsuter"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "usage: teamdesk-tasks health [-h] [--scope S] [--cluster]\n"
+        "teamdesk-tasks health: error: unrecognized arguments: --clsuter "
+        "(did you mean --cluster?)\n"
+    )
+
+
 def test_every_command_has_help() -> None:
     from cli.main import build_parser
 
@@ -190,8 +207,9 @@ def test_every_command_has_help() -> None:
         assert proc.returncode == 0 and "usage: teamdesk-tasks" in proc.stdout, name
 
 
-def test_health_probe_never_exits_2_on_bad_config() -> None:
-    """Container health checks reserve exit code 2; the probe says 0 or 1 only."""
+def test_health_probe_refuses_bad_config_like_every_command() -> None:
+    """A configuration error is exit 2 and one line, for the probe as for every command
+    (a container runtime counts any non-zero exit as a failed check)."""
     env = {**os.environ, "HEARTBEAT_TTL_S": "abc"}
     proc = subprocess.run(
         [sys.executable, "-m", "cli.main", "health"],
@@ -200,8 +218,10 @@ def test_health_probe_never_exits_2_on_bad_config() -> None:
         text=True,
         timeout=60,
     )
-    assert proc.returncode == 1
-    assert "HEARTBEAT_TTL_S must be a number" in proc.stderr
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "teamdesk-tasks: configuration error: HEARTBEAT_TTL_S must be a number, got 'abc'\n"
+    )
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,18 @@ def test_event_line_has_spec_fields(capture: io.StringIO) -> None:
     assert str(line["time"]).endswith("Z") and "T" in str(line["time"])
 
 
+def test_uvicorns_color_copy_of_a_line_is_dropped(capture: io.StringIO) -> None:
+    """uvicorn logs "Started server process" with a ``color_message`` copy full of
+    terminal escapes, before the API's startup could filter anything; the JSON line keeps
+    the plain message only."""
+    setup_logging("api", "info", capture)
+    logging.getLogger("uvicorn.error").info(
+        "Started server process [%d]", 7, extra={"color_message": "Started [\x1b[36m%d\x1b[0m]"}
+    )
+    (line,) = lines(capture)
+    assert line["message"] == "Started server process [7]" and "color_message" not in line
+
+
 def test_secrets_are_redacted(capture: io.StringIO) -> None:
     setup_logging("api", "info", capture)
     log = logging.getLogger("t")

@@ -40,17 +40,20 @@ def test_outcomes_end_the_clock_with_their_label(registry: CollectorRegistry) ->
     run([("task.started", {"kind": "EXPORT"}), ("task.completed", {})])
     run([("task.skipped", {})], kind="REMINDER")
     run([("task.started", {"kind": "EXPORT"}), ("task.lease_lost", {})])
+    run([("task.started", {"kind": "EXPORT"}), ("task.cancelled", {})])
     run([("task.started", {"kind": "EXPORT"}), ("task.attempt_failed", {"exhausted": False})])
     run([("task.started", {"kind": "REMINDER"}), ("task.failed", {"exhausted": True})], "REMINDER")
     count = "teamdesk_task_duration_seconds_count"
     assert value(registry, count, kind="export", outcome="completed") == 1
     assert value(registry, count, kind="reminder", outcome="skipped") == 1
     assert value(registry, count, kind="export", outcome="lease_lost") == 1
+    assert value(registry, count, kind="export", outcome="cancelled") == 1
     assert value(registry, count, kind="export", outcome="retried") == 1
     assert value(registry, count, kind="reminder", outcome="failed") == 1
-    assert value(registry, "teamdesk_task_claims_total", kind="export") == 3
+    assert value(registry, "teamdesk_task_claims_total", kind="export") == 4
     assert value(registry, "teamdesk_task_claims_total", kind="reminder") == 1
     assert value(registry, "teamdesk_task_lease_lost_total", kind="export") == 1
+    assert value(registry, "teamdesk_task_cancelled_total", kind="export") == 1
     assert (
         value(registry, "teamdesk_task_duration_seconds_sum", kind="export", outcome="completed")
         >= 0
