@@ -2,7 +2,8 @@
 
 The audit trail names executions, not processes. A worker logs ``task.started`` right
 after its claim and one closing event when the execution ends (``task.completed``,
-``task.skipped``, ``task.lease_lost``, ``task.failed``, ``task.attempt_failed``), each with
+``task.skipped``, ``task.lease_lost``, ``task.cancelled``, ``task.failed``,
+``task.attempt_failed``), each with
 the task id and the execution id's first 8 characters, from the pool process that runs it
 (``pid``). Every incarnation logs to its own file, unbuffered, so a process that lives logs
 both; a killed one may lose the closing line, and then it is dead anyway.
@@ -43,7 +44,14 @@ from typing import Any
 from soak.cluster import Incarnation
 
 END_EVENTS = frozenset(
-    {"task.completed", "task.skipped", "task.lease_lost", "task.failed", "task.attempt_failed"}
+    {
+        "task.completed",
+        "task.skipped",
+        "task.lease_lost",
+        "task.cancelled",
+        "task.failed",
+        "task.attempt_failed",
+    }
 )
 COLD_EVENTS = frozenset({"worker.shutdown_timeout"})
 RECEIPT_SLACK_S = 0.5  # a receipt line may be written a moment after the claim it led to

@@ -21,6 +21,7 @@ from soak.cluster import Cluster, Incarnation
 REPORT_LIMIT = 40  # violations printed with their details (all of them go to report.txt)
 LOGGED_EVENTS = (
     "task.lease_lost",
+    "task.cancelled",
     "task.stalled",
     "task.skipped",
     "task.revoked",

@@ -105,7 +105,13 @@ def test_a_rejection_the_ledger_cannot_record_still_ends_as_the_rejection(
     held = lease.Lease(uuid.uuid4(), 0, uuid.uuid4(), 1)
     rejection = PermissionLost("The export's owner is no longer staff.")
     with caplog.at_level(logging.WARNING), pytest.raises(PermissionLost):
-        execution._rejected(app.tasks[EXPORT_TASK], held, rejection, {"task_id": "t"})
+        execution._rejected(
+            app.tasks[EXPORT_TASK],
+            None,  # type: ignore[arg-type]  # the report fails first: never used
+            held,
+            rejection,
+            {"task_id": "t"},
+        )
     [failed] = [r for r in caplog.records if getattr(r, "event", None) == "task.failed"]
     assert failed.report_error == "OperationalError"  # type: ignore[attr-defined]
     assert failed.reason == rejection.message  # type: ignore[attr-defined]
