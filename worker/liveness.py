@@ -1,12 +1,16 @@
 """A worker process's liveness in Redis: its heartbeat member and its messages' visibility.
 
-Mechanism: a worker bootstep whose timer runs in the worker's MainProcess. A beat-scheduled
-task on a kombu Broadcast queue was tried for heartbeats and ran zero times on the Redis
-transport (Celery does not declare the fanout exchange when sending, so the message went
-to lists nobody reads); a beat task would also stop when beat stops, which says nothing
-about the workers. A timer in each worker's own main process renews exactly that
-process's member, needs neither beat nor the broker, and is stopped by the worker's own
-shutdown.
+Mechanism: a worker bootstep (worker/steps.py) whose thread renews in the worker's
+MainProcess. A beat-scheduled task on a kombu Broadcast queue was tried for heartbeats and
+ran zero times on the Redis transport (Celery does not declare the fanout exchange when
+sending, so the message went to lists nobody reads); a beat task would also stop when beat
+stops, which says nothing about the workers. A renewal in each worker's own main process
+renews exactly that process's member, needs neither beat nor the broker, and is stopped
+by the worker's own shutdown. It runs on a thread of its own, not on Celery's event loop:
+that loop stands still while the consumer re-establishes a lost broker connection (kombu
+pauses 2, 4, 6 ... s between attempts), and the pool's processes go on executing all the
+while, so their leases must stay alive (found by the soak: a live export taken back after
+a Redis failover).
 
 Three things happen on every tick (about a quarter of ``HEARTBEAT_TTL_S``), each on its
 own, so a failure of one never stops another (the broker may be another Redis, or
@@ -52,7 +56,7 @@ log = logging.getLogger("teamdesk.worker")
 
 UNACKED_INDEX = "unacked_index"  # kombu's default transport option unacked_index_key
 PING_TIMEOUT_S = 2
-RENEW_TIMEOUT_S = 1.0  # fail fast: the renewal runs on the worker's timer
+RENEW_TIMEOUT_S = 1.0  # fail fast: a slow renewal delays the next one and a stop
 
 T = TypeVar("T")
 
@@ -62,7 +66,7 @@ def renew_interval_s(settings: Settings) -> float:
 
 
 class Liveness:
-    """What the timer renews for one worker process."""
+    """What the renewal thread renews for one worker process."""
 
     def __init__(
         self,
@@ -94,8 +98,10 @@ class Liveness:
         self._failing: set[str] = set()  # stages failing now (each logged once per outage)
         self._removed = False
         self._draining = False
-        # Re-entrant: stop() may run in a signal handler that interrupted tick() on the
-        # same (main) thread; the tombstone keeps that interleaving correct.
+        # Orders a renewal (the renewal thread; offer_now on the event loop) and the
+        # removal (stop, possibly in a signal handler on the main thread). Re-entrant:
+        # offer_now may run in a signal handler that interrupted itself; the tombstone
+        # keeps a renewal already sent correct (teamdesk/heartbeat.py).
         self._lock = threading.RLock()
 
     @property
@@ -113,12 +119,16 @@ class Liveness:
 
     def tick(self) -> None:
         """One renewal of each kind and a database check; errors are logged and never
-        raised to the timer."""
+        raised. Only the heartbeat's renewal holds the lock: a stop waits for a renewal
+        (bounded by RENEW_TIMEOUT_S), never for the database check."""
+        self._attempt("visibility", self.keep_messages)
+        if self.heartbeat.stopping:
+            return
         with self._lock:
-            self._attempt("visibility", self.keep_messages)
-            if not self.heartbeat.stopping:
-                self.registered = self._attempt("renew", self._renew) is True
-                self.database_ok = self._attempt("database", self._check_database) is True
+            if self.heartbeat.stopping:
+                return
+            self.registered = self._attempt("renew", self._renew) is True
+        self.database_ok = self._attempt("database", self._check_database) is True
 
     def offer_now(self) -> None:
         """Renew at once, with what the worker consumes now: after intake resumed, so the

@@ -4,6 +4,7 @@ and takes messages only while that liveness is registered."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -136,9 +137,40 @@ class Intake:
         self.liveness.offer_now()
 
 
+class Renewals:
+    """Calls ``tick`` every ``interval_s`` on a thread of its own until stopped.
+
+    Not on Celery's timer: the timer runs on the event loop, which stands still while the
+    consumer retries a lost broker connection (worker/liveness.py). A tick never raises;
+    should one, the failure is logged and the next tick comes on time."""
+
+    def __init__(self, tick: Callable[[], None], interval_s: float) -> None:
+        self._tick = tick
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="teamdesk-liveness", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval_s):
+            try:
+                self._tick()
+            except Exception as exc:  # a dead renewal thread would look like a dead worker
+                error = type(exc).__name__
+                log_event(log, "heartbeat.failed", logging.ERROR, error=error, stage="tick")
+
+    def stop(self) -> None:
+        """No tick starts after this; one under way ends on its own (the heartbeat's
+        tombstone refuses a renewal that comes after the removal)."""
+        self._stopped.set()
+
+
 class LivenessStep(bootsteps.StartStopStep):
-    """Renews the heartbeat member and message visibility on the worker's timer, and
-    lets the worker take messages only while the member is registered (:class:`Intake`).
+    """Renews the heartbeat member and message visibility on a thread of its own
+    (:class:`Renewals`), and lets the worker take messages only while the member is
+    registered (:class:`Intake`).
 
     The member is chosen when the worker is built, before the pool forks, so the pool's
     children record it in every claim (``lease_holder``) and the dispatcher can tell
@@ -159,7 +191,7 @@ class LivenessStep(bootsteps.StartStopStep):
             offer=lambda: _consumes(parent),
         )
         self.intake = Intake(parent, self.liveness, consumes.queues)
-        self.tref: Any = None
+        self.renewals: Renewals | None = None
         self.wake: Any = None
         _current = self.liveness
         _holder = self.liveness.member  # chosen before the pool forks: children inherit it
@@ -169,22 +201,24 @@ class LivenessStep(bootsteps.StartStopStep):
         # without consuming, and no message reaches it before its member is registered.
         self.liveness.tick()
         self.intake.follow(at_once=True)
-        interval = renew_interval_s(self.liveness.settings)
-        self.tref = parent.timer.call_repeatedly(interval, self.tick, priority=10)
+        self.renewals = Renewals(self.tick, renew_interval_s(self.liveness.settings))
+        self.renewals.start()
         # The worker's event loop sleeps until its next timer, up to 1 s, and a signal
         # does not cut that sleep short; a no-op timer every WAKE_S makes a SIGTERM start
         # the drain within WAKE_S instead (an idle worker then exits about 0.8 s sooner).
         self.wake = parent.timer.call_repeatedly(WAKE_S, _noop, priority=0)
 
     def tick(self) -> None:
+        """One renewal (on the renewal thread); a pause or resume it decides is carried
+        out on the consumer's own thread (``Consumer.call_soon`` wakes the event loop)."""
         self.liveness.tick()
         self.intake.follow()
 
     def stop(self, parent: Any) -> None:
         global _holder
-        if self.tref is not None:
-            self.tref.cancel()
-            self.tref = None
+        if self.renewals is not None:
+            self.renewals.stop()
+            self.renewals = None
         if self.wake is not None:
             self.wake.cancel()
             self.wake = None
