@@ -13,7 +13,13 @@ from celery import bootsteps
 from teamdesk.config import get_settings
 from teamdesk.heartbeat import WorkerSlots
 from teamdesk.logs import log_event
-from worker.liveness import Liveness, held_delivery_tags, renew_interval_s
+from worker.liveness import (
+    PING_TIMEOUT_S,
+    RENEW_TIMEOUT_S,
+    Liveness,
+    held_delivery_tags,
+    renew_interval_s,
+)
 
 log = logging.getLogger("teamdesk.worker")
 
@@ -21,6 +27,8 @@ _current: Liveness | None = None
 _holder: str | None = None
 
 WAKE_S = 0.1
+# How long a stop waits for a renewal under way: two Redis calls and a database check.
+STOP_WAIT_S = 2 * RENEW_TIMEOUT_S + PING_TIMEOUT_S + 1.0
 
 
 def _noop() -> None:
@@ -161,10 +169,14 @@ class Renewals:
                 error = type(exc).__name__
                 log_event(log, "heartbeat.failed", logging.ERROR, error=error, stage="tick")
 
-    def stop(self) -> None:
-        """No tick starts after this; one under way ends on its own (the heartbeat's
-        tombstone refuses a renewal that comes after the removal)."""
+    def stop(self, wait_s: float) -> None:
+        """No tick starts after this; one under way is waited for, up to ``wait_s`` (its
+        calls are bounded: RENEW_TIMEOUT_S each, PING_TIMEOUT_S for the database), so
+        nothing of this worker runs on after its stop. Should one outlast that, the
+        heartbeat's tombstone still refuses a renewal that comes after the removal."""
         self._stopped.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(wait_s)
 
 
 class LivenessStep(bootsteps.StartStopStep):
@@ -217,7 +229,7 @@ class LivenessStep(bootsteps.StartStopStep):
     def stop(self, parent: Any) -> None:
         global _holder
         if self.renewals is not None:
-            self.renewals.stop()
+            self.renewals.stop(STOP_WAIT_S)
             self.renewals = None
         if self.wake is not None:
             self.wake.cancel()

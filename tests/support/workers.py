@@ -14,6 +14,8 @@ from celery.contrib.testing.worker import start_worker
 
 from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
 
+POLL_S = 0.1
+
 
 @contextmanager
 def running_worker(
@@ -24,6 +26,13 @@ def running_worker(
     queues: tuple[str, ...] = (EXPORTS_QUEUE, REMINDERS_QUEUE),
     **kwargs: Any,
 ) -> Iterator[Any]:
+    """An in-process worker. Its broker connection polls every POLL_S: a stop waits for
+    the BRPOP in flight (kombu reads its answer before closing the channel), 1 s by
+    default - most of an in-process test's stop."""
+    app.conf.broker_transport_options = {
+        **(app.conf.broker_transport_options or {}),
+        "polling_interval": POLL_S,
+    }
     with start_worker(
         app,
         pool=pool,
@@ -61,7 +70,9 @@ class EventLog:
             self._receiver = self.app.events.Receiver(conn, handlers={"*": self._on_event})
             self.ready.set()
             try:
-                self._receiver.capture(limit=None, timeout=None, wakeup=False)
+                # Receiver.capture, checking should_stop every POLL_S instead of every 1 s.
+                for _ in self._receiver.consume(wakeup=False, safety_interval=POLL_S):
+                    pass
             except Exception:
                 if not getattr(self._receiver, "should_stop", False):
                     raise

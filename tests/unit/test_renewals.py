@@ -1,0 +1,86 @@
+"""The worker's renewal thread (worker/steps.py, ``Renewals``): its ticks run on a thread of
+their own, and a stop waits for the tick under way, so nothing of a stopped worker
+(a heartbeat renewal, a database check on a database already dropped) runs after it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tests.support.waiting import wait_for
+from worker.steps import Renewals
+
+GATE_TIMEOUT_S = 10.0
+
+
+def test_ticks_run_on_their_own_thread_until_stopped() -> None:
+    seen: list[str] = []
+    two = threading.Event()
+
+    def tick() -> None:
+        seen.append(threading.current_thread().name)
+        if len(seen) == 2:
+            two.set()
+
+    renewals = Renewals(tick, 0.01)
+    renewals.start()
+    try:
+        assert two.wait(GATE_TIMEOUT_S)
+    finally:
+        renewals.stop(GATE_TIMEOUT_S)
+    ticks = len(seen)
+    assert set(seen) == {"teamdesk-liveness"}
+    assert threading.current_thread().name not in seen
+    renewals.stop(GATE_TIMEOUT_S)  # a second stop is harmless
+    assert len(seen) == ticks  # none after the stop returned
+
+
+def test_a_stop_waits_for_the_tick_under_way() -> None:
+    order: list[str] = []
+    entered, release = threading.Event(), threading.Event()
+
+    def tick() -> None:
+        entered.set()
+        release.wait(GATE_TIMEOUT_S)
+        order.append("tick ended")
+
+    renewals = Renewals(tick, 0.01)
+    renewals.start()
+
+    def stop() -> None:
+        renewals.stop(GATE_TIMEOUT_S)
+        order.append("stop returned")
+
+    stopper = threading.Thread(target=stop)
+    try:
+        assert entered.wait(GATE_TIMEOUT_S)
+        stopper.start()
+        wait_for(renewals._stopped.is_set, what="the stop to begin")
+    finally:
+        release.set()
+    stopper.join(GATE_TIMEOUT_S)
+    assert order == ["tick ended", "stop returned"]
+
+
+def test_a_tick_that_raises_does_not_end_the_renewals(caplog: pytest.LogCaptureFixture) -> None:
+    calls: list[int] = []
+    again = threading.Event()
+
+    def tick() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        again.set()
+
+    renewals = Renewals(tick, 0.01)
+    renewals.start()
+    try:
+        assert again.wait(GATE_TIMEOUT_S)
+    finally:
+        renewals.stop(GATE_TIMEOUT_S)
+    assert len(calls) >= 2
+    failed = [r for r in caplog.records if r.getMessage() == "heartbeat.failed"]
+    assert [(r.levelname, r.stage, r.error) for r in failed] == [  # type: ignore[attr-defined]
+        ("ERROR", "tick", "RuntimeError")
+    ]
