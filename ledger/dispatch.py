@@ -108,14 +108,26 @@ WINDOW_STATE = text(
 
 # Guard: WAITING, unpublished, due by the database's clock. Chooses up to :n ready runs of
 # one kind, round-robin over teams: starting after the team served last (:cursor), a
-# loose index scan takes the next :n teams with a ready row, wrapping around
-# (ix_background_tasks_ready; a team's first entry is its oldest, so a team with only
-# scheduled rows costs one probe); each of them under the :cap (runs running or in the
-# window; 0 = no cap) offers its oldest ready rows, and the rows go one per team per turn.
-# A fill reads only the teams it serves, whatever the number of busy teams. The chosen
-# rows are locked by primary key, re-checked and stamped in the same statement; returned
-# in publish order, with their team (the caller's next :cursor).
-STAMP_READY = text("""
+# loose index scan takes the next :n teams with a ready row and room under the :cap,
+# wrapping around (ix_background_tasks_ready; a team's first entry is its oldest, so a
+# team with only scheduled rows costs one probe, and a team at the cap one probe and a
+# count of at most :cap index entries; the walk goes on past both, so teams at their cap
+# never hold up a team with room); each team of the turn offers its oldest ready rows up
+# to its room, and the rows go one per team per turn. A fill reads the teams it serves
+# and the ones it passes over on the way. The chosen rows are locked by primary key,
+# re-checked and stamped in the same statement; returned in publish order, with their
+# team (the caller's next :cursor, which so moves past the teams passed over).
+# A team below the :cap (0 = no cap): its runs in flight (running, or published and not
+# yet claimed; ix_background_tasks_inflight) counted up to the cap, never further.
+_HAS_ROOM = """(:cap <= 0 OR (SELECT count(*) FROM (
+                    SELECT 1 FROM background_tasks r
+                     WHERE r.team_id = {team}.team_id
+                       AND (r.status = 'RUNNING'
+                            OR (r.status = 'WAITING' AND r.dispatched_at IS NOT NULL))
+                     LIMIT greatest(:cap, 0)) inflight) < :cap)"""
+
+STAMP_READY = text(
+    """
     WITH RECURSIVE onward AS (
         (SELECT b.team_id, b.run_at FROM background_tasks b
           WHERE b.kind = :kind AND b.status = 'WAITING' AND b.dispatched_at IS NULL
@@ -140,11 +152,14 @@ STAMP_READY = text("""
              ORDER BY b.kind, b.team_id, b.run_at LIMIT 1) nxt
     ), turn AS (
         -- each team's first row is its oldest: a team whose oldest is not due yet has
-        -- nothing ready and is passed over
+        -- nothing ready and is passed over; so is a team at the :cap, before the limit
+        -- (the walk goes on past it)
         SELECT team_id, row_number() OVER (ORDER BY lap, team_id) AS pos
-          FROM ((SELECT team_id, 0 AS lap FROM onward WHERE run_at <= now() LIMIT :n)
+          FROM ((SELECT o.team_id, 0 AS lap FROM onward o
+                  WHERE o.run_at <= now() AND {has_room:o} LIMIT :n)
                 UNION ALL
-                (SELECT team_id, 1 AS lap FROM wrapped WHERE run_at <= now() LIMIT :n)) t
+                (SELECT w.team_id, 1 AS lap FROM wrapped w
+                  WHERE w.run_at <= now() AND {has_room:w} LIMIT :n)) t
          ORDER BY lap, team_id LIMIT :n
     ), share AS (
         SELECT turn.team_id, turn.pos,
@@ -180,7 +195,10 @@ STAMP_READY = text("""
     SELECT s.id, s.run, s.kind, s.dispatched_at AS stamp, p.team_id
       FROM stamped s JOIN picked p ON p.id = s.id
      ORDER BY p.rn, p.pos
-""")
+""".replace("{has_room:o}", _HAS_ROOM.format(team="o")).replace(
+        "{has_room:w}", _HAS_ROOM.format(team="w")
+    )
+)
 
 # The kinds among :kinds with a run ready now (the scan warns when nobody consumes them).
 READY_KINDS = text("""

@@ -123,6 +123,41 @@ def test_team_cap_limits_one_team_in_flight(engine: sa.Engine, world: World) -> 
         assert dispatch.stamp_ready(conn, kind="EXPORT", n=10, team_cap=2).refs == []
 
 
+def test_teams_at_their_cap_do_not_hold_up_the_turn_of_a_team_with_room(
+    engine: sa.Engine, world: World
+) -> None:
+    """The next two teams after the cursor are at the cap with backlogs, a third has
+    nothing in flight: a fill of two serves the third. Before, the turn took the next
+    two teams before it knew their room, stamped nothing, and every fill made the same
+    choice until one of the capped teams finished a run (issue 24, finding 2)."""
+    teams = sorted(
+        [world, other_team(engine, "B"), other_team(engine, "C")], key=lambda w: w.team_id
+    )
+    capped, free = teams[:2], teams[2]
+    backlog = {team.team_id: waiting_rows(engine, team, 3) for team in capped}
+    for team in capped:  # one published, unclaimed run each: at a cap of 1
+        set_columns_sql(engine, backlog[team.team_id][0], "dispatched_at = now()")
+    free_rows = waiting_rows(engine, free, 2)
+
+    with engine.begin() as conn:
+        turn = dispatch.stamp_ready(conn, kind="EXPORT", n=2, team_cap=1)
+    assert stamped_order(engine, turn.refs) == free_rows[:1]
+    assert turn.cursor == free.team_id
+    # Every team is at its cap now: nothing more, and the capped backlogs are untouched.
+    with engine.begin() as conn:
+        assert (
+            dispatch.stamp_ready(conn, kind="EXPORT", n=2, team_cap=1, cursor=turn.cursor).refs
+            == []
+        )
+    for team in capped:
+        assert [task_row(engine, t)["dispatched_at"] is None for t in backlog[team.team_id]] == [
+            False,
+            True,
+            True,
+        ]
+    assert task_row(engine, free_rows[1])["dispatched_at"] is None
+
+
 def test_overlapping_fills_never_stamp_or_publish_a_run_twice(
     engine: sa.Engine,
     world: World,
