@@ -42,6 +42,11 @@ GOALS: list[tuple[str, str, Any]] = [
     ("p7_api_creates_per_s", ">= 400/s", lambda r: r["p7_api_creates_per_s"] >= 400),
     ("p8_claim_ratio_10m_audit", "<= 1.2", lambda r: r["p8_claim_ratio_10m_audit"] <= 1.2),
     ("p8_scan_ratio_10m_audit", "<= 1.2", lambda r: r["p8_scan_ratio_10m_audit"] <= 1.2),
+    ("p9_fill_ms_empty", "<= 5 ms", lambda r: r["p9_fill_ms_empty"] <= 5),
+    ("p9_fill_ms_100k_future", "<= 5 ms", lambda r: r["p9_fill_ms_100k_future"] <= 5),
+    ("p9_fill_ratio_100k_future", "<= 1.5", lambda r: r["p9_fill_ratio_100k_future"] <= 1.5),
+    ("p9_fill_ms_10k_ready", "<= 10 ms", lambda r: r["p9_fill_ms_10k_ready"] <= 10),
+    ("p9_capped_fills", "1 fill", lambda r: r["p9_capped_fills"] == 1),
 ]
 
 ROWS: list[tuple[str, str, str]] = [  # key, what, unit
@@ -87,6 +92,11 @@ ROWS: list[tuple[str, str, str]] = [  # key, what, unit
     ("p7_api_creates_per_s", "P7 API export creations, 8 clients, 2 API processes", "/s"),
     ("p8_claim_ratio_10m_audit", "P8 claim + completion, 10M audit rows / empty trail", "ratio"),
     ("p8_scan_ratio_10m_audit", "P8 dispatcher scan, 10M audit rows / empty trail", "ratio"),
+    ("p9_fill_ms_empty", "P9 one fill of 64 reminders, one team", "ms"),
+    ("p9_fill_ms_100k_future", "P9 the same, 100k more teams with a reminder tomorrow", "ms"),
+    ("p9_fill_ratio_100k_future", "P9 fill time, 100k future teams / none", "ratio"),
+    ("p9_fill_ms_10k_ready", "P9 one fill of 64, 10k teams with ready reminders", "ms"),
+    ("p9_capped_fills", "P9 fills until a new team is served, 20 teams at cap", "fills"),
 ]
 
 

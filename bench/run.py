@@ -28,12 +28,13 @@ from bench import (
     report,
     resilience,
     scan_cost,
+    tenant_scale,
     throughput,
 )
 from bench.env import BenchEnv
 from tests.support import databases
 
-PARTS = ("p1", "scaling", "p2", "p3", "p4", "p5", "p6", "p7", "p8")
+PARTS = ("p1", "scaling", "p2", "p3", "p4", "p5", "p6", "p7", "p8", "p9")
 
 # Every key latest.json must hold after a full, successful run.
 REQUIRED_KEYS = (
@@ -64,6 +65,11 @@ REQUIRED_KEYS = (
     "p7_api_creates_per_s",
     "p8_claim_ratio_10m_audit",
     "p8_scan_ratio_10m_audit",
+    "p9_fill_ms_empty",
+    "p9_fill_ms_100k_future",
+    "p9_fill_ratio_100k_future",
+    "p9_fill_ms_10k_ready",
+    "p9_capped_fills",
     "scaling",
     "machine",
     "goals",
@@ -85,6 +91,11 @@ def part_runners(args: argparse.Namespace) -> dict[str, Callable[[BenchEnv], dic
         "p7": api_rate.run_p7,
         "p8": lambda env: audit_growth.run_p8(
             env, audit_rows=1_000_000 if args.quick else audit_growth.AUDIT_ROWS
+        ),
+        "p9": lambda env: tenant_scale.run_p9(
+            env,
+            future_teams=10_000 if args.quick else tenant_scale.FUTURE_TEAMS,
+            ready_teams=1_000 if args.quick else tenant_scale.READY_TEAMS,
         ),
     }
 
