@@ -32,8 +32,8 @@ set removes the epoch with it; the record is trusted only once its epoch is olde
 TTL, by which time every live process renewed into it (docs/decisions.md, "Workers").
 
 Why a tombstone: shutdown removes the member, but a renewal may already be on its way
-to Redis when the stop begins (sent from the worker's timer a moment before, or delayed
-in a socket buffer). If that renewal ran after the removal it would put the member
+to Redis when the stop begins (sent from the worker's renewal thread a moment before, or
+delayed in a socket buffer). If that renewal ran after the removal it would put the member
 back, and the stopped process would look alive for one more TTL, so the dispatcher
 would wait that long before taking its runs back. A Python flag alone cannot stop a
 command that has already left the process. So the removal sets
@@ -242,8 +242,9 @@ class LeaseHolders:
 
 
 class Heartbeat:
-    """This process's heartbeat member. Give ``client`` short socket timeouts: renewal
-    runs on the worker's timer and must not block it."""
+    """This process's heartbeat member. Give ``client`` short socket timeouts: a renewal
+    that waits on Redis delays the next one. Thread-safe: a worker renews on a thread of
+    its own and removes the member from its main thread."""
 
     def __init__(
         self,

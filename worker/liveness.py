@@ -98,10 +98,11 @@ class Liveness:
         self._failing: set[str] = set()  # stages failing now (each logged once per outage)
         self._removed = False
         self._draining = False
-        # Orders a renewal (the renewal thread; offer_now on the event loop) and the
-        # removal (stop, possibly in a signal handler on the main thread). Re-entrant:
-        # offer_now may run in a signal handler that interrupted itself; the tombstone
-        # keeps a renewal already sent correct (teamdesk/heartbeat.py).
+        # Makes stop()'s flags and removal one step: stop may run in a signal handler
+        # that interrupted a stop on the same (main) thread, hence re-entrant. Renewals
+        # never take it: one under way when the stop begins is settled by the heartbeat's
+        # tombstone (teamdesk/heartbeat.py), so a stop never waits for Redis to answer a
+        # renewal (before, on the renewal thread, a slow renewal held the SIGTERM handler).
         self._lock = threading.RLock()
 
     @property
@@ -119,24 +120,21 @@ class Liveness:
 
     def tick(self) -> None:
         """One renewal of each kind and a database check; errors are logged and never
-        raised. Only the heartbeat's renewal holds the lock: a stop waits for a renewal
-        (bounded by RENEW_TIMEOUT_S), never for the database check."""
+        raised."""
         self._attempt("visibility", self.keep_messages)
         if self.heartbeat.stopping:
             return
-        with self._lock:
-            if self.heartbeat.stopping:
-                return
-            self.registered = self._attempt("renew", self._renew) is True
+        self.registered = self._attempt("renew", self._renew) is True
+        if self.heartbeat.stopping:
+            return
         self.database_ok = self._attempt("database", self._check_database) is True
 
     def offer_now(self) -> None:
         """Renew at once, with what the worker consumes now: after intake resumed, so the
         dispatcher sees this worker's queues within a scan instead of one renewal interval
         later (meanwhile it would size the window at nothing and warn of no consumers)."""
-        with self._lock:
-            if not self.heartbeat.stopping:
-                self.registered = self._attempt("renew", self._renew) is True
+        if not self.heartbeat.stopping:
+            self.registered = self._attempt("renew", self._renew) is True
 
     def _renew(self) -> bool:
         if self.offer is not None:

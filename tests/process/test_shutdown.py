@@ -221,7 +221,14 @@ def test_renewal_racing_shutdown_does_not_reregister(
         assert member in live_members(redis_client, s.queue_prefix, s.worker_instance_id)
         w1.send(signal.SIGTERM)
         w1.wait_event("worker.stopping")
-        wait_for(lambda: member not in live_members(redis_client, s.queue_prefix), what="removal")
+        # Removed by the stop, well before the member's TTL could expire it: the stop does
+        # not wait for the renewal in flight (before, the SIGTERM handler waited for the
+        # renewal thread's lock until the member had expired).
+        wait_for(
+            lambda: member not in live_members(redis_client, s.queue_prefix),
+            timeout=s.heartbeat_ttl_s / 2,
+            what="removal",
+        )
         gate.release()  # the late renewal now reaches Redis
         assert w1.wait(timeout=30) == 0
     assert member not in live_members(redis_client, s.queue_prefix)
