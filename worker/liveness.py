@@ -38,6 +38,7 @@ Each kind of failure is logged once per outage (``heartbeat.failed`` with its ``
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -59,6 +60,38 @@ PING_TIMEOUT_S = 2
 RENEW_TIMEOUT_S = 1.0  # fail fast: a slow renewal delays the next one and a stop
 
 T = TypeVar("T")
+
+
+class ForkGuard:
+    """Held around the metric and log calls of this process's own threads (the renewal
+    thread, the drain's), and by a fork: billiard forks pool processes from the main
+    thread at any time (a replaced child), and a child must not inherit a lock one of
+    those threads held at that moment - prometheus_client's multiprocess values share one
+    lock, and a child that inherited it held would hang on its first task's metrics."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        os.register_at_fork(
+            before=self._acquire, after_in_parent=self._release, after_in_child=self._reset
+        )
+
+    def _acquire(self) -> None:
+        self._lock.acquire()
+
+    def _release(self) -> None:
+        self._lock.release()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+fork_guard = ForkGuard()
 
 
 def renew_interval_s(settings: Settings) -> float:
@@ -154,11 +187,11 @@ class Liveness:
         try:
             result = action()
         except Exception as exc:
-            metrics.heartbeat_failed(stage)
-            if stage not in self._failing:
-                log_event(
-                    log, "heartbeat.failed", logging.WARNING, error=type(exc).__name__, stage=stage
-                )
+            with fork_guard:
+                metrics.heartbeat_failed(stage)
+                if stage not in self._failing:
+                    error = type(exc).__name__
+                    log_event(log, "heartbeat.failed", logging.WARNING, error=error, stage=stage)
             self._failing.add(stage)
             return None
         self._failing.discard(stage)

@@ -17,6 +17,7 @@ from worker.liveness import (
     PING_TIMEOUT_S,
     RENEW_TIMEOUT_S,
     Liveness,
+    fork_guard,
     held_delivery_tags,
     renew_interval_s,
 )
@@ -86,39 +87,55 @@ class Intake:
         self.worker = worker
         self.liveness = liveness
         self.queues = queues
-        self.paused = False
+        self.paused = False  # decided after each renewal (the renewal thread)
+        self.applied = False  # whether the consumer is paused now (the consumer's thread)
         # What the pause took away: an operator's cancel_consumer before it stays in force.
         self.resume: tuple[str, ...] = queues
 
     def follow(self, at_once: bool = False) -> None:
         """After a tick: pause when the heartbeat is not registered, resume once it is.
-        ``at_once``: the consumer has not started yet (the worker's own thread)."""
+        Until the consumer's thread has carried the decision out, every tick asks it
+        again (:meth:`apply` is idempotent): while Celery reconnects to the broker its
+        event loop stands still, decisions pile up, and a callback may be lost with the
+        connection. ``at_once``: the consumer has not started yet (the worker's own
+        thread)."""
         if self.liveness.stopping:
             return
-        registered, consuming = self.liveness.may_take_work, not self.paused
-        if registered == consuming:
+        paused = not self.liveness.may_take_work
+        if paused != self.paused:
+            self.paused = paused
+            member = self.liveness.member
+            with fork_guard:
+                if paused:
+                    log_event(log, "worker.consuming_paused", logging.WARNING, member=member)
+                else:
+                    log_event(log, "worker.consuming_resumed", member=member)
+        if self.paused == self.applied:
             return
-        self.paused = not registered
-        if self.paused:
-            log_event(log, "worker.consuming_paused", logging.WARNING, member=self.liveness.member)
-        else:
-            log_event(log, "worker.consuming_resumed", member=self.liveness.member)
-        action = self._pause if self.paused else self._resume
         if at_once:
-            action()
+            self.apply()
         else:
-            self._soon(action)
+            self._soon(self.apply)
 
     def _soon(self, action: Callable[[], None]) -> None:
         consumer = getattr(self.worker, "consumer", None)
         if consumer is not None:
             consumer.call_soon(action)
 
-    def _pause(self) -> None:
-        """Stop consuming every task queue (on the consumer's thread)."""
+    def apply(self) -> None:
+        """Bring the consumer to the latest decision (on the consumer's thread): however
+        many of these run, in whatever order, each pauses or resumes only when the
+        consumer is not yet as decided. Nothing once the stop began."""
         consumer = self.worker.consumer
-        if not self.paused or consumer is None:
+        if consumer is None or self.liveness.stopping:
             return
+        if self.paused and not self.applied:
+            self._pause(consumer)
+        elif not self.paused and self.applied:
+            self._resume(consumer)
+
+    def _pause(self, consumer: Any) -> None:
+        """Stop consuming every task queue."""
         queues = consumer.app.amqp.queues
         if queues.consume_from is queues:  # nothing selected means "all": say which
             queues.select(list(queues))
@@ -128,12 +145,10 @@ class Intake:
                 queues.deselect(name)
             else:
                 consumer.cancel_task_queue(name)
+        self.applied = True
 
-    def _resume(self) -> None:
-        """Consume the task queues again (on the consumer's thread), unless stopping."""
-        consumer = self.worker.consumer
-        if self.paused or self.liveness.stopping or consumer is None:
-            return
+    def _resume(self, consumer: Any) -> None:
+        """Consume again the task queues the pause took away."""
         if consumer.blueprint.state in (bootsteps.CLOSE, bootsteps.TERMINATE):
             return  # Celery is stopping the consumer
         queues = consumer.app.amqp.queues
@@ -142,6 +157,7 @@ class Intake:
                 queues.select_add(queues[name])
             else:
                 consumer.add_task_queue(name)
+        self.applied = False
         self.liveness.offer_now()
 
 
@@ -166,8 +182,9 @@ class Renewals:
             try:
                 self._tick()
             except Exception as exc:  # a dead renewal thread would look like a dead worker
-                error = type(exc).__name__
-                log_event(log, "heartbeat.failed", logging.ERROR, error=error, stage="tick")
+                with fork_guard:
+                    error = type(exc).__name__
+                    log_event(log, "heartbeat.failed", logging.ERROR, error=error, stage="tick")
 
     def stop(self, wait_s: float) -> None:
         """No tick starts after this; one under way is waited for, up to ``wait_s`` (its
