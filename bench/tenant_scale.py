@@ -80,17 +80,10 @@ def fill_ms(engine: sa.Engine, expected: int) -> list[float]:
 
 def capped_fills(engine: sa.Engine, owner: uuid.UUID) -> int:
     """Fills (of CAPPED_N, cap 1, each from the last cursor) until the new team is served."""
-    capped = add_teams(engine, owner, CAPPED_TEAMS, 5, -1.0)
-    with engine.begin() as conn:  # one published, unclaimed run each: at the cap
-        conn.execute(
-            sa.text("""
-                UPDATE background_tasks SET dispatched_at = now()
-                 WHERE id IN (SELECT DISTINCT ON (team_id) id FROM background_tasks
-                               WHERE team_id = ANY(CAST(:teams AS uuid[]))
-                               ORDER BY team_id, run_at)
-            """),
-            {"teams": [str(team) for team in capped]},
-        )
+    add_teams(engine, owner, CAPPED_TEAMS, 5, -1.0)
+    with engine.begin() as conn:  # one run each published by the ledger's own fill: at the cap
+        turn = dispatch.stamp_ready(conn, kind="REMINDER", n=CAPPED_TEAMS, team_cap=1)
+    assert len(turn.refs) == CAPPED_TEAMS
     (new_team,) = add_teams(engine, owner, 1, 1, -1.0)
     new_runs = team_runs(engine, new_team)
     cursor = dispatch.NO_TEAM

@@ -18,6 +18,7 @@ reconnecting looked dead and the dispatcher took back its live export."""
 from __future__ import annotations
 
 import signal
+import uuid
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,20 @@ pytestmark = pytest.mark.slow
 
 GATE = "export.after_read"
 CONNECTION_LOST = "consumer: Connection to broker lost"  # Celery's warning
+
+
+def assert_completed_in_its_first_attempt(engine: sa.Engine, task_id: uuid.UUID) -> None:
+    """The 5-ticket export COMPLETED as run 0, attempt 1: its CSV, and CLAIM, COMPLETE."""
+    row = task_row(engine, task_id)
+    assert (row["status"], row["run"], row["attempts"], row["progress"]) == (
+        "COMPLETED",
+        0,
+        1,
+        100,
+    )
+    assert (row["result_summary"], row["last_error"]) == ("5 rows", None)
+    assert str(row["result_csv"]).count("\n") == 6  # the header and 5 rows
+    assert audit_events(engine, task_id) == ["CLAIM", "COMPLETE"]
 
 
 def test_a_broker_outage_during_an_export_costs_progress_events_not_the_attempt(
@@ -67,16 +82,7 @@ def test_a_broker_outage_during_an_export_costs_progress_events_not_the_attempt(
             w1.send(signal.SIGTERM)
             assert w1.wait(timeout=30) == 0
 
-    row = task_row(engine, task_id)
-    assert (row["status"], row["run"], row["attempts"], row["progress"]) == (
-        "COMPLETED",
-        0,
-        1,
-        100,
-    )
-    assert (row["result_summary"], row["last_error"]) == ("5 rows", None)
-    assert str(row["result_csv"]).count("\n") == 6  # the header and 5 rows
-    assert audit_events(engine, task_id) == ["CLAIM", "COMPLETE"]
+    assert_completed_in_its_first_attempt(engine, task_id)
     assert w1.events("task.attempt_failed") == []
     assert "progress event not sent" in w1.output()
 
@@ -133,15 +139,7 @@ def test_the_heartbeat_goes_on_while_the_consumer_reconnects_to_the_broker(
             w1.send(signal.SIGTERM)
             assert w1.wait(timeout=30) == 0
 
-    row = task_row(engine, task_id)
-    assert (row["status"], row["run"], row["attempts"], row["progress"]) == (
-        "COMPLETED",
-        0,
-        1,
-        100,
-    )
-    assert str(row["result_csv"]).count("\n") == 6  # the header and 5 rows
-    assert audit_events(engine, task_id) == ["CLAIM", "COMPLETE"]
+    assert_completed_in_its_first_attempt(engine, task_id)
     # The broker's outage is the only failure: the heartbeat itself never failed.
     assert {event["stage"] for event in w1.events("heartbeat.failed")} <= {"visibility"}
     assert w1.events("worker.consuming_paused") == []
