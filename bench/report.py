@@ -47,6 +47,12 @@ GOALS: list[tuple[str, str, Any]] = [
     ("p9_fill_ratio_100k_future", "<= 1.5", lambda r: r["p9_fill_ratio_100k_future"] <= 1.5),
     ("p9_fill_ms_10k_ready", "<= 10 ms", lambda r: r["p9_fill_ms_10k_ready"] <= 10),
     ("p9_capped_fills", "1 fill", lambda r: r["p9_capped_fills"] == 1),
+    (
+        "p9_reminder_start_p50_ms_100k_future",
+        "<= 20 ms",
+        lambda r: r["p9_reminder_start_p50_ms_100k_future"] <= 20,
+    ),
+    ("p9_capped_start_s", "<= 1 s", lambda r: r["p9_capped_start_s"] <= 1),
 ]
 
 ROWS: list[tuple[str, str, str]] = [  # key, what, unit
@@ -97,6 +103,12 @@ ROWS: list[tuple[str, str, str]] = [  # key, what, unit
     ("p9_fill_ratio_100k_future", "P9 fill time, 100k future teams / none", "ratio"),
     ("p9_fill_ms_10k_ready", "P9 one fill of 64, 10k teams with ready reminders", "ms"),
     ("p9_capped_fills", "P9 fills until a new team is served, 20 teams at cap", "fills"),
+    (
+        "p9_reminder_start_p50_ms_100k_future",
+        "P9 reminder created -> claimed, beat + 1 worker, 100k future teams, p50",
+        "ms",
+    ),
+    ("p9_capped_start_s", "P9 new team's export created -> claimed, 20 teams at cap", "s"),
 ]
 
 

@@ -70,6 +70,8 @@ REQUIRED_KEYS = (
     "p9_fill_ratio_100k_future",
     "p9_fill_ms_10k_ready",
     "p9_capped_fills",
+    "p9_reminder_start_p50_ms_100k_future",
+    "p9_capped_start_s",
     "scaling",
     "machine",
     "goals",

@@ -1,5 +1,6 @@
-"""P9: what one fill costs at tenant scale (``ledger.dispatch.stamp_ready``, the statement
-every fill of a queue runs), on the database alone.
+"""P9: what one fill costs at tenant scale, on the database alone: the ledger's part of a
+fill (``ledger.dispatch.window_state``, which promotes the scheduled runs now due, then
+``stamp_ready`` for the queue), as dispatcher/window.py ``fill`` runs them.
 
 - ``p9_fill_ms_empty``: one team with ``FILL_N`` ready reminders; a fill of ``FILL_N``;
 - ``p9_fill_ms_100k_future``: the same, once ``FUTURE_TEAMS`` other teams each hold one
@@ -13,6 +14,17 @@ every fill of a queue runs), on the database alone.
 Every timed fill runs in its own transaction and is rolled back, so each one sees the same
 ledger; the median of ``FILLS`` (after ``WARMUP``) is reported. Fixtures are built with
 set-based SQL and analysed.
+
+Then the same two cases through the real path (``celery -A tasks beat`` and ``celery -A
+tasks worker`` subprocesses, every time from the database's clock):
+
+- ``p9_reminder_start_p50_ms_100k_future``: on the ledger of ``p9_fill_ms_100k_future``, one
+  worker (``-c 2``) and beat; ``REMINDER_STARTS`` reminders due now, created one at a time
+  through ``ledger.service`` as the API does: ``created_at`` -> the run's first CLAIM;
+- ``p9_capped_start_s``: ``TEAM_MAX_RUNNING=1`` and ``DISPATCH_WINDOW=2``; ``CAPPED_TEAMS``
+  teams with ``CAPPED_BACKLOG`` exports each, one of each held RUNNING after its claim
+  (bench/park_hooks.py) by a worker with a free process; then a new team's export:
+  ``created_at`` -> its CLAIM (``CAPPED_TIMEOUT_S`` means not within that).
 """
 
 from __future__ import annotations
@@ -24,14 +36,36 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from bench.env import BenchEnv
-from ledger import dispatch
+from bench.dispatch_path import (
+    FINAL,
+    IDLE_PAUSE_S,
+    TASK_TIMEOUT_S,
+    WARMUP_TASKS,
+    Rig,
+    _ms,
+    _require_claims,
+    _spread,
+    _terminate,
+    _wait_logged,
+    status_of,
+    times_of,
+    wait_finished,
+)
+from bench.env import BenchEnv, Part, wait_until
+from bench.throughput import TicketRef, seed_world
+from ledger import dispatch, service
+from tasks.names import EXPORTS_QUEUE
+from teamdesk.heartbeat import slots_by_queue
 
 FILL_N = 64
 FUTURE_TEAMS = 100_000
 READY_TEAMS = 10_000
 CAPPED_TEAMS, CAPPED_N, CAPPED_MAX_FILLS = 20, 2, 50
 FILLS, WARMUP = 25, 5
+REMINDER_STARTS = 30
+CAPPED_BACKLOG = 3
+CAPPED_TIMEOUT_S = 30.0
+BEAT_START_TIMEOUT_S = 60.0
 
 OWNER = sa.text("INSERT INTO users (email, name) VALUES ('p9@bench.test', 'p9') RETURNING id")
 
@@ -69,6 +103,7 @@ def fill_ms(engine: sa.Engine, expected: int) -> list[float]:
         for i in range(WARMUP + FILLS):
             with conn.begin() as tx:
                 started = time.perf_counter()
+                dispatch.window_state(conn)
                 turn = dispatch.stamp_ready(conn, kind="REMINDER", n=FILL_N, team_cap=0)
                 elapsed = time.perf_counter() - started
                 assert len(turn.refs) == expected, (len(turn.refs), expected)
@@ -107,6 +142,111 @@ def team_runs(engine: sa.Engine, team: Any) -> set[Any]:
         return {row.id for row in rows}
 
 
+def reminder_starts(env: BenchEnv, part: Part, n: int) -> list[float]:
+    """created_at -> first CLAIM (ms, database clock) of ``n`` reminders due now, one at a
+    time, through one worker and beat."""
+    refs = seed_world(part.engine)
+    rig = Rig(env, part)
+    try:
+        rig.add_workers(1)
+        rig.start_beat()
+        rig.warm_up(refs, WARMUP_TASKS)
+        ids: list[uuid.UUID] = []
+        for i in range(n):
+            ref = refs[i % len(refs)]
+            with part.engine.begin() as conn:  # as the API does: validate, insert, commit
+                ids.append(service.create_reminder(conn, ref.team_id, ref.staff_id, ref.ticket_id))
+            wait_until(
+                lambda t=ids[-1]: status_of(part.engine, t) in FINAL,
+                TASK_TIMEOUT_S,
+                0.005,
+                "a reminder",
+            )
+            time.sleep(IDLE_PAUSE_S)  # idle again before the next sample (not timed)
+    finally:
+        rig.close()
+    rows = times_of(part.engine, ids)
+    _require_claims(rows, "reminders")
+    return [_ms(r.claimed - r.created_at) for r in rows]
+
+
+RUNNING_BY_TEAM = sa.text("""
+    SELECT count(DISTINCT team_id) AS teams, count(*) AS runs FROM background_tasks
+     WHERE status = 'RUNNING' AND team_id = ANY(CAST(:teams AS uuid[]))
+""")
+
+
+def capped_start(env: BenchEnv) -> dict[str, Any]:
+    """A new team's export, created while CAPPED_TEAMS teams are at their cap of 1 with
+    backlogs, DISPATCH_WINDOW=2: created_at -> its CLAIM, through beat and a worker."""
+    part = env.part("p9-capped-path")
+    teams: dict[uuid.UUID, TicketRef] = {}
+    for ref in seed_world(part.engine):
+        teams.setdefault(ref.team_id, ref)
+    capped, (newcomer,) = list(teams.values())[:CAPPED_TEAMS], list(teams.values())[-1:]
+    park = env.workdir / "p9-park"
+    park.touch()
+    processes = CAPPED_TEAMS + 1
+    worker = env.worker(
+        part,
+        "p9-capped",
+        concurrency=processes,
+        hooks="bench.park_hooks",
+        BENCH_PARK_FILE=str(park),  # bench/park_hooks.py
+    )
+    beat = None
+    try:
+        worker.wait_event("worker.started", timeout=120)
+        wait_until(
+            lambda: slots_by_queue(env.redis, part.prefix).get(EXPORTS_QUEUE, 0) == processes,
+            60,
+            0.05,
+            "the capped worker's processes in the heartbeats",
+        )
+        beat = env.beat(part, name="p9-capped-beat", TEAM_MAX_RUNNING=1, DISPATCH_WINDOW=2)
+        _wait_logged(beat, "dispatcher.listen", BEAT_START_TIMEOUT_S, state="listening")
+        ids: list[uuid.UUID] = []
+        with part.engine.begin() as conn:
+            for ref in capped:
+                for _ in range(CAPPED_BACKLOG):
+                    ids.append(service.create_export(conn, ref.team_id, ref.staff_id, "TEAM", {}))
+        team_ids = [str(ref.team_id) for ref in capped]
+
+        def all_capped() -> bool:
+            with part.engine.connect() as conn:
+                row = conn.execute(RUNNING_BY_TEAM, {"teams": team_ids}).one()
+            if row.runs > row.teams:
+                raise RuntimeError("bench: TEAM_MAX_RUNNING=1 did not hold (two runs of a team)")
+            return int(row.teams) == CAPPED_TEAMS
+
+        wait_until(all_capped, 60, 0.02, "every capped team running its one export")
+        with part.engine.begin() as conn:
+            new_id = service.create_export(conn, newcomer.team_id, newcomer.staff_id, "TEAM", {})
+        try:
+            wait_until(
+                lambda: status_of(part.engine, new_id) != "WAITING",
+                CAPPED_TIMEOUT_S,
+                0.005,
+                "the new team's export claimed",
+            )
+        except Exception:
+            start_s = CAPPED_TIMEOUT_S  # not claimed in time: the goal's "never"
+        else:
+            (row,) = times_of(part.engine, [new_id])
+            start_s = _ms(row.claimed - row.created_at) / 1000
+        park.unlink()
+        wait_finished(part.engine, [*ids, new_id], 120, 0.05, "capped exports")
+    finally:
+        park.unlink(missing_ok=True)
+        codes = _terminate([p for p in (beat, worker) if p is not None])
+    return {
+        "start_s": round(start_s, 3),
+        "teams": CAPPED_TEAMS,
+        "backlog_each": CAPPED_BACKLOG,
+        "exit_codes": codes,
+    }
+
+
 def run_p9(
     env: BenchEnv, future_teams: int = FUTURE_TEAMS, ready_teams: int = READY_TEAMS
 ) -> dict[str, Any]:
@@ -131,6 +271,9 @@ def run_p9(
         capped_owner = conn.execute(OWNER).scalar_one()
     fills = capped_fills(capped.engine, capped_owner)
 
+    future_starts = reminder_starts(env, scheduled, REMINDER_STARTS)
+    capped_path = capped_start(env)
+
     empty_ms, future_ms = statistics.median(empty), statistics.median(future)
     return {
         "p9_fill_ms_empty": round(empty_ms, 2),
@@ -138,7 +281,11 @@ def run_p9(
         "p9_fill_ratio_100k_future": round(future_ms / empty_ms, 2),
         "p9_fill_ms_10k_ready": round(statistics.median(many_ready), 2),
         "p9_capped_fills": fills,
+        "p9_reminder_start_p50_ms_100k_future": round(statistics.median(future_starts), 2),
+        "p9_capped_start_s": capped_path["start_s"],
         "p9_detail": {
+            "reminder_start_ms_100k_future": _spread(future_starts),
+            "capped_path": capped_path,
             "fill_n": FILL_N,
             "future_teams": future_teams,
             "ready_teams": ready_teams,

@@ -1,8 +1,9 @@
 """The dispatcher's ledger statements (docs/design.md, "Dispatch"), each one statement.
 
 The ledger is the queue: a WAITING row with ``dispatched_at IS NULL`` is ready once its
-``run_at`` has come; stamping ``dispatched_at`` puts it in the *window* (the few runs the
-broker holds); a claim takes it out again. Every threshold here is the database's clock
+``run_at`` has come (until then it is *scheduled*, and each fill promotes the ones that
+became due); stamping ``dispatched_at`` puts it in the *window* (the few runs the broker
+holds); a claim takes it out again. Every threshold here is the database's clock
 (``now()``); no caller passes a time in.
 
 Selections lock their rows ``FOR UPDATE SKIP LOCKED`` inside the statement that changes
@@ -80,43 +81,65 @@ RECOVER_STALE = text("""
     SELECT id, run, kind, status FROM recovered
 """).bindparams(bindparam("live_members", type_=ARRAY(TEXT)))
 
-# The window per kind: runs published and not yet claimed (ix_background_tasks_dispatched);
-# the kinds with unpublished WAITING runs, ready or scheduled (one probe of
-# ix_background_tasks_ready per kind); and how long until the next scheduled run becomes
-# ready (ix_background_tasks_due).
+# Promotion, then the window per kind. Scheduled runs (WAITING, unpublished, run_at ahead;
+# the row trigger of migration 0008 keeps ``scheduled``) are not in the ready set the
+# round-robin walks; the ones now due by the database's clock are promoted here, at most
+# :promote_batch of them, oldest first (ix_background_tasks_scheduled; rows a cancel or a
+# retry holds are left for the next fill). The promotion is in the fill's transaction, so
+# the fill's stamp, a later statement, sees the promoted runs. Then: runs published and
+# not yet claimed (ix_background_tasks_dispatched); the kinds with ready runs (one probe of
+# ix_background_tasks_ready per kind) or promoted ones; and how long until the next
+# scheduled run is due - 0 when the promotion was cut at its batch (more are due now).
 WINDOW_STATE = text(
     """
+    WITH due AS (
+        SELECT id FROM background_tasks
+         WHERE scheduled AND run_at <= now()
+         ORDER BY run_at
+         LIMIT :promote_batch
+           FOR UPDATE SKIP LOCKED
+    ), promoted AS (
+        UPDATE background_tasks t SET scheduled = false
+          FROM due WHERE t.id = due.id AND t.scheduled
+        RETURNING t.kind
+    )
     SELECT (SELECT coalesce(jsonb_object_agg(kind, n), '{}'::jsonb)
               FROM (SELECT kind, count(*) AS n FROM background_tasks
                      WHERE status = 'WAITING' AND dispatched_at IS NOT NULL
                      GROUP BY kind) k) AS queued,
            ARRAY(SELECT v.kind FROM (VALUES {probes}) AS v(kind, present)
-                  WHERE v.present) AS waiting,
-           (SELECT extract(epoch FROM min(run_at) - now()) FROM background_tasks
-             WHERE status = 'WAITING' AND dispatched_at IS NULL AND run_at > now()) AS next_due_s
+                  WHERE v.present OR v.kind IN (SELECT kind FROM promoted)) AS waiting,
+           CASE WHEN (SELECT count(*) FROM due) >= :promote_batch THEN 0
+                ELSE (SELECT extract(epoch FROM min(run_at) - now()) FROM background_tasks
+                       WHERE scheduled AND run_at > now()) END AS next_due_s,
+           (SELECT count(*) FROM promoted) AS promoted
 """.replace(
         "{probes}",
         # One probe per kind with the kind as a constant: only then does the planner
         # answer "none" from the index (a kind passed in as a value made it scan the table).
         ", ".join(
             f"('{kind}', EXISTS (SELECT 1 FROM background_tasks WHERE kind = '{kind}' "
-            "AND status = 'WAITING' AND dispatched_at IS NULL))"
+            "AND NOT scheduled AND status = 'WAITING' AND dispatched_at IS NULL))"
             for kind in KINDS
         ),
     )
 )
+PROMOTE_BATCH = 1000  # scheduled runs promoted by one fill at most
 
 # Guard: WAITING, unpublished, due by the database's clock. Chooses up to :n ready runs of
 # one kind, round-robin over teams: starting after the team served last (:cursor), a
 # loose index scan takes the next :n teams with a ready row and room under the :cap,
-# wrapping around (ix_background_tasks_ready; a team's first entry is its oldest, so a
-# team with only scheduled rows costs one probe, and a team at the cap one probe and a
-# count of at most :cap index entries; the walk goes on past both, so teams at their cap
-# never hold up a team with room); each team of the turn offers its oldest ready rows up
-# to its room, and the rows go one per team per turn. A fill reads the teams it serves
-# and the ones it passes over on the way. The chosen rows are locked by primary key,
-# re-checked and stamped in the same statement; returned in publish order, with their
-# team (the caller's next :cursor, which so moves past the teams passed over).
+# wrapping around. It walks the ready range of ix_background_tasks_ready (kind,
+# scheduled = false, team_id, ...): scheduled runs are not in it until promoted, so a fill
+# never visits a team whose runs are all ahead, however many such teams there are. A
+# team's first entry is its oldest (one promoted a moment after the statement's now() is
+# passed over, as not due yet); a team at the cap costs one probe and a count of at most
+# :cap index entries, and the walk goes on past it, so teams at their cap never hold up a
+# team with room. Each team of the turn offers its oldest ready rows up to its room, and
+# the rows go one per team per turn. A fill reads the teams it serves and the ones it
+# passes over on the way. The chosen rows are locked by primary key, re-checked and
+# stamped in the same statement; returned in publish order, with their team (the caller's
+# next :cursor, which so moves past the teams passed over).
 # A team below the :cap (0 = no cap): its runs in flight (running, or published and not
 # yet claimed; ix_background_tasks_inflight) counted up to the cap, never further.
 _HAS_ROOM = """(:cap <= 0 OR (SELECT count(*) FROM (
@@ -130,26 +153,27 @@ STAMP_READY = text(
     """
     WITH RECURSIVE onward AS (
         (SELECT b.team_id, b.run_at FROM background_tasks b
-          WHERE b.kind = :kind AND b.status = 'WAITING' AND b.dispatched_at IS NULL
-            AND b.team_id > :cursor
-          ORDER BY b.kind, b.team_id, b.run_at LIMIT 1)
+          WHERE b.kind = :kind AND NOT b.scheduled AND b.status = 'WAITING'
+            AND b.dispatched_at IS NULL AND b.team_id > :cursor
+          ORDER BY b.kind, b.scheduled, b.team_id, b.run_at LIMIT 1)
         UNION ALL
         SELECT nxt.team_id, nxt.run_at FROM onward CROSS JOIN LATERAL (
             SELECT b.team_id, b.run_at FROM background_tasks b
-             WHERE b.kind = :kind AND b.status = 'WAITING' AND b.dispatched_at IS NULL
-               AND b.team_id > onward.team_id
-             ORDER BY b.kind, b.team_id, b.run_at LIMIT 1) nxt
+             WHERE b.kind = :kind AND NOT b.scheduled AND b.status = 'WAITING'
+               AND b.dispatched_at IS NULL AND b.team_id > onward.team_id
+             ORDER BY b.kind, b.scheduled, b.team_id, b.run_at LIMIT 1) nxt
     ), wrapped AS (
         (SELECT b.team_id, b.run_at FROM background_tasks b
-          WHERE b.kind = :kind AND b.status = 'WAITING' AND b.dispatched_at IS NULL
-            AND b.team_id <= :cursor
-          ORDER BY b.kind, b.team_id, b.run_at LIMIT 1)
+          WHERE b.kind = :kind AND NOT b.scheduled AND b.status = 'WAITING'
+            AND b.dispatched_at IS NULL AND b.team_id <= :cursor
+          ORDER BY b.kind, b.scheduled, b.team_id, b.run_at LIMIT 1)
         UNION ALL
         SELECT nxt.team_id, nxt.run_at FROM wrapped CROSS JOIN LATERAL (
             SELECT b.team_id, b.run_at FROM background_tasks b
-             WHERE b.kind = :kind AND b.status = 'WAITING' AND b.dispatched_at IS NULL
-               AND b.team_id > wrapped.team_id AND b.team_id <= :cursor
-             ORDER BY b.kind, b.team_id, b.run_at LIMIT 1) nxt
+             WHERE b.kind = :kind AND NOT b.scheduled AND b.status = 'WAITING'
+               AND b.dispatched_at IS NULL AND b.team_id > wrapped.team_id
+               AND b.team_id <= :cursor
+             ORDER BY b.kind, b.scheduled, b.team_id, b.run_at LIMIT 1) nxt
     ), turn AS (
         -- each team's first row is its oldest: a team whose oldest is not due yet has
         -- nothing ready and is passed over; so is a team at the :cap, before the limit
@@ -175,8 +199,8 @@ STAMP_READY = text(
           FROM share CROSS JOIN LATERAL (
               SELECT b.id, row_number() OVER (ORDER BY b.run_at, b.id) AS rn
                 FROM background_tasks b
-               WHERE b.kind = :kind AND b.team_id = share.team_id AND b.status = 'WAITING'
-                 AND b.dispatched_at IS NULL AND b.run_at <= now()
+               WHERE b.kind = :kind AND NOT b.scheduled AND b.team_id = share.team_id
+                 AND b.status = 'WAITING' AND b.dispatched_at IS NULL AND b.run_at <= now()
                ORDER BY b.run_at, b.id
                LIMIT greatest(share.room, 0)
           ) c
@@ -200,12 +224,15 @@ STAMP_READY = text(
     )
 )
 
-# The kinds among :kinds with a run ready now (the scan warns when nobody consumes them).
+# The kinds among :kinds with a run ready now (the scan warns when nobody consumes them):
+# a ready one, or a scheduled one already due and not yet promoted.
 READY_KINDS = text("""
     SELECT k.kind FROM unnest(CAST(:kinds AS text[])) AS k(kind)
      WHERE EXISTS (SELECT 1 FROM background_tasks b
-                    WHERE b.kind = k.kind AND b.status = 'WAITING' AND b.dispatched_at IS NULL
-                      AND b.run_at <= now())
+                    WHERE b.kind = k.kind AND NOT b.scheduled AND b.status = 'WAITING'
+                      AND b.dispatched_at IS NULL AND b.run_at <= now())
+        OR EXISTS (SELECT 1 FROM background_tasks b
+                    WHERE b.scheduled AND b.run_at <= now() AND b.kind = k.kind)
 """).bindparams(bindparam("kinds", type_=ARRAY(TEXT)))
 
 # Guard: still the publish this dispatcher stamped (``stamp``); nothing happened since.
@@ -257,13 +284,13 @@ PURGE_EXPIRED = text("""
 """)
 
 # How many unpublished WAITING rows there are (counted up to a cap) and how many the
-# planner believes ix_background_tasks_due holds (as of the last ANALYZE or VACUUM).
+# planner believes ix_background_tasks_ready holds (as of the last ANALYZE or VACUUM).
 STATISTICS_DRIFT = text("""
     SELECT (SELECT count(*) FROM (SELECT 1 FROM background_tasks
                                    WHERE status = 'WAITING' AND dispatched_at IS NULL
                                    LIMIT :cap) w) AS waiting,
            (SELECT reltuples FROM pg_class
-             WHERE oid = CAST('ix_background_tasks_due' AS regclass)) AS believed
+             WHERE oid = CAST('ix_background_tasks_ready' AS regclass)) AS believed
 """)
 
 # ANALYZE through the owner's function (migration 0006): the processes run as the
@@ -282,12 +309,14 @@ LIMIT_STATEMENT_TIME = text("SELECT set_config('statement_timeout', :ms, true)")
 
 @dataclass(frozen=True)
 class WindowState:
-    """Runs published and not yet claimed per kind, the kinds with unpublished WAITING runs
-    (ready now or scheduled), and seconds until the next scheduled run is ready."""
+    """Runs published and not yet claimed per kind, the kinds with ready runs (promoted
+    ones included), seconds until the next scheduled run is due (0: more are due now), and
+    how many scheduled runs this fill promoted."""
 
     queued: dict[str, int]
     waiting: frozenset[str]
     next_due_s: float | None
+    promoted: int = 0
 
 
 def database_now(conn: Connection) -> datetime:
@@ -343,11 +372,15 @@ def recover_stale(
     return _refs(rows)
 
 
-def window_state(conn: Connection) -> WindowState:
-    [(queued_by_kind, waiting, next_due_s)] = _prepared(conn, "td_window_state", WINDOW_STATE, {})
+def window_state(conn: Connection, *, promote_batch: int = PROMOTE_BATCH) -> WindowState:
+    """Promote the scheduled runs now due (at most ``promote_batch``), then read the window."""
+    params = {"promote_batch": promote_batch}
+    [(queued_by_kind, waiting, next_due_s, promoted)] = _prepared(
+        conn, "td_window_state", WINDOW_STATE, params
+    )
     queued = {kind: int(queued_by_kind.get(kind, 0)) for kind in KINDS}
     next_due = None if next_due_s is None else max(0.0, float(next_due_s))
-    return WindowState(queued, frozenset(waiting), next_due)
+    return WindowState(queued, frozenset(waiting), next_due, int(promoted))
 
 
 NO_TEAM = uuid.UUID(int=0)  # the cursor before any team: a turn starts at the first

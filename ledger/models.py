@@ -114,6 +114,9 @@ background_tasks = sa.Table(
     sa.Column("lease_holder", sa.Text, nullable=True),
     sa.Column("dispatched_at", sa.DateTime(timezone=True), nullable=True),
     sa.Column("run_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
+    # WAITING, unpublished and run_at still ahead (database clock): kept by the row trigger
+    # background_tasks_scheduled, cleared by the dispatcher's promotion when due (0008).
+    sa.Column("scheduled", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("recoveries", sa.Integer, nullable=False, server_default="0"),
     sa.Column("last_error", sa.Text, nullable=True),
     sa.Column("result_csv", sa.Text, nullable=True),
@@ -130,17 +133,22 @@ background_tasks = sa.Table(
     sa.CheckConstraint("run >= 0 AND attempts >= 0 AND recoveries >= 0", name="counters"),
     sa.CheckConstraint("kind = 'EXPORT' OR scope = 'TEAM'", name="reminder_scope"),
     sa.CheckConstraint("status = 'RUNNING' OR execution_id IS NULL", name="lease_only_running"),
+    sa.CheckConstraint(
+        "NOT scheduled OR (status = 'WAITING' AND dispatched_at IS NULL)", name="scheduled_waiting"
+    ),
 )
-# Dispatcher step 3: WAITING rows never published, by due time.
+# Scheduled runs by due time: the dispatcher's promotion and its next wake-up (0008).
 sa.Index(
-    "ix_background_tasks_due",
+    "ix_background_tasks_scheduled",
     background_tasks.c.run_at,
-    postgresql_where=sa.text("status = 'WAITING' AND dispatched_at IS NULL"),
+    postgresql_where=sa.text("scheduled"),
 )
-# The dispatcher's round-robin selection: busy teams, then each team's oldest due rows.
+# WAITING rows never published. The dispatcher's round-robin walks the scheduled = false
+# range (busy teams, then each team's oldest due rows); the quota counts both ranges.
 sa.Index(
     "ix_background_tasks_ready",
     background_tasks.c.kind,
+    background_tasks.c.scheduled,
     background_tasks.c.team_id,
     background_tasks.c.run_at,
     background_tasks.c.id,

@@ -9,9 +9,10 @@ at ``cap - 1`` cannot both see room. Other teams never wait. A refusal raises
 :class:`TeamQuotaExceeded` and the caller's transaction rolls back: nothing is written.
 
 The count reads only the two partial indexes the dispatcher already keeps over live rows
-(``ix_background_tasks_ready`` and ``ix_background_tasks_inflight``, migration 0004), whose
-predicates split WAITING + RUNNING exactly in two, and stops at ``cap`` entries per part:
-no new index to maintain on the ledger's hot path, and the work is bounded by the cap.
+(``ix_background_tasks_ready`` and ``ix_background_tasks_inflight``, migrations 0004 and
+0008), whose predicates split WAITING + RUNNING exactly in two, and stops at ``cap``
+entries per part: no new index to maintain on the ledger's hot path, and the work is
+bounded by the cap.
 """
 
 from __future__ import annotations
@@ -30,12 +31,16 @@ NO_CAP = 0
 # reminders' lock (tasks/reminder.py), which hashes another prefix.
 LOCK_TEAM = text("SELECT pg_advisory_xact_lock(hashtextextended('teamdesk.quota:' || :team_id, 0))")
 
-# WAITING and not published, counted per kind on the ready index (kind, team_id, ...): an
-# equality on its leading column is a range scan, where `kind IN (...)` led the planner
-# (PostgreSQL < 18 has no skip scan) to walk every team's due rows instead. Plus the rows
-# in flight (RUNNING, or WAITING and published) on the in-flight index (team_id, kind).
-# Each part stops at :cap rows: the sum reaches :cap exactly when the team has that many.
-_READY = "kind = '{kind}' AND team_id = :team_id AND status = 'WAITING' AND dispatched_at IS NULL"
+# WAITING and not published, counted per kind and per value of ``scheduled`` on the ready
+# index (kind, scheduled, team_id, ...): equalities on its leading columns are a range
+# scan, where `kind IN (...)` or a free ``scheduled`` led the planner (PostgreSQL < 18 has
+# no skip scan) to walk every team's rows instead. Plus the rows in flight (RUNNING, or
+# WAITING and published) on the in-flight index (team_id, kind). Each part stops at :cap
+# rows: the sum reaches :cap exactly when the team has that many.
+_READY = (
+    "kind = '{kind}' AND scheduled = {scheduled} AND team_id = :team_id"
+    " AND status = 'WAITING' AND dispatched_at IS NULL"
+)
 _INFLIGHT = (
     "team_id = :team_id"
     " AND (status = 'RUNNING' OR (status = 'WAITING' AND dispatched_at IS NOT NULL))"
@@ -49,7 +54,14 @@ def _bounded_count(where: str) -> str:
 COUNT_UNFINISHED = text(
     "SELECT "
     + "\n     + ".join(
-        [*(_bounded_count(_READY.format(kind=kind)) for kind in KINDS), _bounded_count(_INFLIGHT)]
+        [
+            *(
+                _bounded_count(_READY.format(kind=kind, scheduled=scheduled))
+                for kind in KINDS
+                for scheduled in ("false", "true")
+            ),
+            _bounded_count(_INFLIGHT),
+        ]
     )
 )
 

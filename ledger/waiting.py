@@ -13,14 +13,20 @@ from ledger.states import KINDS
 
 READY_COUNT_CAP = 10_000  # counting stops here: "at least this many" is enough to say
 
-# Ready runs not yet published, per kind (the ready partial index), at most the cap each.
+# Ready runs not yet published, per kind, at most the cap each: the ready range of the
+# ready partial index, plus scheduled runs already due that the dispatcher has not yet
+# promoted (ix_background_tasks_scheduled; its next fill will).
 READY_BY_KIND = text("""
-    SELECT k.kind,
+    SELECT k.kind, least(:cap,
            (SELECT count(*) FROM (
                 SELECT 1 FROM background_tasks t
-                 WHERE t.kind = k.kind AND t.status = 'WAITING' AND t.dispatched_at IS NULL
-                   AND t.run_at <= now()
-                 LIMIT :cap) AS capped) AS ready
+                 WHERE t.kind = k.kind AND NOT t.scheduled AND t.status = 'WAITING'
+                   AND t.dispatched_at IS NULL AND t.run_at <= now()
+                 LIMIT :cap) AS capped)
+           + (SELECT count(*) FROM (
+                SELECT 1 FROM background_tasks t
+                 WHERE t.scheduled AND t.run_at <= now() AND t.kind = k.kind
+                 LIMIT :cap) AS due)) AS ready
       FROM unnest(CAST(:kinds AS text[])) AS k(kind)
 """)
 

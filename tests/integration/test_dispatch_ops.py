@@ -92,7 +92,7 @@ def fill_100k(engine: sa.Engine, world: World) -> None:
 PARTIAL = {
     "ix_background_tasks_ready",
     "ix_background_tasks_inflight",
-    "ix_background_tasks_due",
+    "ix_background_tasks_scheduled",
     "ix_background_tasks_dispatched",
     "ix_background_tasks_running",
     "ix_background_tasks_expiring",
@@ -123,8 +123,8 @@ def test_every_dispatcher_statement_walks_a_partial_index_on_100k_rows(
         ),
         (
             dispatch.WINDOW_STATE,
-            {"ix_background_tasks_dispatched", "ix_background_tasks_due"},
-            {},
+            {"ix_background_tasks_dispatched", "ix_background_tasks_scheduled"},
+            {"promote_batch": 1000},
         ),
         (
             dispatch.STAMP_READY,

@@ -354,6 +354,9 @@ def test_skewed_clocks_never_take_a_live_lease_and_reminders_start_on_database_t
         task_id = export(engine, seeded)
         parked = gate.wait_reached(timeout=60)
         due, run_at = reminder(engine, seeded, in_s=2.0)
+        # Ahead by the database's clock: scheduled, out of the ready set until a fill of
+        # the skewed dispatcher promotes it.
+        assert task_row(engine, due)["scheduled"] is True
         # Scans every 0.5 s ran while the reminder waited for its time (2 s or more) and
         # the export stayed parked.
         wait_for(lambda: status(engine, due) == "COMPLETED", timeout=30, what="the reminder")

@@ -46,6 +46,8 @@ ISSUE_KEYS = {
     "p9_fill_ratio_100k_future",
     "p9_fill_ms_10k_ready",
     "p9_capped_fills",
+    "p9_reminder_start_p50_ms_100k_future",
+    "p9_capped_start_s",
 }
 GOAL_KEYS = {
     "p1_export_ratio",
@@ -73,6 +75,8 @@ GOAL_KEYS = {
     "p9_fill_ratio_100k_future",
     "p9_fill_ms_10k_ready",
     "p9_capped_fills",
+    "p9_reminder_start_p50_ms_100k_future",
+    "p9_capped_start_s",
 }
 
 
