@@ -182,6 +182,8 @@ def test_table_and_goals_from_sample_results() -> None:
         "p9_fill_ratio_100k_future": 121.0,
         "p9_fill_ms_10k_ready": 8.0,
         "p9_capped_fills": 1,
+        "p9_reminder_start_p50_ms_100k_future": 374.0,
+        "p9_capped_start_s": 0.04,
         "scaling": [{"processes": 1, "tasks_per_s": 10.0}],
     }
     goals = report.goals(sample)
@@ -199,6 +201,7 @@ def test_table_and_goals_from_sample_results() -> None:
         "p1_metrics_cost",  # issue 15: >= 0.97
         "p9_fill_ms_100k_future",  # issue 24: <= 5 ms
         "p9_fill_ratio_100k_future",
+        "p9_reminder_start_p50_ms_100k_future",  # issue 24: <= 20 ms
     }
     text = report.table(sample)
     assert "`p1_export_ratio` | 0.71" in text.replace(")", "")
