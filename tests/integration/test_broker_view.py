@@ -23,15 +23,15 @@ from dispatcher.window import Window
 from tasks.names import EXPORTS_QUEUE
 from teamdesk.config import get_settings
 from teamdesk.heartbeat import Heartbeat
-from tests.support.dispatch_scan import ids, long_up, messages, waiting_rows
+from tests.support.dispatch_scan import ids, long_up, messages, other_team, waiting_rows
 from tests.support.factories import World, task_row
 from tests.support.queues import markers
 
 
 @contextmanager
-def dispatcher(app: Celery) -> Iterator[Callable[[], ScanCounts]]:
+def dispatcher(app: Celery, team_max_running: int = 0) -> Iterator[Callable[[], ScanCounts]]:
     """Scans of one dispatcher: one cluster and one window, remembered between scans."""
-    cluster = Cluster(app, get_settings())
+    cluster = Cluster(app, get_settings().with_overrides(team_max_running=team_max_running))
     window = Window(cluster)
     try:
         yield lambda: scan(cluster, window, uptime=long_up)
@@ -79,6 +79,43 @@ def test_a_purged_window_is_published_again_within_two_scans_and_runs_once(
         assert (settled.redispatched, settled.missing_from_broker) == (0, 0)
         settled = next_scan()
         assert (settled.redispatched, settled.missing_from_broker) == (0, 0)
+
+
+def test_a_purged_run_keeps_its_teams_slot_until_its_message_is_back(
+    engine: sa.Engine,
+    world: World,
+    celery_app: Celery,
+    redis_client: redis.Redis,
+    queue_prefix: str,
+    offer: Callable[..., Heartbeat],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TEAM_MAX_RUNNING=1. A run whose message was purged is owed, not gone: it keeps its
+    team's slot (the team's next run is not published beside it, which would put two in
+    flight once the purged one is back) and gets its message back within two looks; then
+    it still holds the slot, as a run in the broker does. Another team is never held up."""
+    offer(concurrency=10, queues=("exports",))
+    team_b = other_team(engine, "B")
+    first_a, second_a = waiting_rows(engine, world, 2)
+    (only_b,) = waiting_rows(engine, team_b, 1)
+    monkeypatch.setattr(scan_module, "PUBLISH_GRACE_S", 0.0)
+    with dispatcher(celery_app, team_max_running=1) as next_scan:
+        assert next_scan().dispatched == 2
+        assert sorted(messages(redis_client, queue_prefix)["exports"]) == sorted(
+            ids([first_a, only_b])
+        )
+        assert celery_app.control.purge() == 2
+
+        for _ in range(2):  # the first look may miss a message in transit; the second sends
+            next_scan()
+            assert task_row(engine, second_a)["dispatched_at"] is None  # A is at its cap
+        assert sorted(messages(redis_client, queue_prefix)["exports"]) == sorted(
+            ids([first_a, only_b])
+        )
+        settled = next_scan()
+        assert (settled.dispatched, settled.redispatched) == (0, 0)
+    assert task_row(engine, second_a)["dispatched_at"] is None
+    assert [task_row(engine, t)["status"] for t in (first_a, second_a, only_b)] == ["WAITING"] * 3
 
 
 def test_a_delivered_unacknowledged_message_is_held_and_only_the_missing_one_returns(

@@ -22,21 +22,10 @@ from dispatcher.window import Window, fill
 from ledger import dispatch
 from teamdesk.config import Settings
 from teamdesk.heartbeat import Heartbeat
-from tests.support.dispatch_scan import ids, messages, waiting_rows
-from tests.support.factories import World, add_member, add_user, task_row
+from tests.support.dispatch_scan import ids, messages, other_team, waiting_rows
+from tests.support.factories import World, task_row
 
 # --- stamp: teams take turns -----------------------------------------------------------------
-
-
-def other_team(engine: sa.Engine, name: str) -> World:
-    """A second team with its own staff member, as a World for insert_task."""
-    with engine.begin() as conn:
-        team = conn.execute(
-            sa.text("INSERT INTO teams (name) VALUES (:n) RETURNING id"), {"n": name}
-        ).scalar_one()
-        staff = add_user(conn, f"Staff {name}")
-        add_member(conn, team, staff, "STAFF")
-    return World(team, staff, staff, staff, staff)
 
 
 def stamped_order(engine: sa.Engine, refs: list[dispatch.RunRef]) -> list[uuid.UUID]:

@@ -12,7 +12,7 @@ import redis
 import sqlalchemy as sa
 
 from ledger import lease
-from tests.support.factories import World, insert_task
+from tests.support.factories import World, add_member, add_user, insert_task
 from tests.support.queues import all_task_messages, message_ids
 
 LONG_UP = 3600.0  # an injected heartbeat-record age well past HEARTBEAT_TTL_S
@@ -32,6 +32,17 @@ def waiting_rows(
         with engine.begin() as conn:
             rows.append(insert_task(conn, world, kind=kind, **kw))
     return rows
+
+
+def other_team(engine: sa.Engine, name: str) -> World:
+    """A second team with its own staff member, as a World for insert_task."""
+    with engine.begin() as conn:
+        team = conn.execute(
+            sa.text("INSERT INTO teams (name) VALUES (:n) RETURNING id"), {"n": name}
+        ).scalar_one()
+        staff = add_user(conn, f"Staff {name}")
+        add_member(conn, team, staff, "STAFF")
+    return World(team, staff, staff, staff, staff)
 
 
 def running_row(
