@@ -5,14 +5,22 @@ A route reads the raw token from the header (:func:`bearer_token`, no database),
 resolves it inside its own transaction (:func:`authenticate`), so every task route is
 one short transaction. Tokens are never logged or echoed.
 
-Before the header is even read, an address whose failed authentications used up its
-budget answers 429 (no database lookup); every 401 answer takes from that budget
-(api/errors.py). Create, retry and cancel also take from their token's budget
+A request that fails authentication (no token, or one that is unknown, expired or
+revoked) takes from its client address's budget and answers 401, or 429 once that budget
+is spent (api/errors.py). A request with a live token never looks at that budget: other
+clients' failures - behind a proxy, every client may share one address - can never lock a
+valid user out. Create, retry and cancel also take from their token's budget
 (:meth:`Limits.throttle_token`) before writing anything.
+
+The client address is uvicorn's: the peer, or behind proxies the rightmost
+``X-Forwarded-For`` hop that is not a trusted proxy (``FORWARDED_ALLOW_IPS``; README,
+"Behind a reverse proxy"). An IPv6 client's budget is its /64 (one host usually holds a
+whole /64).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 from dataclasses import dataclass
 from typing import Annotated
@@ -48,12 +56,9 @@ class Limits:
     per_token: Rule
     auth_failures: Rule
 
-    def refuse_blocked_address(self, address: str) -> None:
-        """429 while ``address`` has no failed authentication left (nothing taken)."""
-        _refuse(self.limiter.look(self.auth_failures, address), MSG_AUTH_RATE)
-
     def count_auth_failure(self, address: str) -> None:
-        self.limiter.take(self.auth_failures, address)
+        """Take one failed authentication from ``address``'s budget; 429 when it is spent."""
+        _refuse(self.limiter.take(self.auth_failures, auth_subject(address)), MSG_AUTH_RATE)
 
     def throttle_token(self, owner: TokenOwner) -> None:
         """429 when the token's budget for create, retry and cancel is spent."""
@@ -88,6 +93,23 @@ def limits(request: Request) -> Limits:
     return found
 
 
+IPV6_CLIENT_PREFIX = 64
+
+
+def auth_subject(address: str) -> str:
+    """Whose budget a failed authentication takes from: the address, or an IPv6
+    address's /64 (a host can pick any address of its /64 for each request)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:  # ::ffff:a.b.c.d is the IPv4 client a.b.c.d
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/{IPV6_CLIENT_PREFIX}", strict=False))
+    return str(ip)
+
+
 def client_address(request: Request) -> str:
     """The peer address as uvicorn sees it: behind a reverse proxy on another host, its
     ``FORWARDED_ALLOW_IPS`` must name the proxy for ``X-Forwarded-For`` to be used."""
@@ -99,12 +121,9 @@ def unauthenticated() -> HTTPException:
 
 
 def bearer_token(
-    request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> str:
-    """The raw token from ``Authorization: Bearer``; 429 first when the address is
-    blocked, 401 when the header is missing."""
-    limits(request).refuse_blocked_address(client_address(request))
+    """The raw token from ``Authorization: Bearer``; 401 when the header is missing."""
     if credentials is None or not credentials.credentials:
         raise unauthenticated()
     return credentials.credentials

@@ -134,7 +134,7 @@ async def http_error(request: Request, exc: Exception) -> Response:
     if exc.status_code == 400 and exc.__cause__ is not None:
         return await _unless_unauthenticated(request, error(422, MSG_BODY_JSON))
     if exc.status_code == 401:
-        await _count_auth_failure(request)
+        return await _authentication_failed(request, exc)
     return await http_exception_handler(request, exc)
 
 
@@ -142,23 +142,24 @@ async def _unless_unauthenticated(request: Request, answer: JSONResponse) -> Res
     """``answer``, or 401 when a task route was called without a live token (429 when
     the address may not try any more)."""
     if request.url.path.startswith(PROTECTED_PREFIXES):
-        address = client_address(request)
         try:
-            await run_in_threadpool(limits(request).refuse_blocked_address, address)
             known = await run_in_threadpool(token_is_valid, resources(request), request)
-        except StarletteHTTPException as refused:
-            return await http_exception_handler(request, refused)
         except UNAVAILABLE_ERRORS as db_exc:
             return await database_unavailable(request, db_exc)
         if not known:
-            await _count_auth_failure(request)
-            denied = unauthenticated()
-            return error(401, str(denied.detail), headers=denied.headers)
+            return await _authentication_failed(request, unauthenticated())
     return answer
 
 
-async def _count_auth_failure(request: Request) -> None:
-    await run_in_threadpool(limits(request).count_auth_failure, client_address(request))
+async def _authentication_failed(request: Request, denied: StarletteHTTPException) -> Response:
+    """A request without a live token takes one failed authentication from its address's
+    budget: 401, or 429 once the budget is spent. Only such requests ever do: a live
+    token is never refused for what other clients of its address did."""
+    try:
+        await run_in_threadpool(limits(request).count_auth_failure, client_address(request))
+    except StarletteHTTPException as refused:
+        return await http_exception_handler(request, refused)
+    return await http_exception_handler(request, denied)
 
 
 def validation_answer(errors: Sequence[Any], route_path: str) -> tuple[int, str]:

@@ -1,7 +1,8 @@
 """The API's rate limits (api/limits.py, docs/design.md "HTTP API") against real Redis and
 PostgreSQL: create, retry and cancel per token; failed authentications per client
-address, refused before any token lookup; both shared by two app instances on one
-Redis prefix (two replicas), and both open (with one log line) when Redis is away.
+address (an IPv6 client's /64), which never refuse a live token; both shared by two app
+instances on one Redis prefix (two replicas), and both open (with one log line) when
+Redis is away.
 Limits are set small through the configuration variables; nothing here sleeps."""
 
 from __future__ import annotations
@@ -120,9 +121,13 @@ def test_zero_turns_one_limit_off_and_not_the_other(
 # --- per client address, for failed authentication ------------------------------------------
 
 
-def test_failed_authentications_block_the_address_before_any_lookup(
+def test_failed_authentications_are_refused_but_never_lock_out_a_live_token(
     settings: Settings, engine: sa.Engine, world: World, tokens: dict[str, str]
 ) -> None:
+    """Behind an ingress every client may share one address: its failed authentications
+    run out of budget (429 instead of 401), while a live token from that same address is
+    served as usual. Before, the address was refused before its token was looked up, so
+    anyone could lock every user out."""
     url = f"/api/teams/{world.team_id}/tasks"
     staff = bearer(tokens["staff"])
     with (
@@ -131,8 +136,6 @@ def test_failed_authentications_block_the_address_before_any_lookup(
     ):
         for _ in range(AUTH_FAILURES * 3):  # successes take nothing from the budget
             assert client.get(url, headers=staff).status_code == 200
-        with engine.begin() as conn:  # forget the use just recorded, to see no new one
-            conn.execute(sa.text("UPDATE api_tokens SET last_used_at = NULL"))
         failures = [
             client.get(url, headers=bearer(BAD_TOKEN)),
             client.get(url),  # no token at all
@@ -144,21 +147,44 @@ def test_failed_authentications_block_the_address_before_any_lookup(
         ]
         assert [r.status_code for r in failures] == [401] * AUTH_FAILURES
         assert_limited(client.get(url, headers=bearer(BAD_TOKEN)), MSG_AUTH_RATE)
-        # A valid token from that address too, and it is not even looked up.
-        assert_limited(
-            client.post(exports_url(world.team_id), json=TEAM_EXPORT, headers=staff), MSG_AUTH_RATE
-        )
+        assert_limited(client.get(url), MSG_AUTH_RATE)
         assert_limited(
             client.post(
                 exports_url(world.team_id),
                 content=b"{",
-                headers={**staff, "Content-Type": "application/json"},
+                headers={**bearer(BAD_TOKEN), "Content-Type": "application/json"},
             ),
             MSG_AUTH_RATE,
         )
-        assert token_row(engine, tokens["staff"])["last_used_at"] is None
-        assert count_tasks(engine) == 0
-        assert neighbour.get(url, headers=staff).status_code == 200  # other addresses: fine
+        # A live token from the blocked address: served, created, validated as usual.
+        assert client.get(url, headers=staff).status_code == 200
+        created = client.post(exports_url(world.team_id), json=TEAM_EXPORT, headers=staff)
+        assert created.status_code == 201, created.text
+        invalid = client.post(
+            exports_url(world.team_id),
+            content=b"{",
+            headers={**staff, "Content-Type": "application/json"},
+        )
+        assert invalid.status_code == 422, invalid.text
+        assert_limited(client.get(url, headers=bearer(BAD_TOKEN)), MSG_AUTH_RATE)  # still
+        assert neighbour.get(url, headers=bearer(BAD_TOKEN)).status_code == 401  # its own
+    assert count_tasks(engine) == 1
+
+
+def test_an_ipv6_client_is_counted_by_its_64(
+    settings: Settings, world: World, tokens: dict[str, str]
+) -> None:
+    """A host picks any address of its /64 per request: the budget is the /64's."""
+    url = f"/api/teams/{world.team_id}/tasks"
+    limited = _limited(settings)
+    for i in range(AUTH_FAILURES):
+        with app_client(limited, address=f"2001:db8:1:2::{i + 1:x}") as client:
+            assert client.get(url, headers=bearer(BAD_TOKEN)).status_code == 401
+    with app_client(limited, address="2001:db8:1:2:ffff::9") as same_64:
+        assert_limited(same_64.get(url, headers=bearer(BAD_TOKEN)), MSG_AUTH_RATE)
+        assert same_64.get(url, headers=bearer(tokens["staff"])).status_code == 200
+    with app_client(limited, address="2001:db8:1:3::1") as next_64:
+        assert next_64.get(url, headers=bearer(BAD_TOKEN)).status_code == 401
 
 
 # --- across replicas ----------------------------------------------------------------------
@@ -178,7 +204,8 @@ def test_two_app_instances_share_the_limits(
 
         for replica in (one, two, one):
             assert replica.get(url, headers=bearer(BAD_TOKEN)).status_code == 401
-        assert_limited(two.get(url, headers=staff), MSG_AUTH_RATE)
+        assert_limited(two.get(url, headers=bearer(BAD_TOKEN)), MSG_AUTH_RATE)
+        assert two.get(url, headers=staff).status_code == 200  # a live token: served
     assert count_tasks(engine) == BURST
 
 
