@@ -27,7 +27,8 @@ from psycopg2.extensions import TRANSACTION_STATUS_IDLE, AsIs
 from sqlalchemy.engine import Connection
 
 from ledger import staging
-from ledger.errors import LeaseLost
+from ledger.errors import LeaseLost, LedgerError, PermissionLost
+from ledger.permissions import MAY_EXPORT_SQL, export_refusal
 from ledger.wake import WAKE_SQL
 from teamdesk.db import PREPARED_KEY, may_prepare
 
@@ -138,8 +139,10 @@ REPORT_LAST_PROGRESS = f"""{_PROGRESS_COMMIT}, reported AS (
       LEFT JOIN memberships m ON m.team_id = r.team_id AND m.user_id = r.owner_id
 """
 
-# Guard: the lease. The CSV is kept 24 h from the commit. Wakes the dispatcher (a window
-# slot is free) at commit.
+# Guard: the lease, and the owner may still run this export (ledger/permissions.py): a
+# demotion or removal committed before this statement stops the write, whatever the
+# worker read before. The CSV is kept 24 h from the commit. Wakes the dispatcher (a
+# window slot is free) at commit.
 COMPLETE_EXPORT = (
     WAKE_SQL
     + ";"
@@ -149,10 +152,21 @@ COMPLETE_EXPORT = (
            SET status = 'COMPLETED', progress = 100, result_csv = %(csv)s,
                result_summary = %(summary)s, expires_at = now() + interval '24 hours',
                execution_id = NULL, lease_holder = NULL, last_error = NULL, updated_at = now()
-         WHERE {_LEASE}""",
+         WHERE {_LEASE} AND {MAY_EXPORT_SQL}""",
         "'COMPLETE'",
     )
 )
+
+# Why an export's completion wrote nothing: is the lease still held, and the owner's role
+# in the task's team now (a rare path, read after it).
+COMPLETION_REFUSED = """
+    SELECT (t.run = %(run)s AND t.execution_id = %(execution_id)s AND t.status = 'RUNNING')
+               AS held,
+           t.scope, m.role
+      FROM background_tasks t
+      LEFT JOIN memberships m ON m.team_id = t.team_id AND m.user_id = t.owner_id
+     WHERE t.id = %(task_id)s
+"""
 
 # Guard: the lease. The same completion, the CSV read from the staged text of the
 # transaction (ledger/staging.py) instead of a literal.
@@ -379,7 +393,13 @@ def complete_export(conn: Connection, lease: Lease, csv: bytearray | str, summar
     as one dollar-quoted literal built around it in one pass (no escaping, never a
     string)."""
     if isinstance(csv, str):
-        _write_or_lose(conn, COMPLETE_EXPORT, lease, csv=csv, summary=summary)
+        if (
+            _execute(
+                conn, COMPLETE_EXPORT, {**lease.params(), "csv": csv, "summary": summary}
+            ).rowcount
+            != 1
+        ):
+            raise _not_completed(conn, lease)
         return
     if len(csv) >= staging.STAGE_MIN_BYTES and staging.stage(conn, csv, STATEMENT_TIMEOUT_MS):
         csv.clear()  # the server holds it now
@@ -400,7 +420,7 @@ def complete_export(conn: Connection, lease: Lease, csv: bytearray | str, summar
     statement = b"".join((before, tag, csv, tag, after))
     csv.clear()
     if _execute(conn, statement, None).rowcount != 1:
-        raise LeaseLost(lease.task_id)
+        raise _not_completed(conn, lease)
 
 
 def _complete_staged(conn: Connection, lease: Lease, summary: str) -> None:
@@ -417,7 +437,18 @@ def _complete_staged(conn: Connection, lease: Lease, summary: str) -> None:
         if not conn.invalidated:
             staging.end(conn, commit=completed)
     if not completed:
-        raise LeaseLost(lease.task_id)
+        raise _not_completed(conn, lease)
+
+
+def _not_completed(conn: Connection, lease: Lease) -> LedgerError:
+    """Why an export's completion matched no row: :class:`PermissionLost` when the lease
+    is still held (so the owner's role refused it), else :class:`LeaseLost`."""
+    row = _execute(conn, COMPLETION_REFUSED, lease.params()).fetchone()
+    if row is not None and row[0]:
+        refusal = export_refusal(row[1], row[2])
+        if refusal is not None:
+            return PermissionLost(refusal)
+    return LeaseLost(lease.task_id)
 
 
 def complete_in_transaction(conn: Connection, lease: Lease, summary: str) -> None:

@@ -2,8 +2,9 @@
 
 A role is the user's ``memberships.role`` in the task's team, or None when they are not
 a member. The rules are checked where a task is asked for (create, retry) and again by
-the worker, as of the claim and just before an export's result is written, so a role
-change between creation and the write is honoured. Every refusal has one fixed text,
+the worker, as of the claim, just before an export's result is written, and by the
+export's completion statement itself, so a role change between creation and the write
+is honoured. Every refusal has one fixed text,
 the same in the API's 403, the CLI and the task's ``last_error``.
 """
 
@@ -34,6 +35,16 @@ def may_see(scope: str, owner_id: uuid.UUID, user_id: uuid.UUID, role: str | Non
 def may_export(scope: str, role: str | None) -> bool:
     """A member may export their own tickets (MINE); the whole team's (TEAM) needs staff."""
     return role is not None and (scope != "TEAM" or role == STAFF)
+
+
+# may_export in SQL, for a statement over ``background_tasks``: the task's owner is a
+# member of its team now, and staff when its scope is TEAM. The export's completion
+# carries it in its WHERE (ledger/lease.py), so a role change committed before the CSV
+# is written stops the write.
+MAY_EXPORT_SQL = f"""EXISTS (
+    SELECT 1 FROM memberships m
+     WHERE m.team_id = background_tasks.team_id AND m.user_id = background_tasks.owner_id
+       AND (background_tasks.scope <> 'TEAM' OR m.role = '{STAFF}'))"""
 
 
 def may_schedule_reminder(role: str | None) -> bool:
