@@ -1,19 +1,23 @@
 """Export: a CSV of a team's tickets, streamed by one COPY, committed under the lease.
 
-PostgreSQL renders the CSV (``COPY (query) TO STDOUT WITH (FORMAT csv)``): one statement
-in a REPEATABLE READ, READ ONLY transaction of its own (one snapshot), bounded to
-``EXPORT_READ_BUDGET_S`` by ``statement_timeout``. Python appends each record to one buffer,
-counting rows as they arrive, and reports progress every ``EXPORT_BATCH_SIZE`` rows; the
-completion sends that same buffer (ledger/lease.py, ``complete_export``), so memory holds
+PostgreSQL renders the CSV (``COPY (query) TO STDOUT WITH (FORMAT csv, FORCE_QUOTE *)``):
+one statement in a REPEATABLE READ, READ ONLY transaction of its own (one snapshot), bounded
+to ``EXPORT_READ_BUDGET_S`` by ``statement_timeout``. Python appends each record to one
+buffer, counting rows as they arrive, and reports progress every ``EXPORT_BATCH_SIZE`` rows;
+the completion sends that same buffer (ledger/lease.py, ``complete_export``), so memory holds
 the CSV and nothing per row. The statement counts the matching rows before it sends the
 first one, so an export over ``EXPORT_MAX_ROWS`` transfers no row and stores no CSV.
 
 The CSV contract (docs/design.md, "Exports"): UTF-8; header ``id,title,status,priority,requester_id,
-assignee_id,due_at,created_at,updated_at``; rows ordered by ``created_at, id``; times in
-UTC as ``YYYY-MM-DDTHH:MM:SSZ``; NULL as an empty cell; RFC 4180 quoting (a field with a
-comma, quote, CR or LF is quoted, quotes doubled; an empty text is written ``""``); records
-end with LF; a cell starting with ``=``, ``+``, ``-``, ``@``, TAB or CR gets a leading ``'``
-(OWASP's CSV-injection guidance: spreadsheets skip a leading TAB or CR and run the rest).
+assignee_id,due_at,created_at,updated_at`` (unquoted: fixed, no formula character); rows
+ordered by ``created_at, id``; times in UTC as ``YYYY-MM-DDTHH:MM:SSZ``; NULL as an empty,
+unquoted cell; every other cell quoted, quotes doubled (an empty text is ``""``); records
+end with LF. Quoting every cell keeps a ``;`` inside its cell for the spreadsheet locales
+that split on it (``a;=HYPERLINK(...)`` would otherwise start a cell with ``=``). A title
+gets a leading ``'`` (OWASP's CSV-injection guidance) when it starts with TAB, CR or LF, or
+when its first character after leading blank and invisible characters is ``=``, ``+``,
+``-``, ``@``, ``|`` or a fullwidth form of one: spreadsheets skip those and run the rest
+(``TITLE_CELL``).
 """
 
 from __future__ import annotations
@@ -40,9 +44,36 @@ HEADER = "id,title,status,priority,requester_id,assignee_id,due_at,created_at,up
 MSG_TOO_MANY = "The export matches more than {limit} tickets; narrow the filters."
 
 _TS = '\'YYYY-MM-DD"T"HH24:MI:SS"Z"\''
+
+# Characters a spreadsheet may skip before it decides a cell is a formula: C0 controls and
+# space, DEL, C1 controls (NEL among them) and NO-BREAK SPACE, SOFT HYPHEN, OGHAM SPACE MARK,
+# MONGOLIAN VOWEL SEPARATOR, U+2000-U+200F (the spaces, ZERO WIDTH SPACE/NON-JOINER/JOINER,
+# the direction marks), U+2028-U+202F (line and paragraph separators, the bidi embeddings,
+# NARROW NO-BREAK SPACE), U+205F-U+206F (MEDIUM MATHEMATICAL SPACE, WORD JOINER, invisible
+# operators, bidi isolates), IDEOGRAPHIC SPACE and U+FEFF (BOM). Spelled out because the
+# regex's [[:space:]] follows the database's locale and misses most of them under C.
+_SKIPPED = (
+    r"\u0001-\u0020\u007f-\u00a0\u00ad\u1680\u180e\u2000-\u200f"
+    r"\u2028-\u202f\u205f-\u206f\u3000\ufeff"
+)
+# What may start a formula after them: = + - @ | and their fullwidth forms ('-' last, so
+# literal). TAB, CR and LF count anywhere in the skipped run (the run backtracks to them):
+# a title starting with one is neutralised whatever follows, as OWASP advises.
+_STARTS = r"\t\n\r=+@|\uff1d\uff0b\uff20\uff5c\uff0d-"
+# The title cell, shared by both column lists below: one anchored regex (PostgreSQL's ARE
+# reads the \uXXXX escapes; the text has no '%' or brace, so mogrify and str.format leave
+# it alone). The title is the only free text in the CSV: every other column is a uuid, an
+# enum-like name (status, priority) or a timestamp from to_char, none of which can start
+# with a formula character. A new free-text column needs this same guard.
+TITLE_CELL = f"CASE WHEN title ~ '^[{_SKIPPED}]*[{_STARTS}]' THEN '''' || title ELSE title END"
+
+# COPY's options: every non-NULL cell quoted, so a ';' stays inside its cell for the
+# spreadsheet locales that split on it. NULL stays an empty, unquoted cell (the contract
+# tells it from an empty text, ""); COPY never quotes the header.
+COPY_OPTIONS = "FORMAT csv, FORCE_QUOTE *"
+
 CSV_COLUMNS = f"""id,
-    CASE WHEN left(title, 1) IN ('=', '+', '-', '@', chr(9), chr(13)) THEN '''' || title
-         ELSE title END,
+    {TITLE_CELL},
     status, priority, requester_id, assignee_id,
     to_char(due_at AT TIME ZONE 'UTC', {_TS}),
     to_char(created_at AT TIME ZONE 'UTC', {_TS}),
@@ -50,8 +81,7 @@ CSV_COLUMNS = f"""id,
 # The same cells, each as text (the same CSV: a uuid or a name prints as its text), named
 # c1..c9 so the marker row of STREAM fits beside them.
 TEXT_COLUMNS = f"""id::text AS c1,
-    CASE WHEN left(title, 1) IN ('=', '+', '-', '@', chr(9), chr(13)) THEN '''' || title
-         ELSE title END AS c2,
+    {TITLE_CELL} AS c2,
     status::text AS c3, priority::text AS c4, requester_id::text AS c5,
     assignee_id::text AS c6,
     to_char(due_at AT TIME ZONE 'UTC', {_TS}) AS c7,
@@ -130,7 +160,7 @@ STREAM = """
             SELECT 1, created_at, id, {columns} FROM tickets
              WHERE {where} AND (SELECT n FROM total) <= {cap}
         ) rows ORDER BY part, at_, id_
-    ) TO STDOUT WITH (FORMAT csv)
+    ) TO STDOUT WITH ({copy_options})
 """
 
 
@@ -149,7 +179,7 @@ class CsvStream:
 
     def write(self, record: bytes) -> None:
         if self.total is None:
-            self.total = int(record.split(b",", 1)[0])
+            self.total = int(record.split(b",", 1)[0].strip(b'"'))  # "n",,,,,,,,
             return
         self.csv += record
         self.rows += 1
@@ -187,7 +217,13 @@ def read_csv(ctx: Context, where: str, params: dict[str, Any]) -> CsvStream:
     cursor = dbapi.cursor()  # type: ignore[union-attr]
     limit = ctx.settings.export_max_rows
     budget_ms = max(1, round(ctx.settings.export_read_budget_s * 1000))
-    query = STREAM.format(budget_ms=budget_ms, columns=TEXT_COLUMNS, where=where, cap=int(limit))
+    query = STREAM.format(
+        budget_ms=budget_ms,
+        columns=TEXT_COLUMNS,
+        copy_options=COPY_OPTIONS,
+        where=where,
+        cap=int(limit),
+    )
     with watchdog.watch(dbapi, ctx.settings.stale_after_s / 2) as watch:
         stream = CsvStream(ctx, ctx.settings.export_batch_size, watch.touch)
         try:

@@ -120,7 +120,7 @@ def test_export_takeover_old_execution_cannot_commit(
         row = task_row(engine, task_id)
         assert (row["progress"], row["attempts"], row["execution_id"]) == (100, 1, None)
         assert "Renamed before B read" in row["result_csv"]
-        assert "\nTicket 1," not in row["result_csv"]
+        assert ',"Ticket 1",' not in row["result_csv"]
         assert row["result_summary"] == "1200 rows"
         b_progress = [e["percent"] for e in events.of_type("task-progress", message)]
         assert 100 not in b_progress

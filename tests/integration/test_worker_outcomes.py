@@ -247,19 +247,19 @@ def test_cancel_while_running_stops_at_next_write_and_reads_as_cancelled(
 
 
 TRICKY_TITLES = [
-    ("Plain", "Plain"),
+    ("Plain", '"Plain"'),
     ("Comma, inside", '"Comma, inside"'),
     ('Quote "here"', '"Quote ""here"""'),
     ("Line\nbreak", '"Line\nbreak"'),
     ("Carriage\rreturn", '"Carriage\rreturn"'),
-    ("Ünïcödé ✓ 日本語", "Ünïcödé ✓ 日本語"),
-    ("=SUM(A1:A9)", "'=SUM(A1:A9)"),
+    ("Ünïcödé ✓ 日本語", '"Ünïcödé ✓ 日本語"'),
+    ("=SUM(A1:A9)", '"\'=SUM(A1:A9)"'),
     ("+1, call me", '"\'+1, call me"'),
-    ("-2", "'-2"),
-    ("@admin", "'@admin"),
+    ("-2", '"\'-2"'),
+    ("@admin", '"\'@admin"'),
     ('\t=HYPERLINK("http://x")', '"\'\t=HYPERLINK(""http://x"")"'),
     ("\r=cmd|' /C calc'!A0", "\"'\r=cmd|' /C calc'!A0\""),
-    ("\tindented", "'\tindented"),
+    ("\tindented", '"\'\tindented"'),
     ("", '""'),
 ]
 
@@ -288,11 +288,12 @@ def test_csv_body_is_exact(engine: sa.Engine, world: World, celery_app: Celery) 
         row = run_to_end(engine, task_id)
     lines = ["id,title,status,priority,requester_id,assignee_id,due_at,created_at,updated_at"]
     for i, (_, cell) in enumerate(TRICKY_TITLES):
-        assignee = str(world.staff_id) if i % 2 else ""
-        due = "2026-04-01T23:59:59Z" if i == 0 else ""
-        stamp = f"2026-03-01T12:{i:02d}:00Z"
+        assignee = f'"{world.staff_id}"' if i % 2 else ""  # NULL: empty, unquoted
+        due = '"2026-04-01T23:59:59Z"' if i == 0 else ""
+        stamp = f'"2026-03-01T12:{i:02d}:00Z"'
         lines.append(
-            f"{ids[i]},{cell},PENDING,HIGH,{world.customer_id},{assignee},{due},{stamp},{stamp}"
+            f'"{ids[i]}",{cell},"PENDING","HIGH","{world.customer_id}",{assignee},{due},'
+            f"{stamp},{stamp}"
         )
     assert row["result_csv"] == "\n".join(lines) + "\n"
     assert row["result_csv"] == expected_csv(engine, world.team_id, world.staff_id, "TEAM", {})
@@ -312,7 +313,7 @@ def test_rows_with_equal_created_at_are_ordered_by_id(
     task_id = create_export(engine, world)
     with running_cluster(app):
         row = run_to_end(engine, task_id)
-    got = [line.split(",")[0] for line in str(row["result_csv"]).splitlines()[1:]]
+    got = [line.split(",")[0].strip('"') for line in str(row["result_csv"]).splitlines()[1:]]
     assert got == [str(i) for i in sorted(ids)]
 
 

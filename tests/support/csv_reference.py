@@ -11,22 +11,46 @@ from typing import Any
 import sqlalchemy as sa
 
 HEADER = "id,title,status,priority,requester_id,assignee_id,due_at,created_at,updated_at"
-FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+# A title is neutralised (a leading "'") when it starts with TAB, CR or LF, or when its
+# first character after the leading characters a spreadsheet may skip (blank, control,
+# zero-width, direction marks, BOM) could start a formula.
+SKIPPED = "".join(
+    map(
+        chr,
+        [
+            *range(0x01, 0x21),  # C0 controls (TAB, LF, VT, FF, CR among them) and space
+            *range(0x7F, 0xA1),  # DEL, C1 controls (NEL), NO-BREAK SPACE
+            0xAD,  # SOFT HYPHEN
+            0x1680,  # OGHAM SPACE MARK
+            0x180E,  # MONGOLIAN VOWEL SEPARATOR
+            *range(0x2000, 0x2010),  # spaces, ZWSP, ZWNJ, ZWJ, LRM, RLM
+            *range(0x2028, 0x2030),  # line/paragraph separators, bidi embeddings, NNBSP
+            *range(0x205F, 0x2070),  # MMSP, WORD JOINER, invisible operators, bidi isolates
+            0x3000,  # IDEOGRAPHIC SPACE
+            0xFEFF,  # BOM / ZERO WIDTH NO-BREAK SPACE
+        ],
+    )
+)
+FORMULA_STARTS = ("=", "+", "-", "@", "|", "\uff1d", "\uff0b", "\uff0d", "\uff20", "\uff5c")
 
 
-def cell(value: Any) -> str:
+def neutralised(title: str) -> str:
+    rest = title.lstrip(SKIPPED)
+    skipped = title[: len(title) - len(rest)]
+    if any(ch in skipped for ch in "\t\r\n") or rest.startswith(FORMULA_STARTS):
+        return "'" + title
+    return title
+
+
+def cell(value: Any, *, title: bool = False) -> str:
+    """One CSV cell: NULL empty and unquoted, every other value quoted."""
     if value is None:
         return ""
     if isinstance(value, datetime):
-        return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    text = str(value)
-    if text.startswith(FORMULA_STARTS):
-        text = "'" + text
-    if text == "":
-        return '""'
-    if any(ch in text for ch in ',"\r\n'):
-        return '"' + text.replace('"', '""') + '"'
-    return text
+        text = value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    else:
+        text = neutralised(str(value)) if title else str(value)
+    return '"' + text.replace('"', '""') + '"'
 
 
 def expected_csv(
@@ -44,7 +68,9 @@ def expected_csv(
         (r for r in rows if matches(r, owner_id, scope, filters)),
         key=lambda r: (r.created_at, r.id),
     )
-    lines = [HEADER] + [",".join(cell(v) for v in row) for row in kept]
+    lines = [HEADER] + [
+        ",".join(cell(v, title=name == "title") for name, v in row._mapping.items()) for row in kept
+    ]
     return "\n".join(lines) + "\n"
 
 
