@@ -23,29 +23,12 @@ from bench import FLUSH_EVERY_S
 from bench.env import BenchEnv, Part, read_stats, stop, wait_until
 from bench.throughput import publish_ready
 from ledger import service
+from tasks.export import COPY_OPTIONS, CSV_COLUMNS
 
 SMALL_ROWS = 10_000
 BIG_ROWS = 100_000
 REPEATS = 9
 EXPORT_TIMEOUT_S = 300
-
-# The CSV columns in order (the same expressions the export renders, when it has them).
-FALLBACK_COLUMNS = """id,
-    CASE WHEN left(title, 1) IN ('=', '+', '-', '@', chr(9), chr(13)) THEN '''' || title
-         ELSE title END,
-    status, priority, requester_id, assignee_id,
-    to_char(due_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'),
-    to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'),
-    to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')"""
-
-
-def csv_columns() -> str:
-    try:
-        from tasks.export import CSV_COLUMNS
-    except ImportError:
-        return FALLBACK_COLUMNS
-    return str(CSV_COLUMNS)
-
 
 def seed_team(engine: sa.Engine, rows: int, label: str) -> tuple[uuid.UUID, uuid.UUID]:
     """One team, one staff member, ``rows`` tickets with realistic text: commas, quotes,
@@ -145,13 +128,14 @@ def result_csv(engine: sa.Engine, task_id: uuid.UUID) -> str:
 
 
 class Copier:
-    """``COPY (the export's SELECT) TO STDOUT WITH CSV HEADER`` into memory, timed, on one
-    psycopg2 connection of this process."""
+    """``COPY (the export's SELECT) TO STDOUT`` with the export's own columns and CSV
+    options (tasks/export.py) and a header, into memory, timed, on one psycopg2 connection
+    of this process."""
 
     def __init__(self, database_url: str, team: uuid.UUID) -> None:
         self.query = (
-            f"COPY (SELECT {csv_columns()} FROM tickets WHERE team_id = '{team}' "
-            "ORDER BY created_at, id) TO STDOUT WITH CSV HEADER"
+            f"COPY (SELECT {CSV_COLUMNS} FROM tickets WHERE team_id = '{team}' "
+            f"ORDER BY created_at, id) TO STDOUT WITH ({COPY_OPTIONS}, HEADER)"
         )
         self.conn = psycopg2.connect(
             database_url.replace("postgresql+psycopg2://", "postgresql://")

@@ -69,7 +69,7 @@ ROWS: list[tuple[str, str, str]] = [  # key, what, unit
     ("p1_metrics_share", "P1 that CPU / a pool child's time per small export", "ratio"),
     ("p2_export_ratio_to_copy", "P2 COPY time / 10k-row export execution time", "ratio"),
     ("p2_export_10k_ms", "P2 10k-row export, claim to completion", "ms"),
-    ("p2_copy_10k_ms", "P2 COPY (same query) TO STDOUT WITH CSV HEADER", "ms"),
+    ("p2_copy_10k_ms", "P2 COPY (same query, same CSV options) TO STDOUT", "ms"),
     ("p2_peak_rss_mib", "P2 peak RSS of the process running a 100k-row export", "MiB"),
     ("p3_scan_ms_10k", "P3 one scan, 10k-row ledger", "ms"),
     ("p3_scan_ms_1m", "P3 one scan, 1M-row ledger", "ms"),
@@ -281,8 +281,8 @@ own Redis key prefix (`tdbench-<hex>-<part>`, deleted at the end); it never touc
   `INFO cpu` for Redis; `foreign_cpu_cores` is what the rest of the machine used meanwhile.
 - **P2** — 10,000 and 100,000 tickets with commas, quotes, newlines, formula-like starts
   and NULLs. A `-c 1` worker runs the 10k export 10 times; after each one completes, this
-  process runs `COPY (same SELECT) TO STDOUT WITH CSV HEADER` into memory over psycopg2
-  (export, COPY, export, COPY, ...). Medians of the last 9 of each (the first warms the
+  process runs `COPY (same SELECT) TO STDOUT WITH (FORMAT csv, FORCE_QUOTE *, HEADER)`
+  into memory over psycopg2 (export, COPY, export, COPY, ...). Medians of the last 9 of each (the first warms the
   caches): `execute()` (claim to completion, timed in the child) vs COPY. The export's CSV
   body is checked equal to COPY's. Peak RSS = `ru_maxrss` of the fresh
   pool child that ran one 100k export (EXPORT_MAX_ROWS=100000).
