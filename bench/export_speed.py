@@ -30,6 +30,7 @@ BIG_ROWS = 100_000
 REPEATS = 9
 EXPORT_TIMEOUT_S = 300
 
+
 def seed_team(engine: sa.Engine, rows: int, label: str) -> tuple[uuid.UUID, uuid.UUID]:
     """One team, one staff member, ``rows`` tickets with realistic text: commas, quotes,
     newlines, formula-like starts, NULL assignees and due dates."""

@@ -282,8 +282,9 @@ own Redis key prefix (`tdbench-<hex>-<part>`, deleted at the end); it never touc
 - **P2** — 10,000 and 100,000 tickets with commas, quotes, newlines, formula-like starts
   and NULLs. A `-c 1` worker runs the 10k export 10 times; after each one completes, this
   process runs `COPY (same SELECT) TO STDOUT WITH (FORMAT csv, FORCE_QUOTE *, HEADER)`
-  into memory over psycopg2 (export, COPY, export, COPY, ...). Medians of the last 9 of each (the first warms the
-  caches): `execute()` (claim to completion, timed in the child) vs COPY. The export's CSV
+  into memory over psycopg2 (export, COPY, export, COPY, ...). Medians of the last 9 of
+  each (the first warms the caches): `execute()` (claim to completion, timed in the child)
+  vs COPY. The export's CSV
   body is checked equal to COPY's. Peak RSS = `ru_maxrss` of the fresh
   pool child that ran one 100k export (EXPORT_MAX_ROWS=100000).
 - **P3** — two ledgers, 10k and 1M rows (set-based `generate_series`, `VACUUM ANALYZE`),
