@@ -10,7 +10,8 @@ revoked) takes from its client address's budget and answers 401, or 429 once tha
 is spent (api/errors.py). A request with a live token never looks at that budget: other
 clients' failures - behind a proxy, every client may share one address - can never lock a
 valid user out. Create, retry and cancel also take from their token's budget
-(:meth:`Limits.throttle_token`) before writing anything.
+(:meth:`Limits.throttle_token`) before writing anything, and reads (a task, a list, a
+CSV) from its read budget (:meth:`Limits.throttle_reads`).
 
 The client address is uvicorn's: the peer, or behind proxies the rightmost
 ``X-Forwarded-For`` hop that is not a trusted proxy (``FORWARDED_ALLOW_IPS``; README,
@@ -35,6 +36,7 @@ from ledger.tokens import TokenOwner, resolve_token
 
 MSG_UNAUTHENTICATED = "a valid bearer token is required (Authorization: Bearer <token>)"
 MSG_TOKEN_RATE = "too many requests with this token; try again after Retry-After seconds"
+MSG_READ_RATE = "too many reads with this token; try again after Retry-After seconds"
 MSG_AUTH_RATE = (
     "too many failed authentications from this address; try again after Retry-After seconds"
 )
@@ -55,6 +57,7 @@ class Limits:
     limiter: RateLimiter
     per_token: Rule
     auth_failures: Rule
+    reads: Rule
 
     def count_auth_failure(self, address: str) -> None:
         """Take one failed authentication from ``address``'s budget; 429 when it is spent."""
@@ -63,6 +66,10 @@ class Limits:
     def throttle_token(self, owner: TokenOwner) -> None:
         """429 when the token's budget for create, retry and cancel is spent."""
         _refuse(self.limiter.take(self.per_token, str(owner.token_id)), MSG_TOKEN_RATE)
+
+    def throttle_reads(self, owner: TokenOwner) -> None:
+        """429 when the token's budget for reads (a task, a list, a CSV) is spent."""
+        _refuse(self.limiter.take(self.reads, str(owner.token_id)), MSG_READ_RATE)
 
 
 def _refuse(verdict: Verdict, message: str) -> None:
@@ -88,6 +95,7 @@ def limits(request: Request) -> Limits:
                 RateLimiter(lambda: res.redis, settings.queue_prefix),
                 Rule("token", settings.api_rate_per_min, settings.api_rate_burst),
                 Rule("auth", settings.auth_failures_per_min, settings.auth_failures_per_min),
+                Rule("read", settings.api_read_rate_per_min, settings.api_read_burst),
             )
             state.limits = found
     return found

@@ -36,6 +36,7 @@ from api.schemas import MAX_LIST_LIMIT
 from api.tasks import BODY_FIELDS
 from ledger import service
 from ledger.errors import (
+    ExportQuotaExceeded,
     InvalidInput,
     InvalidState,
     LedgerError,
@@ -72,6 +73,7 @@ TEAM_FULL_RETRY_AFTER_S = 60
 
 STATUS_BY_ERROR: tuple[tuple[type[LedgerError], int], ...] = (
     (TeamQuotaExceeded, 429),
+    (ExportQuotaExceeded, 429),
     (NotFound, 404),
     (NotAllowed, 403),
     (InvalidState, 409),
@@ -102,8 +104,11 @@ def status_for(exc: LedgerError) -> int:
 
 async def ledger_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, LedgerError)
-    full = isinstance(exc, TeamQuotaExceeded)
-    headers = {"Retry-After": str(TEAM_FULL_RETRY_AFTER_S)} if full else None
+    headers = None
+    if isinstance(exc, TeamQuotaExceeded):
+        headers = {"Retry-After": str(TEAM_FULL_RETRY_AFTER_S)}
+    elif isinstance(exc, ExportQuotaExceeded):
+        headers = {"Retry-After": str(exc.retry_after_s)}
     return error(status_for(exc), exc.message, headers=headers)
 
 

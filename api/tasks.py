@@ -2,9 +2,10 @@
 
 Each route authenticates and calls :mod:`ledger.service` inside one short transaction;
 any error rolls it back, so a refused request writes nothing. Create, retry and cancel
-take from their token's rate limit first, and creations and retries pass the team's cap
-on unfinished tasks (``TEAM_MAX_UNFINISHED``) to the ledger, which checks it under a lock
-(ledger/quota.py); both refusals answer 429 with ``Retry-After``. Creating a task only
+take from their token's rate limit first, reads from its read limit; creations and
+retries pass the team's cap on unfinished tasks (``TEAM_MAX_UNFINISHED``), and export
+creations its daily export quota, to the ledger, which checks them under a lock
+(ledger/quota.py); every refusal answers 429 with ``Retry-After``. Creating a task only
 writes its WAITING row: the dispatcher publishes it at once (its insert notifies the
 dispatcher), the API never waits on a worker. Visibility is the ledger's: whatever the
 caller cannot see answers 404, the same as something missing.
@@ -33,6 +34,7 @@ from api.schemas import (
 )
 from ledger import service
 from ledger.errors import InvalidState
+from ledger.quota import ExportQuota
 
 MSG_NOT_AN_EXPORT = "only export tasks have a CSV"
 MSG_NOT_COMPLETED = "the export is not complete yet; its CSV is not available"
@@ -56,8 +58,9 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
         410: "the CSV has expired or was purged",
         413: "the request body is too large",
         422: "invalid input; nothing was written",
-        429: "too many requests (this token's or this address's rate limit, or the team's "
-        "cap on unfinished tasks); nothing was written; Retry-After says when to try again",
+        429: "too many requests (this token's or this address's rate limit, the team's "
+        "cap on unfinished tasks or its daily export quota); nothing was written; "
+        "Retry-After says when to try again",
         503: "the database is unavailable",
     }
     return {s: {"model": ErrorOut, "description": meaning[s]} for s in (401, *statuses, 429, 503)}
@@ -88,12 +91,19 @@ def create_export(
     res: ResourcesDep,
     limits: LimitsDep,
 ) -> dict[str, Any]:
-    cap = res.settings.team_max_unfinished
+    settings = res.settings
+    quota = ExportQuota(settings.team_exports_per_day, settings.team_export_bytes_per_day)
     with res.engine.begin() as conn:
         caller = authenticate(conn, token)
         limits.throttle_token(caller)
         task = service.submit_export(
-            conn, team_id, caller.user_id, body.scope, body.filters, max_unfinished=cap
+            conn,
+            team_id,
+            caller.user_id,
+            body.scope,
+            body.filters,
+            max_unfinished=settings.team_max_unfinished,
+            export_quota=quota,
         )
     view = task.as_dict()
     response.headers["Location"] = f"/api/tasks/{task.id}"
@@ -137,14 +147,16 @@ def list_tasks(
     team_id: uuid.UUID,
     token: TokenDep,
     res: ResourcesDep,
+    limits: LimitsDep,
     limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = DEFAULT_LIST_LIMIT,
     before: Annotated[
         uuid.UUID | None, Query(description="the last task of the previous page (its `next`)")
     ] = None,
 ) -> dict[str, Any]:
     with res.engine.begin() as conn:
-        user_id = authenticate(conn, token).user_id
-        views = service.list_tasks(conn, team_id, user_id, limit, before)
+        caller = authenticate(conn, token)
+        limits.throttle_reads(caller)
+        views = service.list_tasks(conn, team_id, caller.user_id, limit, before)
     page = _explained([view.as_dict() for view in views], res)
     return {"tasks": page, "next": views[-1].id if len(views) == limit else None}
 
@@ -159,10 +171,12 @@ def get_task(
     task_id: uuid.UUID,
     token: TokenDep,
     res: ResourcesDep,
+    limits: LimitsDep,
 ) -> dict[str, Any]:
     with res.engine.begin() as conn:
-        user_id = authenticate(conn, token).user_id
-        view = service.get_task(conn, task_id, user_id).as_dict()
+        caller = authenticate(conn, token)
+        limits.throttle_reads(caller)
+        view = service.get_task(conn, task_id, caller.user_id).as_dict()
     return _explained([view], res)[0]
 
 
@@ -223,10 +237,12 @@ def download_csv(
     task_id: uuid.UUID,
     token: TokenDep,
     res: ResourcesDep,
+    limits: LimitsDep,
 ) -> Response:
     with res.engine.begin() as conn:
-        user_id = authenticate(conn, token).user_id
-        task, csv = service.read_csv(conn, task_id, user_id)
+        caller = authenticate(conn, token)
+        limits.throttle_reads(caller)
+        task, csv = service.read_csv(conn, task_id, caller.user_id)
     if task["kind"] != "EXPORT":
         raise InvalidState(MSG_NOT_AN_EXPORT)
     if task["status"] != "COMPLETED":

@@ -38,6 +38,10 @@ class TooManyRows(TaskRejected):
     """The export matches more rows than allowed; narrow the filters."""
 
 
+class CsvTooLarge(TaskRejected):
+    """The export's CSV would be larger than allowed; narrow the filters."""
+
+
 MSG_TEAM_FULL = (
     "this team has too many unfinished tasks (waiting or running); "
     "try again when some have finished, or cancel some"
@@ -49,6 +53,14 @@ class TeamQuotaExceeded(LedgerError):
 
     def __init__(self) -> None:
         super().__init__(MSG_TEAM_FULL)
+
+
+class ExportQuotaExceeded(LedgerError):
+    """This team reached its daily export quota; try again later."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class InvalidInput(LedgerError):

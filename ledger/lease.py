@@ -150,7 +150,8 @@ COMPLETE_EXPORT = (
         f"""
         UPDATE background_tasks
            SET status = 'COMPLETED', progress = 100, result_csv = %(csv)s,
-               result_summary = %(summary)s, expires_at = now() + interval '24 hours',
+               result_bytes = %(csv_bytes)s, result_summary = %(summary)s,
+               expires_at = now() + interval '24 hours',
                execution_id = NULL, lease_holder = NULL, last_error = NULL, updated_at = now()
          WHERE {_LEASE} AND {MAY_EXPORT_SQL}""",
         "'COMPLETE'",
@@ -393,17 +394,14 @@ def complete_export(conn: Connection, lease: Lease, csv: bytearray | str, summar
     as one dollar-quoted literal built around it in one pass (no escaping, never a
     string)."""
     if isinstance(csv, str):
-        if (
-            _execute(
-                conn, COMPLETE_EXPORT, {**lease.params(), "csv": csv, "summary": summary}
-            ).rowcount
-            != 1
-        ):
+        params = {**lease.params(), "csv": csv, "csv_bytes": len(csv.encode()), "summary": summary}
+        if _execute(conn, COMPLETE_EXPORT, params).rowcount != 1:
             raise _not_completed(conn, lease)
         return
-    if len(csv) >= staging.STAGE_MIN_BYTES and staging.stage(conn, csv, STATEMENT_TIMEOUT_MS):
+    csv_bytes = len(csv)
+    if csv_bytes >= staging.STAGE_MIN_BYTES and staging.stage(conn, csv, STATEMENT_TIMEOUT_MS):
         csv.clear()  # the server holds it now
-        _complete_staged(conn, lease, summary)
+        _complete_staged(conn, lease, summary, csv_bytes)
         return
     marker = f"teamdesk_csv_{uuid.uuid4().hex}"
     dbapi = conn.connection.dbapi_connection
@@ -411,7 +409,7 @@ def complete_export(conn: Connection, lease: Lease, csv: bytearray | str, summar
     cursor = dbapi.cursor()
     template = cursor.mogrify(
         _prepared_sql(conn, cursor, COMPLETE_EXPORT),
-        {**lease.params(), "csv": AsIs(marker), "summary": summary},
+        {**lease.params(), "csv": AsIs(marker), "csv_bytes": csv_bytes, "summary": summary},
     )
     before, after = template.split(marker.encode())
     tag = b"$" + marker.encode() + b"$"
@@ -423,14 +421,14 @@ def complete_export(conn: Connection, lease: Lease, csv: bytearray | str, summar
         raise _not_completed(conn, lease)
 
 
-def _complete_staged(conn: Connection, lease: Lease, summary: str) -> None:
+def _complete_staged(conn: Connection, lease: Lease, summary: str, csv_bytes: int) -> None:
     """The completion inside the transaction ``staging.stage`` opened; it commits only
     when the lease held."""
     completed = False
     try:
         dbapi = conn.connection.dbapi_connection
         assert dbapi is not None
-        params = {**lease.params(), "summary": summary}
+        params = {**lease.params(), "csv_bytes": csv_bytes, "summary": summary}
         statement = dbapi.cursor().mogrify(COMPLETE_EXPORT_STAGED, params)
         completed = _execute(conn, statement, None).rowcount == 1
     finally:

@@ -121,6 +121,8 @@ background_tasks = sa.Table(
     sa.Column("last_error", sa.Text, nullable=True),
     sa.Column("result_csv", sa.Text, nullable=True),
     sa.Column("result_summary", sa.Text, nullable=True),
+    # An export's stored CSV in bytes (the daily export quota sums it; migration 0009).
+    sa.Column("result_bytes", sa.BigInteger, nullable=True),
     sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True),
     _created_at(),
     sa.Column(
@@ -188,6 +190,13 @@ sa.Index(
     # PostgreSQL stores IN (...) as = ANY (ARRAY[...]); written that way, model and
     # database compare equal (tests/integration/test_schema.py).
     postgresql_where=sa.text("status = ANY (ARRAY['COMPLETED', 'FAILED', 'CANCELLED'])"),
+)
+# The daily export quota: a team's exports by creation time (ledger/quota.py).
+sa.Index(
+    "ix_background_tasks_team_exports",
+    background_tasks.c.team_id,
+    background_tasks.c.created_at,
+    postgresql_where=sa.text("kind = 'EXPORT'"),
 )
 # API: a team's task list, newest first.
 sa.Index(

@@ -1,4 +1,5 @@
-"""The per-team cap on unfinished tasks (docs/design.md, "HTTP API": ``TEAM_MAX_UNFINISHED``).
+"""The per-team cap on unfinished tasks (docs/design.md, "HTTP API": ``TEAM_MAX_UNFINISHED``)
+and the daily export quota (``TEAM_EXPORTS_PER_DAY``, ``TEAM_EXPORT_BYTES_PER_DAY``).
 
 Only creating a task and retrying one add an unfinished (WAITING or RUNNING) row; every
 other transition keeps a row unfinished or finishes it. So :func:`ensure_room` runs in
@@ -18,11 +19,12 @@ bounded by the cap.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from ledger.errors import TeamQuotaExceeded
+from ledger.errors import ExportQuotaExceeded, TeamQuotaExceeded
 from ledger.states import KINDS
 
 NO_CAP = 0
@@ -76,3 +78,54 @@ def ensure_room(conn: Connection, team_id: uuid.UUID, cap: int) -> None:
     conn.execute(LOCK_TEAM, params)
     if conn.execute(COUNT_UNFINISHED, params).scalar_one() >= cap:
         raise TeamQuotaExceeded()
+
+
+@dataclass(frozen=True)
+class ExportQuota:
+    """A team's exports in any 24 hours (database clock): at most ``per_day`` created, and
+    a new one refused once those hold ``bytes_per_day`` bytes of CSV. 0 turns each off."""
+
+    per_day: int = NO_CAP
+    bytes_per_day: int = NO_CAP
+
+    @property
+    def enabled(self) -> bool:
+        return self.per_day > NO_CAP or self.bytes_per_day > NO_CAP
+
+
+NO_EXPORT_QUOTA = ExportQuota()
+
+MSG_EXPORTS_PER_DAY = (
+    "this team created its daily quota of exports (TEAM_EXPORTS_PER_DAY in 24 hours); "
+    "try again after Retry-After seconds"
+)
+MSG_EXPORT_BYTES_PER_DAY = (
+    "this team's exports of the last 24 hours hold its daily quota of CSV bytes "
+    "(TEAM_EXPORT_BYTES_PER_DAY); try again after Retry-After seconds"
+)
+
+# The team's exports created in the last 24 hours (ix_background_tasks_team_exports; there
+# are at most per_day of them, as this check keeps it), with the CSV bytes their
+# completions stored, and when the oldest leaves the window.
+EXPORTS_TODAY = text("""
+    SELECT count(*) AS created, coalesce(sum(result_bytes), 0) AS bytes,
+           ceil(extract(epoch FROM min(created_at) + interval '1 day' - now())) AS frees_in_s
+      FROM background_tasks
+     WHERE team_id = :team_id AND kind = 'EXPORT' AND created_at > now() - interval '1 day'
+""")
+
+
+def ensure_export_quota(conn: Connection, team_id: uuid.UUID, quota: ExportQuota) -> None:
+    """Raise :class:`ExportQuotaExceeded` when ``team_id`` may create no export now; else
+    return holding the team's lock (the one :func:`ensure_room` takes) until the caller's
+    transaction ends, so two creations cannot both take the last place."""
+    if not quota.enabled:
+        return
+    params = {"team_id": str(team_id)}
+    conn.execute(LOCK_TEAM, params)
+    row = conn.execute(EXPORTS_TODAY, params).one()
+    retry_after_s = max(1, int(row.frees_in_s or 1))
+    if quota.per_day > NO_CAP and row.created >= quota.per_day:
+        raise ExportQuotaExceeded(MSG_EXPORTS_PER_DAY, retry_after_s)
+    if quota.bytes_per_day > NO_CAP and row.bytes >= quota.bytes_per_day:
+        raise ExportQuotaExceeded(MSG_EXPORT_BYTES_PER_DAY, retry_after_s)

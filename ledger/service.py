@@ -26,7 +26,7 @@ from ledger.permissions import (
     may_schedule_reminder,
     may_see,
 )
-from ledger.quota import NO_CAP, ensure_room
+from ledger.quota import NO_CAP, NO_EXPORT_QUOTA, ExportQuota, ensure_export_quota, ensure_room
 from ledger.states import SCOPES
 from ledger.wake import WAKE_SQL
 
@@ -221,9 +221,10 @@ def create_export(
     scope: Any,
     filters: Any,
     max_unfinished: int = NO_CAP,
+    export_quota: ExportQuota = NO_EXPORT_QUOTA,
 ) -> uuid.UUID:
     """:func:`submit_export`'s new task id."""
-    return submit_export(conn, team_id, user_id, scope, filters, max_unfinished).id
+    return submit_export(conn, team_id, user_id, scope, filters, max_unfinished, export_quota).id
 
 
 def submit_export(
@@ -233,16 +234,19 @@ def submit_export(
     scope: Any,
     filters: Any,
     max_unfinished: int = NO_CAP,
+    export_quota: ExportQuota = NO_EXPORT_QUOTA,
 ) -> TaskView:
     """Validate and insert a WAITING export; nothing is written when anything is wrong,
-    or when the team already has ``max_unfinished`` unfinished tasks (ledger/quota.py).
-    Returns the new task as its creator sees it (read back by the insert itself)."""
+    when the team already has ``max_unfinished`` unfinished tasks, or when it used its
+    daily ``export_quota`` (ledger/quota.py). Returns the new task as its creator sees it
+    (read back by the insert itself)."""
     if scope not in SCOPES:
         raise InvalidInput(MSG_SCOPE)
     validate_filters(filters)
     if not may_export(scope, _member_role(conn, team_id, user_id)):
         raise NotAllowed(MSG_TEAM_EXPORT_NEEDS_STAFF)
     ensure_room(conn, team_id, max_unfinished)
+    ensure_export_quota(conn, team_id, export_quota)
     return _insert(conn, "EXPORT", team_id, user_id, scope, dict(filters), None)
 
 

@@ -6,7 +6,8 @@ to ``EXPORT_READ_BUDGET_S`` by ``statement_timeout``. Python appends each record
 buffer, counting rows as they arrive, and reports progress every ``EXPORT_BATCH_SIZE`` rows;
 the completion sends that same buffer (ledger/lease.py, ``complete_export``), so memory holds
 the CSV and nothing per row. The statement counts the matching rows before it sends the
-first one, so an export over ``EXPORT_MAX_ROWS`` transfers no row and stores no CSV.
+first one, so an export over ``EXPORT_MAX_ROWS`` transfers no row and stores no CSV; one
+whose CSV would pass ``EXPORT_MAX_BYTES`` stops buffering there, and stores none.
 
 The CSV contract (docs/design.md, "Exports"): UTF-8; header ``id,title,status,priority,requester_id,
 assignee_id,due_at,created_at,updated_at`` (unquoted: fixed, no formula character); rows
@@ -31,7 +32,7 @@ import psycopg2.errors
 from sqlalchemy.engine import Connection
 
 from ledger import lease
-from ledger.errors import PermissionLost, TooManyRows
+from ledger.errors import CsvTooLarge, PermissionLost, TooManyRows
 from ledger.filters import ExportFilters, validate_filters
 from ledger.permissions import export_refusal
 from ledger.service import role_of
@@ -42,6 +43,7 @@ from teamdesk import hooks
 HEADER = "id,title,status,priority,requester_id,assignee_id,due_at,created_at,updated_at\n"
 
 MSG_TOO_MANY = "The export matches more than {limit} tickets; narrow the filters."
+MSG_TOO_LARGE = "The export's CSV would be larger than {limit} bytes; narrow the filters."
 
 _TS = '\'YYYY-MM-DD"T"HH24:MI:SS"Z"\''
 
@@ -170,16 +172,26 @@ class CsvStream:
     buffer (the CSV and nothing else; the completion sends these very bytes), with
     progress every ``batch_size`` rows while the stream runs."""
 
-    def __init__(self, ctx: Context, batch_size: int, reported: Callable[[], None]) -> None:
+    def __init__(
+        self, ctx: Context, batch_size: int, reported: Callable[[], None], max_bytes: int = 0
+    ) -> None:
         self.ctx, self.batch_size, self.reported = ctx, batch_size, reported
+        self.max_bytes = max_bytes  # 0: no limit
         self.total: int | None = None
         self.rows = 0
+        self.too_large = False
         self.csv = bytearray(HEADER.encode())
         self._progress: Connection | None = None
 
     def write(self, record: bytes) -> None:
         if self.total is None:
             self.total = int(record.split(b",", 1)[0].strip(b'"'))  # "n",,,,,,,,
+            return
+        if self.too_large:
+            return  # the CSV is refused: the rest of the stream is read and dropped
+        if self.max_bytes and len(self.csv) + len(record) > self.max_bytes:
+            self.too_large = True
+            self.csv = bytearray()
             return
         self.csv += record
         self.rows += 1
@@ -225,7 +237,9 @@ def read_csv(ctx: Context, where: str, params: dict[str, Any]) -> CsvStream:
         cap=int(limit),
     )
     with watchdog.watch(dbapi, ctx.settings.stale_after_s / 2) as watch:
-        stream = CsvStream(ctx, ctx.settings.export_batch_size, watch.touch)
+        stream = CsvStream(
+            ctx, ctx.settings.export_batch_size, watch.touch, ctx.settings.export_max_bytes
+        )
         try:
             cursor.copy_expert(cursor.mogrify(query, params).decode(), stream)
         except psycopg2.errors.QueryCanceled as exc:
@@ -234,6 +248,8 @@ def read_csv(ctx: Context, where: str, params: dict[str, Any]) -> CsvStream:
             stream.close()
     if stream.total is None or stream.total > limit:
         raise TooManyRows(MSG_TOO_MANY.format(limit=limit))
+    if stream.too_large:
+        raise CsvTooLarge(MSG_TOO_LARGE.format(limit=ctx.settings.export_max_bytes))
     return stream
 
 

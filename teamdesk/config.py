@@ -78,6 +78,11 @@ class Settings:
     api_rate_per_min: int = 120  # create, retry and cancel requests per token, refilled
     api_rate_burst: int = 30  # ... of which this many at once
     auth_failures_per_min: int = 30  # 401 answers per client address (also the burst)
+    api_read_rate_per_min: int = 600  # task reads, lists and CSV downloads per token
+    api_read_burst: int = 120  # ... of which this many at once
+    team_exports_per_day: int = 1000  # exports one team may create in 24 hours
+    team_export_bytes_per_day: int = 2 << 30  # CSV bytes of one team's exports, 24 hours
+    export_max_bytes: int = 32 << 20  # one export's CSV
     # Lease and dispatcher statements as session-level prepared statements; off behind
     # PgBouncer in transaction pooling, where a session's statements do not follow it.
     database_prepared_statements: bool = True
@@ -289,6 +294,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         api_rate_per_min=_number(env, "API_RATE_PER_MIN", 120, int, 0),
         api_rate_burst=_number(env, "API_RATE_BURST", 30, int, 1),
         auth_failures_per_min=_number(env, "AUTH_FAILURES_PER_MIN", 30, int, 0),
+        api_read_rate_per_min=_number(env, "API_READ_RATE_PER_MIN", 600, int, 0),
+        api_read_burst=_number(env, "API_READ_BURST", 120, int, 1),
+        team_exports_per_day=_number(env, "TEAM_EXPORTS_PER_DAY", 1000, int, 0),
+        team_export_bytes_per_day=_number(env, "TEAM_EXPORT_BYTES_PER_DAY", 2 << 30, int, 0),
+        export_max_bytes=_number(env, "EXPORT_MAX_BYTES", 32 << 20, int, 0),
         database_prepared_statements=_switch(env, "DATABASE_PREPARED_STATEMENTS", True),
         metrics_port=_port(env, "METRICS_PORT"),
         metrics_host=_text(env, "METRICS_HOST", "127.0.0.1"),

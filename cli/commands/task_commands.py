@@ -49,6 +49,14 @@ def _team_cap() -> int:
     return get_settings().team_max_unfinished
 
 
+def _export_quota() -> Any:
+    from ledger.quota import ExportQuota
+    from teamdesk.config import get_settings
+
+    settings = get_settings()
+    return ExportQuota(settings.team_exports_per_day, settings.team_export_bytes_per_day)
+
+
 def _print_created(view: Any, as_json: bool) -> None:
     if as_json:
         print(json.dumps(view.as_dict(), sort_keys=True))
@@ -63,7 +71,13 @@ def cmd_submit_export(args: argparse.Namespace) -> int:
     with get_engine().begin() as conn:
         user_id = _user(conn, args.user)
         task_id = service.create_export(
-            conn, args.team, user_id, args.scope, args.filters, max_unfinished=_team_cap()
+            conn,
+            args.team,
+            user_id,
+            args.scope,
+            args.filters,
+            max_unfinished=_team_cap(),
+            export_quota=_export_quota(),
         )
         view = service.get_task(conn, task_id, user_id)
     _print_created(view, args.json)

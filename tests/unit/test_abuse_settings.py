@@ -17,6 +17,13 @@ def test_defaults_and_values() -> None:
         default.api_rate_burst,
         default.auth_failures_per_min,
     ) == (1000, 120, 30, 30)
+    assert (
+        default.api_read_rate_per_min,
+        default.api_read_burst,
+        default.team_exports_per_day,
+        default.team_export_bytes_per_day,
+        default.export_max_bytes,
+    ) == (600, 120, 1000, 2 << 30, 32 << 20)
     off = load_settings(
         {"TEAM_MAX_UNFINISHED": "0", "API_RATE_PER_MIN": "0", "AUTH_FAILURES_PER_MIN": "0"}
     )
@@ -32,6 +39,11 @@ def test_defaults_and_values() -> None:
         ("API_RATE_PER_MIN", "2.5"),
         ("API_RATE_BURST", "0"),
         ("AUTH_FAILURES_PER_MIN", "-3"),
+        ("API_READ_RATE_PER_MIN", "many"),
+        ("API_READ_BURST", "0"),
+        ("TEAM_EXPORTS_PER_DAY", "-1"),
+        ("TEAM_EXPORT_BYTES_PER_DAY", "2GB"),
+        ("EXPORT_MAX_BYTES", "-5"),
     ],
 )
 def test_bad_values_name_their_variable(name: str, value: str) -> None:
