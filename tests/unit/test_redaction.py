@@ -40,6 +40,12 @@ def test_a_key_value_password_never_survives(password: str) -> None:
         f"host=db password={password} dbname=teamdesk",
         f"host=db password='{password}' dbname=teamdesk",
         f"PASSWORD = {password}",
+        f"PGPASSWORD={password} psql -h db",
+        f"REDIS_PASSWORD='{password}' redis-cli",
+        f"password: {password}",
+        f'X-Api-Key: {password}',
+        f"client_secret={password}",
+        f'{{"password": "{password}"}}'.replace('"', "") + " end",
     ):
         line = redact_text(dsn)
         assert password not in line and REDACTED in line, line
