@@ -1,7 +1,9 @@
 """Three small ASGI middlewares: security headers, a request-size limit and a last-resort
 error answer.
 
-:class:`SecurityHeaders` adds ``X-Content-Type-Options: nosniff`` to every answer and
+:class:`SecurityHeaders` adds ``X-Content-Type-Options: nosniff``, ``X-Frame-Options:
+DENY`` and a ``Content-Security-Policy`` to every answer (``default-src 'none'`` for data,
+a policy that lets the documentation pages load only from this server: ``DOCS_CSP``), and
 ``Cache-Control: no-store`` to every ``/api/`` answer that does not set its own (task
 views carry the team's data: no proxy or browser cache may keep them).
 
@@ -87,6 +89,23 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
 
 NOSNIFF = (b"x-content-type-options", b"nosniff")
 NO_STORE = (b"cache-control", b"no-store")
+NO_FRAMES = (b"x-frame-options", b"DENY")
+# Everything but the documentation pages is data: it may load nothing and be framed by
+# nothing.
+API_CSP = (b"content-security-policy", b"default-src 'none'; frame-ancestors 'none'")
+# /docs (Swagger UI) and /redoc: their scripts, styles and fonts come from this server
+# (FastAPIOffline), they fetch /openapi.json, Redoc runs a web worker from a blob: URL and
+# both set inline styles; Swagger UI starts from an inline script. The pages show the
+# OpenAPI description only (no user data, no token), and nothing may frame them, load
+# from or connect to another origin, embed plugins or rebase their links.
+DOCS_CSP = (
+    b"content-security-policy",
+    b"default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
+    b"img-src 'self' data:; font-src 'self' data:; connect-src 'self'; "
+    b"worker-src 'self' blob:; object-src 'none'; base-uri 'none'; form-action 'none'; "
+    b"frame-ancestors 'none'",
+)
+DOCS_PATHS = frozenset({"/docs", "/redoc", "/docs/oauth2-redirect"})
 
 
 class SecurityHeaders:
@@ -97,13 +116,15 @@ class SecurityHeaders:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        private = str(scope.get("path", "")).startswith("/api/")
+        path = str(scope.get("path", ""))
+        private = path.startswith("/api/")
+        csp = DOCS_CSP if path in DOCS_PATHS else API_CSP
 
         async def with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
                 names = {name.lower() for name, _ in headers}
-                headers.append(NOSNIFF)
+                headers += [NOSNIFF, NO_FRAMES, csp]
                 if private and b"cache-control" not in names:
                     headers.append(NO_STORE)
                 message = {**message, "headers": headers}

@@ -125,9 +125,11 @@ class Chromium:
         )
         return result.stdout.strip()
 
-    def dump_dom(self, url: str, window: tuple[int, int] = (1280, 900)) -> str:
-        """The page's DOM after load, as HTML text."""
-        return self._run(["--dump-dom", url], url, window)
+    def dump_dom(self, url: str, window: tuple[int, int] = (1280, 900), settle_ms: int = 0) -> str:
+        """The page's DOM after load, as HTML text; ``settle_ms`` lets the page's scripts
+        run that long (virtual time) first (a page that renders what it fetches)."""
+        settle = [f"--virtual-time-budget={settle_ms}"] if settle_ms else []
+        return self._run([*settle, "--dump-dom", url], url, window)
 
     def screenshot(
         self, url: str, path: Path, window: tuple[int, int] = (1280, 900), settle_ms: int = 0

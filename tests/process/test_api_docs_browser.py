@@ -1,0 +1,74 @@
+"""The API's documentation pages under their Content-Security-Policy, as a person opens
+them: the real ``teamdesk-tasks api`` and headless Chromium (tests/support/browser.py).
+Every answer says ``X-Frame-Options: DENY`` and carries a policy; the data answers load
+nothing (``default-src 'none'``), and /docs (Swagger UI) and /redoc still render the
+routes with theirs - scripts, styles, fonts and the web worker from this server only."""
+
+from __future__ import annotations
+
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from api.middleware import API_CSP, DOCS_CSP
+from teamdesk.config import Settings
+from tests.support.browser import SKIP_ENV, BrowserUnavailable, Chromium, skip_reason
+from tests.support.processes import Proc, cluster, free_port, settings_env
+from tests.support.waiting import wait_for
+
+SETTLE_MS = 10_000  # virtual time for the pages' scripts to fetch and render the spec
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Chromium:
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        return Chromium(tmp_path / "chromium")
+    except BrowserUnavailable as exc:
+        pytest.fail(
+            f"headless Chromium is required for this test: {exc} "
+            f"(set {SKIP_ENV}=1 to skip it where Chromium cannot be installed)"
+        )
+
+
+def headers_of(url: str) -> dict[str, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            return {k.lower(): v for k, v in answer.headers.items()}
+    except OSError:
+        return {}
+
+
+def test_the_docs_render_under_their_policy_and_data_answers_load_nothing(
+    settings: Settings, tmp_path: Path, browser: Chromium
+) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    api_argv = [sys.executable, "-m", "cli.main", "api", "--port", str(port)]
+    with cluster(tmp_path) as procs:
+        procs.append(Proc("api", api_argv, settings_env(settings), tmp_path).start())
+        wait_for(lambda: headers_of(base + "/api/health"), timeout=60, what="the API")
+        for path, policy in (
+            ("/api/health", API_CSP),
+            ("/openapi.json", API_CSP),
+            ("/docs", DOCS_CSP),
+            ("/redoc", DOCS_CSP),
+        ):
+            headers = headers_of(base + path)
+            assert headers["x-frame-options"] == "DENY", path
+            assert headers["content-security-policy"] == policy[1].decode(), path
+        swagger = browser.dump_dom(base + "/docs", settle_ms=SETTLE_MS)
+        redoc = browser.dump_dom(base + "/redoc", settle_ms=SETTLE_MS)
+    # Swagger UI fetched /openapi.json and rendered one block per operation.
+    assert 'class="swagger-ui' in swagger
+    assert swagger.count("opblock-summary-path") >= 8, swagger[:2000]
+    assert "/api/teams/{team_id}/exports" in swagger.replace("&ZeroWidthSpace;", "").replace(
+        "\u200b", ""
+    )
+    # Redoc rendered the API's title and its operations (its worker ran).
+    assert "TeamDesk tasks API" in redoc
+    assert "Ask for a CSV export of tickets" in redoc, redoc[:2000]
