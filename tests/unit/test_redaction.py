@@ -43,7 +43,7 @@ def test_a_key_value_password_never_survives(password: str) -> None:
         f"PGPASSWORD={password} psql -h db",
         f"REDIS_PASSWORD='{password}' redis-cli",
         f"password: {password}",
-        f'X-Api-Key: {password}',
+        f"X-Api-Key: {password}",
         f"client_secret={password}",
         f'{{"password": "{password}"}}'.replace('"', "") + " end",
     ):
