@@ -26,18 +26,15 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 APP_PASSWORD_VAR = "APP_DB_PASSWORD"  # read by migrate only, never a command-line argument
+API_PASSWORD_VAR = "API_DB_PASSWORD"  # likewise, for the API's role
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     from ledger.migrate import current_revision, upgrade
 
     settings = settings_or_exit()
-    password = os.environ.get(APP_PASSWORD_VAR) or None
-    if password and not args.app_role:
-        print(
-            f"teamdesk-tasks migrate: {APP_PASSWORD_VAR} is set but --app-role is not",
-            file=sys.stderr,
-        )
+    roles = _roles_to_set_up(args)
+    if roles is None:
         return 2
     if args.create_database and not _create_database(settings.database_url):
         return 1
@@ -47,9 +44,32 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     except Exception as exc:  # the driver's message may hold the address; print the class only
         return _migrate_failed(exc)
     print(f"schema at revision {revision}")
-    if args.app_role:
-        return _set_up_app_role(settings.database_url, args.app_role, password)
+    if roles:
+        return _set_up_roles(settings.database_url, roles)
     return 0
+
+
+def _roles_to_set_up(args: argparse.Namespace) -> list[tuple[str, str, str | None]] | None:
+    """``(kind, role, password)`` for each role named; None (after saying why) when a
+    password is set for no role, or both options name one role."""
+    roles = []
+    for kind, role, var in (
+        ("app", args.app_role, APP_PASSWORD_VAR),
+        ("api", args.api_role, API_PASSWORD_VAR),
+    ):
+        password = os.environ.get(var) or None
+        if password and not role:
+            print(f"teamdesk-tasks migrate: {var} is set but --{kind}-role is not", file=sys.stderr)
+            return None
+        if role:
+            roles.append((kind, role, password))
+    if args.app_role and args.app_role == args.api_role:
+        print(
+            "teamdesk-tasks migrate: --api-role must name another role than --app-role",
+            file=sys.stderr,
+        )
+        return None
+    return roles
 
 
 def _create_database(database_url: str) -> bool:
@@ -64,22 +84,23 @@ def _create_database(database_url: str) -> bool:
     return True
 
 
-def _set_up_app_role(database_url: str, role: str, password: str | None) -> int:
-    from ledger.migrate import set_up_app_role
+def _set_up_roles(database_url: str, roles: list[tuple[str, str, str | None]]) -> int:
+    from ledger.migrate import set_up_roles
     from ledger.roles import AppRoleRefused
 
     try:
-        report = set_up_app_role(database_url, role, password)
+        reports = set_up_roles(database_url, roles)
     except AppRoleRefused as exc:
         print(f"teamdesk-tasks migrate: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:
         return _migrate_failed(exc)
-    done = "created" if report.created else "password set" if report.password_set else "kept"
-    print(
-        f"app role {report.role}: {done}; grants on {report.tables} tables "
-        f"and {report.sequences} sequences"
-    )
+    for (kind, _, _), report in zip(roles, reports, strict=True):
+        done = "created" if report.created else "password set" if report.password_set else "kept"
+        print(
+            f"{kind} role {report.role}: {done}; grants on {report.tables} tables "
+            f"and {report.sequences} sequences"
+        )
     return 0
 
 
@@ -131,13 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
         "migrate",
         help="apply database migrations (idempotent); set up the application's role",
         description="Bring the database schema to the newest revision, as the schema's "
-        "owner (DATABASE_URL). With --app-role, then create or update the role every other "
-        "process connects as and re-apply its grants: rows of the project's tables only, no "
-        "DDL. Safe to run again and from several hosts at once.",
-        epilog=f"{APP_PASSWORD_VAR}: the application role's password (read by migrate only; "
-        "never pass it as an argument). Required to create the role; when set, an existing "
-        "role's password is changed to it; when unset, an existing role keeps its password. "
-        "The migrating role needs CREATEROLE to create or change the role.",
+        "owner (DATABASE_URL). With --app-role, then create or update the role the workers "
+        "and the dispatcher connect as and re-apply its grants: rows of the project's tables "
+        "only, no DDL; with --api-role, the API's narrower role the same way (in the same "
+        "transaction). Safe to run again and from several hosts at once.",
+        epilog=f"{APP_PASSWORD_VAR} / {API_PASSWORD_VAR}: the roles' passwords (read by "
+        "migrate only; never pass them as arguments). Required to create a role; when set, "
+        "an existing role's password is changed to it; when unset, an existing role keeps "
+        "its password. The migrating role needs CREATEROLE to create or change a role.",
     )
     migrate.add_argument(
         "--create-database",
@@ -152,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="after migrating, create or update this LOGIN role (e.g. teamdesk_app) with "
         "SELECT/INSERT/UPDATE/DELETE on the project's tables (task_audit: SELECT/INSERT) "
         f"and nothing else; password from {APP_PASSWORD_VAR}",
+    )
+    migrate.add_argument(
+        "--api-role",
+        metavar="NAME",
+        type=_role_name,
+        help="after migrating, create or update this LOGIN role (e.g. teamdesk_api) for the "
+        "API: reads what it serves, writes tasks and their audit rows and its tokens' "
+        f"last use, nothing else (ledger/api_role.py); password from {API_PASSWORD_VAR}",
     )
     migrate.set_defaults(handler=cmd_migrate)
     health = sub.add_parser(

@@ -1,8 +1,10 @@
-"""Apply the Alembic revisions in ``ledger/migrations``, then set up the application's
-database role when one is named (``teamdesk-tasks migrate [--app-role NAME]``)."""
+"""Apply the Alembic revisions in ``ledger/migrations``, then set up the application's and
+the API's database roles when they are named (``teamdesk-tasks migrate [--app-role NAME]
+[--api-role NAME]``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -10,6 +12,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 
+from ledger.api_role import grant_api_role
 from ledger.roles import AppRoleReport, grant_app_role
 from teamdesk.db import sqlalchemy_url
 
@@ -45,5 +48,22 @@ def set_up_app_role(database_url: str, role: str, password: str | None) -> AppRo
     try:
         with engine.begin() as conn:
             return grant_app_role(conn, role, password)
+    finally:
+        engine.dispose()
+
+
+ROLE_KINDS = {"app": grant_app_role, "api": grant_api_role}
+
+
+def set_up_roles(
+    database_url: str, roles: Sequence[tuple[str, str, str | None]]
+) -> list[AppRoleReport]:
+    """Create or update each ``(kind, role, password)`` (kind ``app``: ledger/roles.py,
+    ``api``: ledger/api_role.py) and re-apply its grants, all in one transaction, as the
+    role of ``database_url`` (the schema's owner): both or neither."""
+    engine = sa.create_engine(sqlalchemy_url(database_url), poolclass=sa.pool.NullPool)
+    try:
+        with engine.begin() as conn:
+            return [ROLE_KINDS[kind](conn, role, password) for kind, role, password in roles]
     finally:
         engine.dispose()

@@ -1,5 +1,7 @@
 """The application's database role (docs/design.md, "Processes"): the role every process
-but ``migrate`` connects as, and the one place its grants are written.
+but ``migrate`` and the API connects as, and the one place its grants are written. The
+API's own, narrower role (ledger/api_role.py) is set up by the same machinery
+(:func:`grant_role` with another :class:`RoleSpec`).
 
 ``teamdesk-tasks migrate --app-role NAME`` runs :func:`grant_app_role` as the schema's
 owner, right after the migrations. The role gets what the processes use, nothing more:
@@ -36,7 +38,7 @@ by the driver (``psycopg2.sql``), never formatted in.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,9 +51,11 @@ from ledger.models import metadata
 from ledger.retention import PURGE_FUNCTION
 from ledger.retention import SIGNATURE as PURGE_SIGNATURE
 
-ROLE_LOCK = 748_201_114  # pg_advisory_xact_lock key for the app role's grants
+ROLE_LOCK = 748_201_114  # pg_advisory_xact_lock key for the roles' grants (app and API)
 ROLE_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+APP_PASSWORD_VAR = "APP_DB_PASSWORD"
 
+GRANTABLE = frozenset({"SELECT", "INSERT", "UPDATE", "DELETE", "USAGE"})  # rows; sequences
 READ_WRITE = ("SELECT", "INSERT", "UPDATE", "DELETE")
 APPEND_ONLY = ("SELECT", "INSERT")
 APPEND_ONLY_TABLES = frozenset({"task_audit"})
@@ -85,8 +89,37 @@ class AppRoleReport:
     role: str
     created: bool
     password_set: bool
-    tables: int
+    tables: int  # tables the role holds a privilege on
     sequences: int
+
+
+@dataclass(frozen=True)
+class Privilege:
+    """One privilege on a table (or sequence), on all of it or (``columns``) on those
+    columns only."""
+
+    name: str
+    columns: tuple[str, ...] = ()
+
+    def sql(self) -> sql.Composable:
+        if self.name not in GRANTABLE:
+            raise ValueError(f"not a grantable privilege: {self.name}")
+        if not self.columns:
+            return sql.SQL(self.name)
+        listed = sql.SQL(", ").join(sql.Identifier(c) for c in self.columns)
+        return sql.SQL("{} ({})").format(sql.SQL(self.name), listed)
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """What a role may do: ``tables`` maps each project table to its privileges (a table
+    missing from it gets none); ``sequences``: USAGE, SELECT on the tables' sequences;
+    ``functions``: EXECUTE on the dispatcher's two owner functions (ANALYZE, purge)."""
+
+    password_var: str
+    tables: Mapping[str, tuple[Privilege, ...]]
+    sequences: bool
+    functions: bool
 
 
 @dataclass(frozen=True)
@@ -113,10 +146,26 @@ def table_privileges() -> dict[str, tuple[str, ...]]:
     }
 
 
+def app_role_spec() -> RoleSpec:
+    """The application role's grants: every table's rows, its sequences, the functions."""
+    tables = {
+        name: tuple(Privilege(p) for p in privileges)
+        for name, privileges in table_privileges().items()
+    }
+    return RoleSpec(APP_PASSWORD_VAR, tables, sequences=True, functions=True)
+
+
 def grant_app_role(conn: Connection, role: str, password: str | None) -> AppRoleReport:
     """Create ``role`` (or set its password) and give it exactly the application's grants,
     in the caller's transaction. Raises :class:`AppRoleRefused` when the role would hold
     more than that (it is the migrating role, a member of the owner, a superuser...)."""
+    return grant_role(conn, role, password, app_role_spec())
+
+
+def grant_role(conn: Connection, role: str, password: str | None, spec: RoleSpec) -> AppRoleReport:
+    """Create ``role`` (or set its password) and give it exactly ``spec``'s grants, in the
+    caller's transaction, under the roles' advisory lock; refused like
+    :func:`grant_app_role`."""
     if not valid_role_name(role):
         raise AppRoleRefused(f"{role!r} is not a valid role name (a-z, 0-9, _)")
     dbapi = conn.connection.dbapi_connection
@@ -126,12 +175,15 @@ def grant_app_role(conn: Connection, role: str, password: str | None) -> AppRole
     if cur.fetchone()[1] == role:
         raise AppRoleRefused(f"role {role} is the migrating role: name another one")
     tables = _tables(cur)
-    created = _ensure_login(cur, role, password)
+    created = _ensure_login(cur, role, password, spec.password_var)
     _refuse_powers(cur, role, tables)
     sequences = _owned_sequences(cur, tables)
-    _grant(cur, role, tables, sequences)
+    _grant(cur, role, tables, sequences, spec)
     _refuse_ddl(cur, role, sorted({t.schema for t in tables}))
-    return AppRoleReport(role, created, bool(password), len(tables), len(sequences))
+    granted = sum(1 for t in tables if spec.tables.get(t.name))
+    return AppRoleReport(
+        role, created, bool(password), granted, len(sequences) if spec.sequences else 0
+    )
 
 
 def _tables(cur: Any) -> list[_Relation]:
@@ -149,13 +201,13 @@ def _tables(cur: Any) -> list[_Relation]:
     return found
 
 
-def _ensure_login(cur: Any, role: str, password: str | None) -> bool:
+def _ensure_login(cur: Any, role: str, password: str | None, password_var: str) -> bool:
     """Create the role with ``password``, or set an existing role's password when one is
     given (without one, an existing role keeps its password). True when created."""
     cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,))
     exists = cur.fetchone() is not None
     if not exists and not password:
-        raise AppRoleRefused(f"role {role} does not exist; set APP_DB_PASSWORD to create it")
+        raise AppRoleRefused(f"role {role} does not exist; set {password_var} to create it")
     if not password:
         return False
     verifier = encrypt_password(password, role, cur.connection, "scram-sha-256")
@@ -170,7 +222,7 @@ def _ensure_login(cur: Any, role: str, password: str | None) -> bool:
     except errors.InsufficientPrivilege:
         raise AppRoleRefused(
             f"the migrating role may not create or alter role {role} (it needs CREATEROLE): "
-            "create the role beforehand and run migrate without APP_DB_PASSWORD"
+            f"create the role beforehand and run migrate without {password_var}"
         ) from None
     return not exists
 
@@ -196,7 +248,11 @@ def _owned_sequences(cur: Any, tables: Sequence[_Relation]) -> list[_Relation]:
 
 
 def _grant(
-    cur: Any, role: str, tables: Sequence[_Relation], sequences: Sequence[_Relation]
+    cur: Any,
+    role: str,
+    tables: Sequence[_Relation],
+    sequences: Sequence[_Relation],
+    spec: RoleSpec,
 ) -> None:
     """Everything the role may do, replacing whatever it had on these objects."""
     who = sql.Identifier(role)
@@ -205,37 +261,40 @@ def _grant(
     cur.execute(sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(database, who))
     for schema in sorted({t.schema for t in tables}):
         cur.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(sql.Identifier(schema), who))
-    privileges = table_privileges()
     for table in tables:
-        _replace(cur, "TABLE", table, privileges[table.name], who)
+        _replace(cur, "TABLE", table, spec.tables.get(table.name, ()), who)
+    sequence_privileges = tuple(Privilege(p) for p in SEQUENCE_PRIVILEGES) if spec.sequences else ()
     for sequence in sequences:
-        _replace(cur, "SEQUENCE", sequence, SEQUENCE_PRIVILEGES, who)
+        _replace(cur, "SEQUENCE", sequence, sequence_privileges, who)
+    action = "GRANT EXECUTE ON FUNCTION {}.{}({}) TO {}"
+    if not spec.functions:
+        action = "REVOKE EXECUTE ON FUNCTION {}.{}({}) FROM {}"
     for schema in sorted({t.schema for t in tables}):
         # The dispatcher's ANALYZE and retention purge, run with the owner's rights
         # (migrations 0006 and 0007).
-        cur.execute(
-            sql.SQL("GRANT EXECUTE ON FUNCTION {}.{}() TO {}").format(
-                sql.Identifier(schema), sql.Identifier(ANALYZE_FUNCTION), who
+        for function, signature in ((ANALYZE_FUNCTION, ""), (PURGE_FUNCTION, PURGE_SIGNATURE)):
+            cur.execute(
+                sql.SQL(action).format(
+                    sql.Identifier(schema), sql.Identifier(function), sql.SQL(signature), who
+                )
             )
-        )
-        cur.execute(
-            sql.SQL("GRANT EXECUTE ON FUNCTION {}.{}({}) TO {}").format(
-                sql.Identifier(schema),
-                sql.Identifier(PURGE_FUNCTION),
-                sql.SQL(PURGE_SIGNATURE),
-                who,
-            )
-        )
 
 
 def _replace(
-    cur: Any, kind: str, relation: _Relation, privileges: Iterable[str], who: sql.Identifier
+    cur: Any,
+    kind: str,
+    relation: _Relation,
+    privileges: Iterable[Privilege],
+    who: sql.Identifier,
 ) -> None:
-    """REVOKE ALL, then GRANT exactly ``privileges`` (the same transaction: no gap)."""
+    """REVOKE ALL (column privileges included), then GRANT exactly ``privileges`` (the
+    same transaction: no gap); none: the role keeps nothing on it."""
     on = sql.SQL(kind)
     cur.execute(sql.SQL("REVOKE ALL ON {} {} FROM {}").format(on, relation.ident, who))
-    granted = sql.SQL(", ").join(sql.SQL(p) for p in privileges)
-    cur.execute(sql.SQL("GRANT {} ON {} {} TO {}").format(granted, on, relation.ident, who))
+    granted = [p.sql() for p in privileges]
+    if granted:
+        listed = sql.SQL(", ").join(granted)
+        cur.execute(sql.SQL("GRANT {} ON {} {} TO {}").format(listed, on, relation.ident, who))
 
 
 def _refuse_ddl(cur: Any, role: str, schemas: Iterable[str]) -> None:

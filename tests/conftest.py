@@ -51,6 +51,7 @@ def template_db(services: None) -> Iterator[str]:
     name = databases.create_template(RUN_ID)
     yield name
     databases.drop_database(name)
+    databases.drop_api_role()
 
 
 @pytest.fixture

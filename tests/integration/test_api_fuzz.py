@@ -21,7 +21,7 @@ from schemathesis.generation import GenerationMode
 
 from api.app import create_api
 from teamdesk.config import Settings
-from tests.support.api_helpers import bearer, make_tokens, task_in_state
+from tests.support.api_helpers import api_settings, bearer, make_tokens, task_in_state
 from tests.support.factories import World, add_ticket
 
 EXAMPLES_PER_OPERATION = 100
@@ -68,7 +68,7 @@ def api_schema(engine: sa.Engine, world: World, settings: Settings) -> Iterator[
     fuzz_settings = settings.with_overrides(
         api_rate_per_min=FUZZ_RATE_PER_MIN, api_rate_burst=FUZZ_RATE_PER_MIN
     )
-    app = create_api(fuzz_settings, configure_logging=False)
+    app = create_api(api_settings(fuzz_settings), configure_logging=False)
     config = _fuzz_config(world, [str(t) for t in tasks], str(ticket))
     yield schemathesis.openapi.from_asgi("/openapi.json", app, config=config)
     app.state.resources.close()  # schemathesis keeps the app's lifespan open until exit

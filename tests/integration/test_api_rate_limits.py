@@ -23,6 +23,7 @@ from api.deps import MSG_AUTH_RATE, MSG_TOKEN_RATE
 from teamdesk.config import Settings
 from tests.support.api_helpers import (
     BAD_TOKEN,
+    api_settings,
     bearer,
     closed_port,
     count_tasks,
@@ -54,7 +55,7 @@ def _limited(settings: Settings, **overrides: Any) -> Settings:
 @contextmanager
 def app_client(settings: Settings, address: str = "203.0.113.7") -> Iterator[TestClient]:
     """An app instance (a replica) seen from one client address."""
-    app = create_api(settings, configure_logging=False)
+    app = create_api(api_settings(settings), configure_logging=False)
     with TestClient(app, client=(address, 50000)) as test_client:
         yield test_client
 

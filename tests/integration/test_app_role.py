@@ -44,9 +44,15 @@ from ledger.wake import WAKE_CHANNEL
 from tasks.celery_app import create_app
 from teamdesk import config, db
 from teamdesk.config import Settings
-from teamdesk.db import sqlalchemy_url
-from tests.support import databases
+from tests.support import databases, db_roles
 from tests.support.api_helpers import api_client, bearer, exports_url, make_tokens, reminders_url
+from tests.support.db_roles import (
+    INSUFFICIENT_PRIVILEGE,
+    drop_role,
+    finished,
+    migrate,
+    owner_engine,
+)
 from tests.support.dispatching import running_cluster
 from tests.support.factories import add_ticket, add_tickets, make_world
 from tests.support.processes import Proc, celery_argv, cluster, free_port
@@ -54,7 +60,6 @@ from tests.support.redis_server import dedicated_redis
 from tests.support.waiting import wait_for
 
 PREFIX = f"tdt{os.getpid()}_{uuid.uuid4().hex[:6]}"
-INSUFFICIENT_PRIVILEGE = "42501"
 
 
 @dataclass(frozen=True)
@@ -72,39 +77,8 @@ class AppDatabase:
         return f"postgresql://{self.role}:{self.password}@{where}/{self.name}"
 
 
-def migrate(url: str, *args: str, password: str | None = None) -> subprocess.Popen[str]:
-    """``teamdesk-tasks migrate`` as a process of its own, as the operator runs it."""
-    env = {k: v for k, v in os.environ.items() if k != "APP_DB_PASSWORD"}
-    env.update({"DATABASE_URL": url, "LOG_LEVEL": "warn"})
-    if password is not None:
-        env["APP_DB_PASSWORD"] = password
-    argv = [sys.executable, "-m", "cli.main", "migrate", *args]
-    return subprocess.Popen(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-
-
-def finished(process: subprocess.Popen[str]) -> str:
-    out, err = process.communicate(timeout=120)
-    assert process.returncode == 0, out + err
-    return out
-
-
-def owner_engine(url: str) -> sa.Engine:
-    return sa.create_engine(
-        sqlalchemy_url(url), isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool
-    )
-
-
-def drop_role(role: str, database_url: str | None = None) -> None:
-    """Revoke what the role holds in the database, then drop it (cluster-wide)."""
-    admin = owner_engine(database_url or databases.ADMIN_URL)
-    with admin.connect() as conn:
-        exists = conn.execute(sa.text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role})
-        if exists.first() is not None:
-            conn.execute(sa.text(f'DROP OWNED BY "{role}"'))
-            conn.execute(sa.text(f'DROP ROLE "{role}"'))
-    admin.dispose()
+def app_password(password: str) -> dict[str, str]:
+    return {"APP_DB_PASSWORD": password}
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +87,7 @@ def app_db(services: None) -> Iterator[AppDatabase]:
     name, owner_url = databases.empty_database(PREFIX)
     role, password = f"{PREFIX}_app", uuid.uuid4().hex
     try:
-        out = finished(migrate(owner_url, "--app-role", role, password=password))
+        out = finished(migrate(owner_url, "--app-role", role, passwords=app_password(password)))
         owner = owner_engine(owner_url)
         with owner.connect() as conn:  # a table of the owner's, outside the grants
             conn.execute(sa.text("CREATE TABLE owner_notes (note text)"))
@@ -175,21 +149,11 @@ def health(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def privileges(app_db: AppDatabase) -> dict[str, str]:
-    with owner_engine(app_db.owner_url).connect() as conn:
-        rows = conn.execute(
-            sa.text("""
-            SELECT c.relname, string_agg(a.privilege_type, ',' ORDER BY a.privilege_type)
-              FROM pg_class c CROSS JOIN LATERAL aclexplode(c.relacl) a
-             WHERE a.grantee = to_regrole(:r) GROUP BY c.relname"""),
-            {"r": app_db.role},
-        )
-        return {name: granted for name, granted in rows}
+    return db_roles.privileges(app_db.owner_url, app_db.role)
 
 
 def verifier(app_db: AppDatabase) -> str:
-    with owner_engine(app_db.owner_url).connect() as conn:
-        query = sa.text("SELECT rolpassword FROM pg_authid WHERE rolname = :r")
-        return str(conn.execute(query, {"r": app_db.role}).scalar_one())
+    return db_roles.verifier(app_db.owner_url, app_db.role)
 
 
 # --- setting the role up --------------------------------------------------------------------
@@ -214,7 +178,10 @@ def test_migrate_again_from_two_hosts_at_once_sets_the_password_and_grants_again
         conn.execute(sa.text(f'GRANT TRUNCATE, TRIGGER ON tickets TO "{app_db.role}"'))
     # The same password again (the other tests' URL stays valid): a new salt, a new verifier.
     password = app_db.password
-    runs = [migrate(app_db.owner_url, "--app-role", app_db.role, password=password) for _ in "ab"]
+    runs = [
+        migrate(app_db.owner_url, "--app-role", app_db.role, passwords=app_password(password))
+        for _ in "ab"
+    ]
     outputs = [finished(run) for run in runs]
     assert all(f"app role {app_db.role}: password set" in out for out in outputs)
     assert privileges(app_db) == before  # the drifted grants are gone again

@@ -16,16 +16,24 @@ from api.app import create_api
 from ledger import lease, service
 from ledger.tokens import create_token
 from teamdesk.config import Settings
+from tests.support.databases import as_api_role
 from tests.support.factories import World, insert_task
 
 USERS = ("staff", "staff2", "customer", "outsider")
 BAD_TOKEN = "tdk_" + "x" * 43
 
 
+def api_settings(settings: Settings) -> Settings:
+    """``settings`` for the API: connected to a test clone as the API's own database role,
+    as deployed (databases.as_api_role); the test's own engine stays the owner."""
+    return settings.with_overrides(database_url=as_api_role(settings.database_url))
+
+
 @contextmanager
 def api_client(settings: Settings) -> Iterator[TestClient]:
-    """The app built for ``settings``, served in-process (lifespan included)."""
-    app = create_api(settings, configure_logging=False)
+    """The app built for ``settings``, served in-process (lifespan included), as the API's
+    database role (:func:`api_settings`)."""
+    app = create_api(api_settings(settings), configure_logging=False)
     with TestClient(app, raise_server_exceptions=True) as client:
         yield client
 

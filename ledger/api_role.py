@@ -1,0 +1,64 @@
+"""The API's database role (docs/design.md, "Processes"): what the internet-facing process
+may do to the database, narrower than the application role the workers and the
+dispatcher use (ledger/roles.py, whose machinery sets it up the same way).
+
+``teamdesk-tasks migrate --api-role NAME`` runs :func:`grant_api_role` as the schema's
+owner (password: ``API_DB_PASSWORD``, sent as a SCRAM verifier), in the transaction and
+under the advisory lock of the application role's grants, re-applying them at every run.
+The grants are exactly the statements the API runs (api/tasks.py, api/health.py and the
+ledger functions they call):
+
+- ``api_tokens``: ``SELECT`` (the bearer lookup, ledger/tokens.py ``RESOLVE_TOKEN``) and
+  ``UPDATE`` of ``last_used_at`` only (its touch; ``FOR UPDATE ... SKIP LOCKED`` needs an
+  ``UPDATE`` privilege, this column's is enough). Creating, listing and revoking tokens
+  are operators' commands (``teamdesk-tasks token``), run as the application role;
+- ``background_tasks``: ``SELECT, INSERT, UPDATE`` (create, read, list, the quota's
+  counts, retry, cancel; no ``DELETE``);
+- ``task_audit``: ``INSERT`` only (the ``RETRY`` and ``CANCEL`` rows; it reads none);
+- ``memberships``: ``SELECT`` (who may see or create what, ledger/permissions.py);
+- ``tickets``: ``SELECT`` of ``id`` and ``team_id`` only (a reminder's ticket belongs to
+  the team): the API never reads a ticket's content;
+- ``users``, ``teams``, ``notifications``, ``system_events``: nothing. Foreign keys are
+  checked with the owner's rights, so inserting a task needs no access to ``teams`` or
+  ``users``;
+- no sequence (``task_audit.id`` is an identity column: its inserts need none), no
+  ``EXECUTE`` on the dispatcher's ANALYZE and purge functions.
+
+A table missing from :data:`API_TABLES` gets nothing (tests/unit/test_api_role.py makes a
+new table of ``ledger.models`` choose). Like the application role it must not be the
+migrating role, own the tables or hold role attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from sqlalchemy.engine import Connection
+
+from ledger.roles import AppRoleReport, Privilege, RoleSpec, grant_role
+
+API_PASSWORD_VAR = "API_DB_PASSWORD"
+
+SELECT = Privilege("SELECT")
+INSERT = Privilege("INSERT")
+UPDATE = Privilege("UPDATE")
+
+API_TABLES: Mapping[str, tuple[Privilege, ...]] = {
+    "api_tokens": (SELECT, Privilege("UPDATE", ("last_used_at",))),
+    "background_tasks": (SELECT, INSERT, UPDATE),
+    "task_audit": (INSERT,),
+    "memberships": (SELECT,),
+    "tickets": (Privilege("SELECT", ("id", "team_id")),),
+    "users": (),
+    "teams": (),
+    "notifications": (),
+    "system_events": (),
+}
+
+API_ROLE = RoleSpec(API_PASSWORD_VAR, API_TABLES, sequences=False, functions=False)
+
+
+def grant_api_role(conn: Connection, role: str, password: str | None) -> AppRoleReport:
+    """Create ``role`` (or set its password) and give it exactly the API's grants, in the
+    caller's transaction; refused like ledger.roles.grant_app_role."""
+    return grant_role(conn, role, password, API_ROLE)

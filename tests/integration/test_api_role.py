@@ -1,0 +1,321 @@
+"""The API's own database role (ledger/api_role.py; docs/design.md, "Processes").
+
+``teamdesk-tasks migrate --app-role A --api-role B`` on a fresh database creates both
+roles in one transaction; the API role holds exactly what the API runs (table and column
+grants, no sequence, no function); migrate puts drifted grants back. Every route of the
+API works connected as it (create an export and a reminder, list, read, download,
+cancel, retry, both health routes, a refused token), and as it the statements a
+compromised API would want are refused: rewriting memberships, adding users, deleting or
+reviving tokens, reading tickets' content, deleting tasks or audit rows, the dispatcher's
+functions, DDL.
+
+Every test_api_*.py runs its in-process API as this role too (tests/support/databases.py
+grants it in the template database). Roles are cluster-wide: this module's are its own
+and dropped at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
+
+from api.app import create_api
+from ledger import lease
+from ledger.tokens import create_token
+from teamdesk import db
+from teamdesk.config import load_settings
+from tests.conftest import REDIS_URL
+from tests.support import databases
+from tests.support.api_helpers import bearer, exports_url, reminders_url
+from tests.support.db_roles import (
+    INSUFFICIENT_PRIVILEGE,
+    column_privileges,
+    drop_role,
+    executable_functions,
+    finished,
+    migrate,
+    owner_engine,
+    privileges,
+    role_url,
+    verifier,
+)
+from tests.support.factories import add_ticket, add_tickets, make_world
+
+PREFIX = f"tdt{os.getpid()}_{uuid.uuid4().hex[:6]}"
+
+# What the API runs, and nothing else (ledger/api_role.py).
+API_TABLE_GRANTS = {
+    "api_tokens": "SELECT",
+    "background_tasks": "INSERT,SELECT,UPDATE",
+    "memberships": "SELECT",
+    "task_audit": "INSERT",
+}
+API_COLUMN_GRANTS = {
+    "api_tokens.last_used_at": "UPDATE",
+    "tickets.id": "SELECT",
+    "tickets.team_id": "SELECT",
+}
+
+
+@dataclass(frozen=True)
+class RolesDatabase:
+    name: str
+    owner_url: str
+    app: str
+    api: str
+    passwords: dict[str, str]
+    migrated: str  # what `migrate --app-role --api-role` printed
+
+    def url(self, role: str) -> str:
+        return role_url(self.owner_url, role, self.passwords[role])
+
+
+@pytest.fixture(scope="module")
+def roles_db(services: None) -> Iterator[RolesDatabase]:
+    """A fresh database migrated by the product command, both roles created."""
+    name, owner_url = databases.empty_database(PREFIX)
+    app, api = f"{PREFIX}_app", f"{PREFIX}_api"
+    passwords = {app: uuid.uuid4().hex, api: uuid.uuid4().hex}
+    try:
+        process = migrate(
+            owner_url,
+            "--app-role",
+            app,
+            "--api-role",
+            api,
+            passwords={"APP_DB_PASSWORD": passwords[app], "API_DB_PASSWORD": passwords[api]},
+        )
+        yield RolesDatabase(name, owner_url, app, api, passwords, finished(process))
+    finally:
+        for role in (api, app):
+            drop_role(role, owner_url)
+        databases.drop_database(name)
+        for role in (api, app):
+            drop_role(role)
+
+
+@pytest.fixture
+def api_engine(roles_db: RolesDatabase) -> Iterator[sa.Engine]:
+    engine = db.make_engine(roles_db.url(roles_db.api))
+    yield engine
+    engine.dispose()
+
+
+# --- setting the role up --------------------------------------------------------------------
+
+
+def test_migrate_creates_the_api_role_with_only_what_the_api_runs(
+    roles_db: RolesDatabase,
+) -> None:
+    lines = roles_db.migrated.splitlines()
+    assert lines[1:] == [
+        f"app role {roles_db.app}: created; grants on 9 tables and 1 sequences",
+        f"api role {roles_db.api}: created; grants on 5 tables and 0 sequences",
+    ]
+    assert privileges(roles_db.owner_url, roles_db.api) == API_TABLE_GRANTS
+    assert column_privileges(roles_db.owner_url, roles_db.api) == API_COLUMN_GRANTS
+    assert executable_functions(roles_db.owner_url, roles_db.api) == []
+    assert executable_functions(roles_db.owner_url, roles_db.app) == [
+        "teamdesk_analyze_ledger",
+        "teamdesk_purge_ledger",
+    ]
+    stored = verifier(roles_db.owner_url, roles_db.api)
+    assert stored.startswith("SCRAM-SHA-256$") and roles_db.passwords[roles_db.api] not in stored
+
+
+DRIFT = [
+    "GRANT INSERT, UPDATE, DELETE ON memberships TO {role}",
+    "GRANT SELECT ON users TO {role}",
+    "GRANT UPDATE (revoked_at, expires_at) ON api_tokens TO {role}",
+    "GRANT SELECT (title) ON tickets TO {role}",
+    "GRANT USAGE ON SEQUENCE task_audit_id_seq TO {role}",
+    "GRANT EXECUTE ON FUNCTION teamdesk_purge_ledger(double precision, double precision,"
+    " integer) TO {role}",
+]
+
+
+def test_migrate_again_puts_drifted_api_grants_back_and_keeps_the_password(
+    roles_db: RolesDatabase,
+) -> None:
+    stored = verifier(roles_db.owner_url, roles_db.api)
+    with owner_engine(roles_db.owner_url).connect() as conn:
+        for grant in DRIFT:
+            conn.execute(sa.text(grant.format(role=f'"{roles_db.api}"')))
+    out = finished(migrate(roles_db.owner_url, "--api-role", roles_db.api))
+    assert f"api role {roles_db.api}: kept" in out
+    assert (
+        privileges(roles_db.owner_url, roles_db.api),
+        column_privileges(roles_db.owner_url, roles_db.api),
+        executable_functions(roles_db.owner_url, roles_db.api),
+        verifier(roles_db.owner_url, roles_db.api),
+    ) == (API_TABLE_GRANTS, API_COLUMN_GRANTS, [], stored)
+
+
+def _migrate_refused(roles_db: RolesDatabase, *args: str, **passwords: str) -> tuple[int, str]:
+    process = migrate(roles_db.owner_url, *args, passwords=passwords)
+    _, err = process.communicate(timeout=120)
+    return process.returncode, err
+
+
+def test_migrate_refuses_one_role_for_both_and_a_password_for_no_role(
+    roles_db: RolesDatabase,
+) -> None:
+    same = _migrate_refused(roles_db, "--app-role", roles_db.app, "--api-role", roles_db.app)
+    stray = _migrate_refused(roles_db, "--app-role", roles_db.app, API_DB_PASSWORD="pw")
+    missing = _migrate_refused(roles_db, "--api-role", f"{PREFIX}_nobody")
+    assert same == (
+        2,
+        "teamdesk-tasks migrate: --api-role must name another role than --app-role\n",
+    )
+    assert stray == (2, "teamdesk-tasks migrate: API_DB_PASSWORD is set but --api-role is not\n")
+    assert missing == (
+        1,
+        f"teamdesk-tasks migrate: role {PREFIX}_nobody does not exist; "
+        "set API_DB_PASSWORD to create it\n",
+    )
+
+
+# --- what the API role may not do -----------------------------------------------------------
+
+FORBIDDEN = [
+    "UPDATE memberships SET role = 'STAFF'",
+    "INSERT INTO memberships (team_id, user_id, role) VALUES (gen_random_uuid(), "
+    "gen_random_uuid(), 'STAFF')",
+    "DELETE FROM memberships",
+    "INSERT INTO users (email, name) VALUES ('intruder@example.test', 'Intruder')",
+    "SELECT email FROM users",
+    "INSERT INTO teams (name) VALUES ('Intruders')",
+    "DELETE FROM api_tokens",
+    "INSERT INTO api_tokens (token_hash, user_id, expires_at) VALUES ('h', gen_random_uuid(),"
+    " now())",
+    "UPDATE api_tokens SET revoked_at = NULL",
+    "UPDATE api_tokens SET expires_at = now() + interval '1 year'",
+    "SELECT title FROM tickets",
+    "UPDATE tickets SET status = 'CLOSED'",
+    "DELETE FROM background_tasks",
+    "SELECT * FROM task_audit",
+    "UPDATE task_audit SET event = 'CLAIM'",
+    "DELETE FROM task_audit",
+    "INSERT INTO notifications (user_id, ticket_id) VALUES (gen_random_uuid(), gen_random_uuid())",
+    "SELECT * FROM system_events",
+    "SELECT teamdesk_analyze_ledger()",
+    "SELECT teamdesk_purge_ledger(1, 1, 1)",
+    "TRUNCATE background_tasks",
+    "CREATE TABLE intruder (id int)",
+    "SELECT * FROM alembic_version",
+]
+
+
+@pytest.mark.parametrize("statement", FORBIDDEN)
+def test_the_api_role_may_not_write_what_the_api_does_not(
+    api_engine: sa.Engine, statement: str
+) -> None:
+    with pytest.raises(sa.exc.ProgrammingError) as denied, api_engine.begin() as conn:
+        conn.execute(sa.text(statement))
+    assert getattr(denied.value.orig, "pgcode", None) == INSUFFICIENT_PRIVILEGE, statement
+
+
+# --- every route, as the role ---------------------------------------------------------------
+
+
+def test_every_api_route_works_as_the_api_role(roles_db: RolesDatabase) -> None:
+    owner = db.make_engine(roles_db.owner_url)  # TeamDesk's own tables: its application's
+    app_engine = db.make_engine(roles_db.url(roles_db.app))  # workers and operators
+    try:
+        world = make_world(owner)
+        with owner.begin() as conn:
+            add_tickets(conn, world.team_id, world.customer_id, 3)
+            ticket = add_ticket(
+                conn, world.team_id, world.customer_id, "Call", assignee_id=world.staff2_id
+            )
+        with app_engine.begin() as conn:  # `teamdesk-tasks token create`: the app role
+            token = create_token(conn, world.staff_id, "api role test")
+        staff = bearer(token)
+        settings = load_settings(
+            {
+                "DATABASE_URL": roles_db.url(roles_db.api),
+                "REDIS_URL": REDIS_URL,
+                "QUEUE_PREFIX": f"{PREFIX}-{uuid.uuid4().hex[:6]}",
+            }
+        )
+        answers: dict[str, int] = {}
+        with TestClient(create_api(settings, configure_logging=False)) as client:
+            answers["health"] = client.get("/api/health").status_code
+            workers = client.get("/api/workers/health")
+            answers["workers/health"] = workers.status_code
+            export = client.post(
+                exports_url(world.team_id), json={"scope": "TEAM", "filters": {}}, headers=staff
+            )
+            reminder = client.post(
+                reminders_url(world.team_id), json={"ticket_id": str(ticket)}, headers=staff
+            )
+            answers |= {"export": export.status_code, "reminder": reminder.status_code}
+            export_id, reminder_id = export.json()["id"], reminder.json()["id"]
+            with app_engine.begin() as conn:  # a worker completes the export
+                held = lease.claim(conn, uuid.UUID(export_id), 0, "test-host/api-role")
+                assert held is not None
+                lease.complete_export(conn, held.lease, "id,title\r\n1,Call\r\n", "1 row")
+            listed = client.get(f"/api/teams/{world.team_id}/tasks", headers=staff)
+            answers["list"] = listed.status_code
+            answers["get"] = client.get(f"/api/tasks/{export_id}", headers=staff).status_code
+            csv = client.get(f"/api/tasks/{export_id}/csv", headers=staff)
+            answers["csv"] = csv.status_code
+            cancel = client.post(f"/api/tasks/{reminder_id}/cancel", headers=staff)
+            retry = client.post(f"/api/tasks/{reminder_id}/retry", headers=staff)
+            answers |= {"cancel": cancel.status_code, "retry": retry.status_code}
+            answers["bad token"] = client.get(
+                f"/api/tasks/{export_id}", headers=bearer("tdk_" + "z" * 43)
+            ).status_code
+        with owner.connect() as conn:
+            used = conn.execute(sa.text("SELECT last_used_at FROM api_tokens")).scalar_one()
+            trail = conn.execute(
+                sa.text("SELECT event FROM task_audit WHERE task_id = :t ORDER BY id"),
+                {"t": reminder_id},
+            ).scalars()
+            events = list(trail)
+    finally:
+        owner.dispose()
+        app_engine.dispose()
+    assert answers == {
+        "health": 200,
+        "workers/health": 200,
+        "export": 201,
+        "reminder": 201,
+        "list": 200,
+        "get": 200,
+        "csv": 200,
+        "cancel": 202,
+        "retry": 202,
+        "bad token": 401,
+    }
+    assert workers.json()["workers"] is False
+    assert [t["id"] for t in listed.json()["tasks"]] == [reminder_id, export_id]
+    assert csv.text == "id,title\r\n1,Call\r\n"
+    assert retry.json()["run"] == 1 and cancel.json()["status"] == "CANCELLED"
+    assert events == ["CANCEL", "RETRY"]
+    assert used is not None  # the lookup's touch of last_used_at
+
+
+def test_health_cluster_reads_the_ledger_as_the_api_role(roles_db: RolesDatabase) -> None:
+    """``teamdesk-tasks health --cluster`` in the API's container (README): its counts of
+    waiting tasks are reads the API role may make."""
+    env = {
+        **os.environ,
+        "DATABASE_URL": roles_db.url(roles_db.api),
+        "REDIS_URL": REDIS_URL,
+        "QUEUE_PREFIX": f"{PREFIX}-{uuid.uuid4().hex[:6]}",
+    }
+    argv = [sys.executable, "-m", "cli.main", "health", "--cluster"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30, check=False)
+    report = json.loads(done.stdout)
+    assert (done.returncode, report["database"], report["redis"]) == (1, True, True)
+    assert report["missing"] == ["dispatcher", "exports worker", "reminders worker"]
