@@ -8,6 +8,13 @@ cached for :data:`CACHE_S` (docs/design.md, "Observe").
 - ``teamdesk_tasks_running_silent{kind}``: RUNNING rows not written for more than half of
   ``STALE_AFTER_S``, by the database's clock (the recovery's early warning);
 - ``teamdesk_dispatch_window_depth{kind}``: runs published and not yet claimed;
+- ``teamdesk_backlog{queue}``: runs due now by the database's clock and not yet claimed
+  (ready, due and not yet promoted, or in the window; scheduled runs not yet due are not
+  counted), each part counted up to 100,000 (ledger/waiting.py ``BACKLOG_BY_KIND``, on the
+  dispatcher's partial indexes: flat with the finished rows and the teams with nothing
+  due). The autoscalers' signal (deploy/k8s/worker-autoscaling.yaml): the broker holds
+  only the window, so its queue length says nothing about the backlog;
+- ``teamdesk_backlog_oldest_seconds{queue}``: the age of the oldest of them (0 when none);
 - ``teamdesk_workers_live``: live worker heartbeat members (Redis).
 
 A failed read (the database or Redis away) serves none of these and counts
@@ -30,6 +37,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from dispatcher.context import Cluster, transaction
 from ledger.states import KINDS, STATUSES
+from ledger.waiting import backlog_by_kind
+from tasks.names import QUEUE_OF_KIND
 from teamdesk import metrics
 from teamdesk.heartbeat import live_members
 
@@ -94,11 +103,12 @@ class LedgerGauges(Collector):
                 rows = conn.execute(
                     _READ, {"half_stale_s": self.cluster.settings.stale_after_s / 2}
                 ).all()
+                backlog = backlog_by_kind(conn)
             live = len(live_members(self.cluster.results, self.cluster.settings.queue_prefix))
         except (SQLAlchemyError, redis.RedisError):
             READ_ERRORS.inc()
             return []
-        return [*families(rows), _live(live)]
+        return [*families(rows), *backlog_families(backlog), _live(live)]
 
 
 def families(rows: Sequence[Any]) -> list[GaugeMetricFamily]:
@@ -121,6 +131,26 @@ def families(rows: Sequence[Any]) -> list[GaugeMetricFamily]:
             family.add_metric([kind.lower()], got.get((part, kind, None), 0.0))
         out.append(family)
     return out
+
+
+def backlog_families(backlog: dict[str, tuple[int, float]]) -> list[GaugeMetricFamily]:
+    """The backlog gauges, by queue (what a worker Deployment consumes): every queue, 0
+    when nothing is due."""
+    size = GaugeMetricFamily(
+        "teamdesk_backlog",
+        "Runs due now (database clock) and not yet claimed, by queue; each part capped.",
+        labels=["queue"],
+    )
+    oldest = GaugeMetricFamily(
+        "teamdesk_backlog_oldest_seconds",
+        "Age of the oldest run due and not yet claimed, by queue (0 when none).",
+        labels=["queue"],
+    )
+    for kind, queue in QUEUE_OF_KIND.items():
+        count, age = backlog.get(kind, (0, 0.0))
+        size.add_metric([queue], float(count))
+        oldest.add_metric([queue], age)
+    return [size, oldest]
 
 
 def _live(count: int) -> GaugeMetricFamily:

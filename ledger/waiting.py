@@ -1,7 +1,8 @@
 """How much work is waiting for a worker, by the database's clock (docs/design.md,
 "Dispatch": ready runs). Read by ``teamdesk-tasks health --cluster`` to say which queue's
-missing worker holds tasks up; a task's own wait is the view's ``waiting_s``
-(ledger/service.py).
+missing worker holds tasks up, and by the leading dispatcher for the backlog gauges that
+autoscalers read (docs/design.md, "Observe"); a task's own wait is the view's
+``waiting_s`` (ledger/service.py).
 """
 
 from __future__ import annotations
@@ -36,3 +37,45 @@ def ready_by_kind(conn: Connection, cap: int = READY_COUNT_CAP) -> dict[str, int
     ``cap``."""
     rows = conn.execute(READY_BY_KIND, {"kinds": list(KINDS), "cap": cap})
     return {str(kind): int(ready) for kind, ready in rows}
+
+
+BACKLOG_COUNT_CAP = 100_000  # the backlog gauge counts this many per part at most
+
+# The backlog per kind, for autoscaling: runs due now by the database's clock and not yet
+# claimed - ready (the ready range of ix_background_tasks_ready), scheduled ones already
+# due and not yet promoted (ix_background_tasks_scheduled), and the window (published;
+# ix_background_tasks_dispatched) - each part counted up to :cap; scheduled runs not yet
+# due are not backlog. And the age of the oldest of them (0 when none).
+BACKLOG_BY_KIND = text("""
+    SELECT k.kind,
+           (SELECT count(*) FROM (
+                SELECT 1 FROM background_tasks t
+                 WHERE t.kind = k.kind AND NOT t.scheduled AND t.status = 'WAITING'
+                   AND t.dispatched_at IS NULL AND t.run_at <= now()
+                 LIMIT :cap) AS ready)
+           + (SELECT count(*) FROM (
+                SELECT 1 FROM background_tasks t
+                 WHERE t.scheduled AND t.run_at <= now() AND t.kind = k.kind
+                 LIMIT :cap) AS due)
+           + (SELECT count(*) FROM (
+                SELECT 1 FROM background_tasks t
+                 WHERE t.status = 'WAITING' AND t.dispatched_at IS NOT NULL AND t.kind = k.kind
+                 LIMIT :cap) AS published) AS backlog,
+           coalesce(extract(epoch FROM now() - least(
+               (SELECT min(t.run_at) FROM background_tasks t
+                 WHERE t.kind = k.kind AND NOT t.scheduled AND t.status = 'WAITING'
+                   AND t.dispatched_at IS NULL AND t.run_at <= now()),
+               (SELECT min(t.run_at) FROM background_tasks t
+                 WHERE t.scheduled AND t.run_at <= now() AND t.kind = k.kind),
+               (SELECT min(t.run_at) FROM background_tasks t
+                 WHERE t.status = 'WAITING' AND t.dispatched_at IS NOT NULL
+                   AND t.kind = k.kind))), 0) AS oldest_s
+      FROM unnest(CAST(:kinds AS text[])) AS k(kind)
+""")
+
+
+def backlog_by_kind(conn: Connection, cap: int = BACKLOG_COUNT_CAP) -> dict[str, tuple[int, float]]:
+    """Per kind (every kind present): runs due and not yet claimed (each of its three parts
+    counted up to ``cap``), and the age in seconds of the oldest (0 when none)."""
+    rows = conn.execute(BACKLOG_BY_KIND, {"kinds": list(KINDS), "cap": cap})
+    return {str(kind): (int(backlog), max(0.0, float(oldest))) for kind, backlog, oldest in rows}

@@ -14,10 +14,13 @@ from prometheus_client import CollectorRegistry
 from api.metrics import REQUESTS, UNMATCHED
 from dispatcher.context import Cluster
 from dispatcher.ledger_gauges import READ_ERRORS, LedgerGauges
+from ledger.dispatch import database_now as _now
+from ledger.waiting import backlog_by_kind
 from teamdesk import metrics
 from teamdesk.config import Settings
 from tests.support.api_helpers import api_client
-from tests.support.factories import World, age_task, insert_task
+from tests.support.factories import World, age_task, insert_task, task_row
+from tests.support.waiting import wait_for
 
 
 def gauges(collector: LedgerGauges) -> dict[tuple[str, tuple[str, ...]], float]:
@@ -26,6 +29,11 @@ def gauges(collector: LedgerGauges) -> dict[tuple[str, tuple[str, ...]], float]:
     return {
         (s.name, tuple(s.labels.values())): s.value for f in registry.collect() for s in f.samples
     }
+
+
+def database_now(engine: sa.Engine) -> Any:
+    with engine.connect() as conn:
+        return _now(conn)
 
 
 def make_due_since(engine: sa.Engine, task_id: uuid.UUID, seconds: float) -> None:
@@ -116,3 +124,57 @@ def test_api_requests_are_counted_by_route_template_never_by_id(settings: Settin
     }
     assert task_route in routes
     assert not [r for r in routes if re.search(r"[0-9a-f]{8}-", r)]  # no id ever
+
+
+def test_the_backlog_counts_runs_due_and_not_yet_claimed_by_queue(
+    engine: sa.Engine, world: World, settings: Settings, celery_app: Celery
+) -> None:
+    """The autoscaling signal: ready, due-but-not-promoted and published runs count; a
+    scheduled run not yet due, a running one and a finished one do not."""
+    with engine.begin() as conn:
+        ready = insert_task(conn, world)
+        published = insert_task(conn, world)
+        insert_task(conn, world, status="RUNNING", run=1)
+        insert_task(conn, world, status="COMPLETED")
+        later = insert_task(conn, world, kind="REMINDER")
+        soon = insert_task(conn, world, kind="REMINDER")
+        conn.execute(
+            sa.text(
+                "UPDATE background_tasks SET run_at = now() + interval '1 hour' WHERE id = :id"
+            ),
+            {"id": later},
+        )
+        conn.execute(
+            sa.text(
+                "UPDATE background_tasks SET run_at = now() + interval '300 milliseconds'"
+                " WHERE id = :id"
+            ),
+            {"id": soon},
+        )
+        conn.execute(
+            sa.text("UPDATE background_tasks SET dispatched_at = now() WHERE id = :id"),
+            {"id": published},
+        )
+    make_due_since(engine, ready, 300)
+    due_at = task_row(engine, soon)["run_at"]
+    wait_for(lambda: database_now(engine) > due_at, timeout=10, what="the reminder's run_at")
+    assert task_row(engine, soon)["scheduled"] is True  # due, not yet promoted
+    cluster = Cluster(celery_app, settings)
+    try:
+        got = gauges(LedgerGauges(cluster, lambda: True))
+    finally:
+        cluster.close()
+    assert got[("teamdesk_backlog", ("exports",))] == 2
+    assert got[("teamdesk_backlog", ("reminders",))] == 1
+    assert 300 <= got[("teamdesk_backlog_oldest_seconds", ("exports",))] < 330
+    assert 0 < got[("teamdesk_backlog_oldest_seconds", ("reminders",))] < 30
+
+
+def test_the_backlog_is_counted_up_to_its_cap(engine: sa.Engine, world: World) -> None:
+    with engine.begin() as conn:
+        for _ in range(5):
+            insert_task(conn, world)
+    with engine.connect() as conn:
+        assert backlog_by_kind(conn, cap=3)["EXPORT"][0] == 3
+        assert backlog_by_kind(conn)["EXPORT"][0] == 5
+        assert backlog_by_kind(conn)["REMINDER"] == (0, 0.0)

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from api import metrics as api_metrics  # noqa: F401 - registers the API's metrics
 from dispatcher import metrics as dispatcher_metrics
-from dispatcher.ledger_gauges import READ_ERRORS, families
+from dispatcher.ledger_gauges import READ_ERRORS, backlog_families, families
 from teamdesk import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def exported() -> dict[str, tuple[str, list[str]]]:
         for family in registry.collect():
             labels = sorted({k for s in family.samples for k in s.labels} - {"le"})
             out[family.name] = (family.type, labels)
-    for family in families([]):
+    for family in [*families([]), *backlog_families({})]:
         out[family.name] = (family.type, sorted(family.samples[0].labels))
     out["teamdesk_workers_live"] = ("gauge", [])
     out[READ_ERRORS._name] = ("counter", [])
