@@ -5,7 +5,8 @@ Yes when PostgreSQL and Redis answer, a dispatcher leads (its leader lock in Red
 every task queue has a live worker (a heartbeat that says it consumes the queue). Every
 queue, not only those with work waiting: a task created a second from now must be able to
 start. ``waiting`` (ready runs not yet published, per queue, counted by the database's
-clock and capped) says which missing worker is already holding tasks up.
+clock and capped) says which missing worker is already holding tasks up, and
+``busiest_teams`` (per queue, the five teams with the most ready runs) whose work it is.
 
 Prints one JSON line on stdout and, for each problem, one sentence on stderr (the texts
 of api/cluster.py, which /api/workers/health and task views use too); exit 0 or 1.
@@ -25,7 +26,7 @@ import sqlalchemy as sa
 
 from api.cluster import MSG_NO_DATABASE, MSG_NO_REDIS, problems
 from dispatcher.roles import Roles, read_roles
-from ledger.waiting import READY_COUNT_CAP, ready_by_kind
+from ledger.waiting import READY_COUNT_CAP, ready_by_kind, top_ready_teams
 from tasks.names import QUEUE_OF_KIND
 from teamdesk.config import Settings
 from teamdesk.db import bound_transactions, sqlalchemy_url
@@ -46,8 +47,13 @@ def read_cluster_roles(settings: Settings) -> Roles | None:
         client.close()
 
 
-def read_waiting(database_url: str) -> dict[str, int] | None:
-    """Ready, unpublished runs per task queue; None when PostgreSQL does not answer."""
+Busiest = dict[str, list[dict[str, Any]]]
+
+
+def read_waiting(database_url: str) -> tuple[dict[str, int], Busiest] | None:
+    """Ready, unpublished runs per task queue, and per queue the teams with the most of
+    them (counted while the queue's ready runs are under the count's cap; a queue at the
+    cap names none); None when PostgreSQL does not answer."""
     engine = bound_transactions(
         sa.create_engine(
             sqlalchemy_url(database_url),
@@ -62,14 +68,22 @@ def read_waiting(database_url: str) -> dict[str, int] | None:
     try:
         with engine.connect() as conn:
             by_kind = ready_by_kind(conn)
+            top = top_ready_teams(conn, [k for k, n in by_kind.items() if n < READY_COUNT_CAP])
     except sa.exc.SQLAlchemyError:
         return None
     finally:
         engine.dispose()
-    return {QUEUE_OF_KIND[kind]: count for kind, count in by_kind.items()}
+    busiest = {
+        QUEUE_OF_KIND[kind]: [{"team_id": str(team), "ready": n} for team, n in teams]
+        for kind, teams in top.items()
+    }
+    return {QUEUE_OF_KIND[kind]: count for kind, count in by_kind.items()}, busiest
 
 
-def cluster_report(roles: Roles | None, waiting: dict[str, int] | None) -> dict[str, Any]:
+def cluster_report(
+    roles: Roles | None, read: tuple[dict[str, int], Busiest] | None
+) -> dict[str, Any]:
+    waiting, busiest = read if read is not None else (None, None)
     found = ([] if roles is not None else [MSG_NO_REDIS]) + (
         [] if waiting is not None else [MSG_NO_DATABASE]
     )
@@ -79,7 +93,7 @@ def cluster_report(roles: Roles | None, waiting: dict[str, int] | None) -> dict[
     else:
         fields.update(roles.as_dict())
         found += problems(roles, waiting, READY_COUNT_CAP)
-    return {**fields, "waiting": waiting, "problems": found}
+    return {**fields, "waiting": waiting, "busiest_teams": busiest, "problems": found}
 
 
 def is_able(report: dict[str, Any]) -> bool:

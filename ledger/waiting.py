@@ -7,6 +7,9 @@ autoscalers read (docs/design.md, "Observe"); a task's own wait is the view's
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Sequence
+
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
@@ -79,3 +82,33 @@ def backlog_by_kind(conn: Connection, cap: int = BACKLOG_COUNT_CAP) -> dict[str,
     counted up to ``cap``), and the age in seconds of the oldest (0 when none)."""
     rows = conn.execute(BACKLOG_BY_KIND, {"kinds": list(KINDS), "cap": cap})
     return {str(kind): (int(backlog), max(0.0, float(oldest))) for kind, backlog, oldest in rows}
+
+
+TOP_TEAMS = 5  # teams named per queue by the top-teams gauge
+
+# The teams with the most ready runs, per kind (the ready range of ix_background_tasks_ready
+# read whole: the caller asks only while the backlog is under BACKLOG_COUNT_CAP).
+TOP_READY_TEAMS = text("""
+    SELECT kind, team_id, ready FROM (
+        SELECT t.kind, t.team_id, count(*) AS ready,
+               row_number() OVER (PARTITION BY t.kind ORDER BY count(*) DESC, t.team_id) AS r
+          FROM background_tasks t
+         WHERE t.kind = ANY(CAST(:kinds AS text[])) AND NOT t.scheduled
+           AND t.status = 'WAITING' AND t.dispatched_at IS NULL AND t.run_at <= now()
+         GROUP BY t.kind, t.team_id
+    ) ranked
+     WHERE r <= :top
+     ORDER BY kind, ready DESC, team_id
+""")
+
+
+def top_ready_teams(
+    conn: Connection, kinds: Sequence[str], top: int = TOP_TEAMS
+) -> dict[str, list[tuple[uuid.UUID, int]]]:
+    """Per kind of ``kinds``: up to ``top`` teams with the most ready runs, most first."""
+    found: dict[str, list[tuple[uuid.UUID, int]]] = {kind: [] for kind in kinds}
+    if kinds:
+        rows = conn.execute(TOP_READY_TEAMS, {"kinds": list(kinds), "top": top})
+        for kind, team_id, ready in rows:
+            found[str(kind)].append((uuid.UUID(str(team_id)), int(ready)))
+    return found

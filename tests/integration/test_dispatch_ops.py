@@ -400,6 +400,10 @@ def test_health_cluster_names_the_missing_roles_and_the_tasks_they_hold_up(
             "consumers": {"exports": 0, "reminders": 0},
             "missing": ["dispatcher", "exports worker", "reminders worker"],
             "waiting": {"exports": 3, "reminders": 0},
+            "busiest_teams": {
+                "exports": [{"team_id": str(world.team_id), "ready": 3}],
+                "reminders": [],
+            },
             "problems": everything_missing,
         },
         [f"teamdesk-tasks health --cluster: {p}" for p in everything_missing],
@@ -422,12 +426,13 @@ def test_health_cluster_names_the_missing_roles_and_the_tasks_they_hold_up(
         assert printed["consumers"] == {"exports": 2, "reminders": 1}
         port = closed_port()
         code, printed, said = check(DATABASE_URL=f"postgresql://u:hunter2@127.0.0.1:{port}/x")
-        assert (code, printed["database"], printed["waiting"], printed["missing"]) == (
-            1,
-            False,
-            None,
-            [],
-        )
+        assert (
+            code,
+            printed["database"],
+            printed["waiting"],
+            printed["busiest_teams"],
+            printed["missing"],
+        ) == (1, False, None, None, [])
         assert said == ["teamdesk-tasks health --cluster: PostgreSQL does not answer"]
         assert str(port) not in json.dumps(printed)
     finally:
@@ -445,6 +450,10 @@ def test_health_cluster_names_the_missing_roles_and_the_tasks_they_hold_up(
             "consumers": None,
             "missing": None,
             "waiting": {"exports": 3, "reminders": 0},
+            "busiest_teams": {
+                "exports": [{"team_id": str(world.team_id), "ready": 3}],
+                "reminders": [],
+            },
             "problems": ["Redis does not answer: nothing can be published or run"],
         },
     )

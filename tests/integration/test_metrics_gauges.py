@@ -15,10 +15,11 @@ from api.metrics import REQUESTS, UNMATCHED
 from dispatcher.context import Cluster
 from dispatcher.ledger_gauges import READ_ERRORS, LedgerGauges
 from ledger.dispatch import database_now as _now
-from ledger.waiting import backlog_by_kind
+from ledger.waiting import backlog_by_kind, top_ready_teams
 from teamdesk import metrics
 from teamdesk.config import Settings
 from tests.support.api_helpers import api_client
+from tests.support.dispatch_scan import other_team
 from tests.support.factories import World, age_task, insert_task, task_row
 from tests.support.waiting import wait_for
 
@@ -178,3 +179,15 @@ def test_the_backlog_is_counted_up_to_its_cap(engine: sa.Engine, world: World) -
         assert backlog_by_kind(conn, cap=3)["EXPORT"][0] == 3
         assert backlog_by_kind(conn)["EXPORT"][0] == 5
         assert backlog_by_kind(conn)["REMINDER"] == (0, 0.0)
+
+
+def test_the_top_teams_are_the_busiest_few(engine: sa.Engine, world: World) -> None:
+    teams = [world, *(other_team(engine, f"T{i}") for i in range(6))]
+    with engine.begin() as conn:
+        for i, team in enumerate(teams):
+            for _ in range(i + 1):  # team i has i + 1 ready exports
+                insert_task(conn, team)
+    with engine.connect() as conn:
+        top = top_ready_teams(conn, ["EXPORT", "REMINDER"], top=3)
+    assert top["EXPORT"] == [(t.team_id, i + 1) for i, t in reversed(list(enumerate(teams)))][:3]
+    assert top["REMINDER"] == []
