@@ -23,7 +23,7 @@ from api.deps import ResourcesDep
 from api.resources import Resources
 from api.schemas import HealthOut, WorkersOut
 from dispatcher.roles import read_roles
-from teamdesk.heartbeat import has_heartbeat
+from teamdesk.heartbeat import live_count
 
 CHECK_DEADLINE_S = 2.0
 NO_STORE = {"Cache-Control": "no-store"}
@@ -41,7 +41,7 @@ def select_one(res: Resources) -> None:
 def cluster_roles(res: Resources) -> dict[str, Any]:
     roles = read_roles(res.redis, res.settings.queue_prefix)
     return {
-        "workers": has_heartbeat(res.redis, res.settings.queue_prefix),
+        "workers": live_count(res.redis, res.settings.queue_prefix) > 0,
         **roles.as_dict(),
         "problems": problems(roles),
     }

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cli.commands import local, serve, task_commands, watch
+from cli.commands import local, redis_acl, serve, task_commands, watch
 from teamdesk.config import settings_or_exit
 from teamdesk.failures import database_failure
 from teamdesk.logs import setup_logging
@@ -218,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     scan.add_argument("--json", action="store_true", help="print the counts as one JSON object")
     scan.set_defaults(handler=cmd_scan)
     serve.register(sub)
+    redis_acl.register(sub)
     local.register(sub)
     task_commands.register(sub)
     watch.register(sub)

@@ -51,8 +51,10 @@ import json
 import threading
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import redis
+from redis.exceptions import NoScriptError, ResponseError
 
 from teamdesk import hooks
 
@@ -161,6 +163,9 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_text)
 return redis.call('ZCARD', KEYS[1])
 """
 )
+
+# KEYS: one set. Returns how many members are live; writes nothing.
+_LIVE_COUNT = _REDIS_NOW + "return redis.call('ZCOUNT', KEYS[1], '(' .. now_text, '+inf')"
 
 # KEYS: one set. Returns the live members; writes nothing.
 _LIVE_MEMBERS = _REDIS_NOW + "return redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now_text, '+inf')"
@@ -315,16 +320,39 @@ class Heartbeat:
         return round(max(2 * self.ttl_s, TOMBSTONE_MIN_S) * 1000)
 
 
+def read_only(client: redis.Redis, source: str, keys: list[str]) -> Any:
+    """Run a script that writes nothing as ``EVALSHA_RO`` (Redis 7): a client allowed only
+    to read its keys (``%R~`` in its ACL user, teamdesk/redis_acl.py: the API, the
+    dispatcher) may run it, where ``EVALSHA`` counts every key it is given as written.
+    Before Redis 7 (no such command) it runs as ``EVALSHA``."""
+    script = client.register_script(source)
+    try:
+        try:
+            return client.evalsha_ro(script.sha, len(keys), *keys)
+        except NoScriptError:
+            client.script_load(source)
+            return client.evalsha_ro(script.sha, len(keys), *keys)
+    except ResponseError as exc:
+        if not str(exc).lower().startswith("unknown command"):
+            raise
+        return script(keys=keys)
+
+
 def has_heartbeat(client: redis.Redis, prefix: str, scope: str | None = None) -> bool:
     """Drop expired members (by Redis time), then tell whether one is left."""
     script = client.register_script(_DROP_EXPIRED_AND_COUNT)
     return int(script(keys=[active_key(prefix, scope)])) > 0
 
 
+def live_count(client: redis.Redis, prefix: str, scope: str | None = None) -> int:
+    """How many active members are live by Redis time (read-only, for readers such as the
+    API whose Redis user may not write the heartbeats)."""
+    return int(read_only(client, _LIVE_COUNT, [active_key(prefix, scope)]))
+
+
 def live_members(client: redis.Redis, prefix: str, scope: str | None = None) -> set[str]:
     """Active members whose score is later than Redis time (read-only)."""
-    script = client.register_script(_LIVE_MEMBERS)
-    return {_text(m) for m in script(keys=[active_key(prefix, scope)])}
+    return {_text(m) for m in read_only(client, _LIVE_MEMBERS, [active_key(prefix, scope)])}
 
 
 def slots_by_queue(client: redis.Redis, prefix: str) -> dict[str, int]:
@@ -344,9 +372,8 @@ def slots_by_queue(client: redis.Redis, prefix: str) -> dict[str, int]:
 
 def read_lease_holders(client: redis.Redis, prefix: str) -> LeaseHolders:
     """The live holders and the record's age, in one read-only script (one instant)."""
-    script = client.register_script(_LEASE_HOLDERS)
     keys = [holders_key(prefix), active_key(prefix)]
-    age, *members = [_text(m) for m in script(keys=keys)]
+    age, *members = [_text(m) for m in read_only(client, _LEASE_HOLDERS, keys)]
     return LeaseHolders(frozenset(members), float(age) if age else None)
 
 

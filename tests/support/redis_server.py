@@ -26,13 +26,16 @@ class RedisServer:
     process: subprocess.Popen[bytes]
     port: int
     args: tuple[str, ...] = ()
+    password: str | None = None  # the default user's, when the server's users need one
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, decode_responses=True, socket_timeout=2)
+        return redis.Redis(
+            port=self.port, password=self.password, decode_responses=True, socket_timeout=2
+        )
 
     def restart(self, down_s: float = 0.0) -> None:
         """Stop the server (everything in it is lost: no persistence), stay down for
@@ -77,17 +80,19 @@ def _wait_until_answering(server: RedisServer) -> None:
 
 
 @contextmanager
-def dedicated_redis() -> Iterator[RedisServer]:
-    """Start ``redis-server`` on 127.0.0.1:<free port>, no persistence; stop it after."""
+def dedicated_redis(*extra_args: str, password: str | None = None) -> Iterator[RedisServer]:
+    """Start ``redis-server`` on 127.0.0.1:<free port>, no persistence; stop it after.
+    ``extra_args`` are more options (``--aclfile PATH``); ``password`` is the default
+    user's when they set one."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed")
     workdir = tempfile.mkdtemp(prefix="tdt-redis-")
     port = free_port()
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    args += ["--dir", workdir]
+    args += ["--dir", workdir, *extra_args]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    server = RedisServer(process=process, port=port, args=tuple(args))
+    server = RedisServer(process=process, port=port, args=tuple(args), password=password)
     try:
         _wait_until_answering(server)
         yield server

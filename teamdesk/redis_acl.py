@@ -1,0 +1,287 @@
+"""Redis ACL users, one per process role (docs/design.md, "Processes"; deploy/README.md,
+"Redis users"): the one place their rules are written. ``teamdesk-tasks redis-acl``
+prints them (an ACL file, or ``ACL SETUSER`` commands), and deploy/redis/users.acl is its
+output for the default prefix.
+
+Every key of a cluster starts with ``<QUEUE_PREFIX>:`` (P below); Celery's fanout
+channels (events, remote control) are ``P:/<db>.P.celeryev/<routing key>`` and
+``P:/<db>.P.control.pidbox`` (kombu's fanout prefix ``/<db>.`` with the broker's database
+number). Redis 7 checks every command, key and channel, those a script runs included.
+
+- ``api``: its rate limits (``P:ratelimit:*``, read and written by one script) and,
+  read-only, the leader lock and the live heartbeats (``/api/workers/health``, a waiting
+  task's reason; scripts run as ``EVALSHA_RO``, teamdesk/heartbeat.py). No broker key,
+  no channel: it cannot publish a task or a control command.
+- ``beat`` (the dispatcher): publishes to the task queues (``P:<queue>*``, their kombu
+  bindings), reads them and kombu's unacknowledged hash (tasks/broker_view.py), sets the
+  queued markers (``P:queued:*``), holds the leader lock, reads the heartbeats (and
+  ``INFO``: the record's epoch). No channel.
+- ``worker``: consumes the task queues and keeps kombu's acknowledgement emulation
+  (``P:unacked``, ``P:unacked_index``, ``P:unacked_mutex``), its heartbeat
+  (``P:worker-heartbeat:*``), the markers it ends, its remote-control queue, replies and
+  bindings (``P:*.P.control.pidbox*``, ``P:_kombu.*``), gossip's event queue
+  (``P:celeryev.*``), a revoked task's result (``P:celery-task-meta-*``, also published);
+  publishes events and answers control commands (mingle's ``hello`` is a broadcast).
+- ``flower``: subscribes to the events, broadcasts control commands (inspect, revoke,
+  pool size: its buttons) and reads their replies, reads the queues' lengths. It takes
+  kombu's restore mutex (``P:unacked_mutex``) and reads the unacknowledged index, as every
+  consumer's channel does, but cannot push a message back: the workers restore. It
+  cannot publish a task.
+- ``default``: the administrator (every key, channel and command), for operators'
+  ``redis-cli`` and Celery's own commands (``celery purge``); no TeamDesk process uses it.
+
+Commands are listed, never granted by category (``+@write`` would also grant FLUSHALL),
+but for connection housekeeping (:data:`CONNECTION`).
+A user's password is given as its SHA-256 (``#<hex>``), never in clear text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+ROLES = ("api", "worker", "beat", "flower")
+ADMIN = "default"
+PASSWORD_VARS = {
+    ADMIN: "REDIS_PASSWORD",
+    "api": "REDIS_API_PASSWORD",
+    "worker": "REDIS_WORKER_PASSWORD",
+    "beat": "REDIS_BEAT_PASSWORD",
+    "flower": "REDIS_FLOWER_PASSWORD",
+}
+# A prefix is written into key and channel patterns: no glob or space may hide in it.
+PLAIN_PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+MSG_PREFIX = "QUEUE_PREFIX must be letters, digits, '_', '.' or '-' to write Redis ACL rules"
+
+# Connection housekeeping (HELLO, AUTH, PING, SELECT, CLIENT SETNAME/SETINFO...) as a
+# category: its commands differ between Redis versions, and a rule naming one the server
+# lacks (CLIENT SETINFO before 7.2) makes it refuse the whole file. Its administrative
+# and dangerous members (CLIENT KILL, LIST, PAUSE...) and key tracking are taken out.
+CONNECTION = ("+@connection", "-@admin", "-@dangerous", "-client|tracking")
+SCRIPTS = ("+evalsha", "+evalsha_ro", "+script|load", "+script|exists")
+TRANSACTIONS = ("+multi", "+exec", "+discard", "+watch", "+unwatch")
+# kombu's Redis channel: queues, bindings, its scripts (binding deadlines, the restore
+# mutex), fanout over pub/sub.
+KOMBU_CONSUMER = (
+    "+brpop",
+    "+llen",
+    "+del",
+    "+exists",
+    "+sadd",
+    "+srem",
+    "+smembers",
+    "+set",
+    "+get",
+    "+pexpire",
+    "+time",
+    "+zadd",
+    "+zrem",
+    "+zrange",
+    "+zrangebyscore",
+    "+publish",
+    "+psubscribe",
+    "+punsubscribe",
+    "+subscribe",
+    "+unsubscribe",
+)
+
+API_COMMANDS = ("+exists", "+mget", "+get", "+set", "+time", "+zcount", "+zrangebyscore")
+BEAT_COMMANDS = (
+    "+eval",
+    "+info",
+    "+lpush",
+    "+llen",
+    "+lrange",
+    "+hvals",
+    "+sadd",
+    "+smembers",
+    "+exists",
+    "+set",
+    "+get",
+    "+del",
+    "+pexpire",
+    "+mget",
+    "+time",
+    "+zrangebyscore",
+)
+WORKER_COMMANDS = (
+    *KOMBU_CONSUMER,
+    "+lpush",
+    "+eval",
+    "+info",
+    "+rpop",
+    "+rpush",
+    "+lrange",
+    "+hset",
+    "+hget",
+    "+hdel",
+    "+hvals",
+    "+setex",
+    "+mget",
+    "+zcard",
+    "+zcount",
+    "+zremrangebyscore",
+    "+zrevrangebyscore",
+)
+FLOWER_COMMANDS = KOMBU_CONSUMER
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a cluster keeps its Redis state: ``prefix`` (QUEUE_PREFIX), its task
+    ``queues`` and the broker's database number (in Celery's channel names)."""
+
+    prefix: str
+    queues: tuple[str, ...]
+    db: int = 0
+
+    def __post_init__(self) -> None:
+        if not PLAIN_PREFIX.fullmatch(self.prefix):
+            raise ValueError(MSG_PREFIX)
+
+    def key(self, rest: str) -> str:
+        return f"{self.prefix}:{rest}"
+
+    @property
+    def events(self) -> str:
+        """Celery's event exchange, a fanout on Redis (tasks/celery_app.py)."""
+        return f"{self.prefix}.celeryev"
+
+    @property
+    def pidbox(self) -> str:
+        """Celery's remote-control (pidbox) exchange."""
+        return f"{self.prefix}.control.pidbox"
+
+    def channel(self, exchange: str) -> str:
+        return self.key(f"/{self.db}.{exchange}")
+
+
+def user_name(role: str, prefix: str) -> str:
+    """A role's user: ``<prefix>-<role>`` (clusters sharing a Redis keep theirs apart);
+    the administrator is Redis's ``default``."""
+    return ADMIN if role == ADMIN else f"{prefix}-{role}"
+
+
+def password_hash(password: str) -> str:
+    """How Redis stores a password (``#<sha256 hex>`` in a rule)."""
+    return hashlib.sha256(password.encode()).hexdigest()
+
+
+def placeholder(role: str) -> str:
+    """Where a password's hash goes in the example file. Redis refuses to load it as it
+    is (not 64 hex digits): a file nobody filled in starts no server."""
+    return f"sha256({PASSWORD_VARS[role]})"
+
+
+def _queue_keys(layout: Layout, access: str) -> list[str]:
+    """The task queues' lists (kombu adds ``\\x06\\x16<priority>`` to a queue's name)."""
+    return [f"{access}{layout.key(queue)}*" for queue in layout.queues]
+
+
+def _bindings(layout: Layout, exchanges: Sequence[str]) -> list[str]:
+    """kombu's binding tables of ``exchanges`` (and their permanent sets)."""
+    return [
+        f"~{layout.key(table)}{exchange}"
+        for exchange in exchanges
+        for table in ("_kombu.binding.", "_kombu.binding_permanent.")
+    ]
+
+
+def _heartbeats(layout: Layout) -> str:
+    return layout.key("worker-heartbeat:*")
+
+
+def _api(layout: Layout) -> list[str]:
+    return [
+        *API_COMMANDS,
+        f"~{layout.key('ratelimit:*')}",
+        f"%R~{layout.key('dispatcher:leader')}",
+        f"%R~{layout.key('worker-heartbeat:active')}",
+        f"%R~{layout.key('worker-heartbeat:info:*')}",
+    ]
+
+
+def _beat(layout: Layout) -> list[str]:
+    return [
+        *TRANSACTIONS,
+        *BEAT_COMMANDS,
+        *_queue_keys(layout, "~"),
+        *_bindings(layout, layout.queues),
+        f"%R~{layout.key('unacked')}",
+        f"~{layout.key('queued:*')}",
+        f"~{layout.key('dispatcher:leader')}",
+        f"%R~{_heartbeats(layout)}",
+    ]
+
+
+def _worker(layout: Layout) -> list[str]:
+    return [
+        *TRANSACTIONS,
+        *WORKER_COMMANDS,
+        *_queue_keys(layout, "~"),
+        *(f"~{layout.key(name)}" for name in ("unacked", "unacked_index", "unacked_mutex")),
+        f"~{layout.key('_kombu.*')}",
+        f"~{layout.key('*.' + layout.pidbox + '*')}",
+        f"~{layout.key('celeryev.*')}",
+        f"~{layout.key('celery-task-meta-*')}",
+        f"~{layout.key('queued:*')}",
+        f"~{_heartbeats(layout)}",
+        f"&{layout.channel(layout.events)}/*",
+        f"&{layout.channel(layout.events)}/worker.*",
+        f"&{layout.channel(layout.pidbox)}",
+        f"&{layout.key('celery-task-meta-*')}",
+    ]
+
+
+def _flower(layout: Layout) -> list[str]:
+    reply = f"reply.{layout.pidbox}"
+    return [
+        *TRANSACTIONS,
+        *FLOWER_COMMANDS,
+        *_queue_keys(layout, "%R~"),
+        f"~{layout.key('*.' + reply + '*')}",
+        f"~{layout.key('celeryev.*')}",
+        *_bindings(layout, (layout.events, layout.pidbox, reply)),
+        f"~{layout.key('_kombu.binding_deadlines')}",
+        f"~{layout.key('unacked_mutex')}",
+        f"%R~{layout.key('unacked_index')}",
+        f"%R~{layout.key('unacked')}",
+        f"&{layout.channel(layout.events)}/*",
+        f"&{layout.channel(layout.pidbox)}",
+    ]
+
+
+GRANTS = {"api": _api, "beat": _beat, "worker": _worker, "flower": _flower}
+
+
+def role_rules(role: str, layout: Layout) -> list[str]:
+    """What ``role`` may run, touch and publish (no ``reset``, no password)."""
+    if role == ADMIN:
+        return ["~*", "&*", "+@all"]
+    return [*CONNECTION, *SCRIPTS, *GRANTS[role](layout)]
+
+
+def acl_rules(role: str, layout: Layout, hashed: str) -> list[str]:
+    """The full rule list of ``role``'s user, password ``hashed`` (see
+    :func:`password_hash`): starts from ``reset``, so applying it again replaces it."""
+    return ["reset", "on", f"#{hashed}", *role_rules(role, layout)]
+
+
+def acl_file_line(role: str, layout: Layout, hashed: str) -> str:
+    return " ".join(["user", user_name(role, layout.prefix), *acl_rules(role, layout, hashed)])
+
+
+def setuser_line(role: str, layout: Layout, hashed: str) -> str:
+    """The same user as an ``ACL SETUSER`` command (for ``redis-cli``)."""
+    return " ".join(
+        ["ACL", "SETUSER", user_name(role, layout.prefix), *acl_rules(role, layout, hashed)]
+    )
+
+
+def acl_file(layout: Layout, hashes: Mapping[str, str]) -> str:
+    """An ACL file (``aclfile``) with the administrator and every role, in that order:
+    an ACL file replaces every user, so it must define ``default`` too (left out, Redis
+    makes it password-less with every right, ``requirepass`` notwithstanding)."""
+    return "".join(acl_file_line(role, layout, hashes[role]) + "\n" for role in (ADMIN, *ROLES))
