@@ -36,14 +36,28 @@ TASK_QUEUES = frozenset(DECLARED_QUEUES)
 
 # Who gets which credential (deploy/README.md, "Who gets which secret"): the variables
 # holding one, and each component's share of them. Only migrate has the schema owner's
-# DATABASE_URL and the application role's password; the others connect as APP_ROLE;
-# Flower has no database URL at all.
+# DATABASE_URL and the roles' passwords; the API connects as API_ROLE, the workers and
+# beat as APP_ROLE; Flower has no database URL at all. Each component's REDIS_URL (and a
+# Redis BROKER_URL) logs in as its own Redis user.
 APP_ROLE = "teamdesk_app"
+API_ROLE = "teamdesk_api"
 COMPONENTS = ("migrate", "api", "worker", "beat", "flower")
+DATABASE_ROLE = {"api": API_ROLE, "worker": APP_ROLE, "beat": APP_ROLE}
+REDIS_USER = {c: f"teamdesk-{c}" for c in ("api", "worker", "beat", "flower")}
+# The secrets a Compose service may interpolate: its own (another's is a leak).
+OWN_SECRETS: dict[str, frozenset[str]] = {
+    "migrate": frozenset({"POSTGRES_PASSWORD", "APP_DB_PASSWORD", "API_DB_PASSWORD"}),
+    "api": frozenset({"API_DB_PASSWORD", "REDIS_API_PASSWORD"}),
+    "worker": frozenset({"APP_DB_PASSWORD", "REDIS_WORKER_PASSWORD"}),
+    "beat": frozenset({"APP_DB_PASSWORD", "REDIS_BEAT_PASSWORD"}),
+    "flower": frozenset({"REDIS_FLOWER_PASSWORD", "FLOWER_USER", "FLOWER_PASSWORD"}),
+}
+SECRET_VARS = frozenset().union(*OWN_SECRETS.values()) | {"REDIS_PASSWORD"}
 CREDENTIAL_VARS = frozenset(
     {
         "DATABASE_URL",
         "APP_DB_PASSWORD",
+        "API_DB_PASSWORD",
         "REDIS_URL",
         "BROKER_URL",
         "DISPATCH_LISTEN_URL",
@@ -52,11 +66,16 @@ CREDENTIAL_VARS = frozenset(
         "FLOWER_BASIC_AUTH",
         "POSTGRES_PASSWORD",
         "REDIS_PASSWORD",
+        "REDIS_API_PASSWORD",
+        "REDIS_WORKER_PASSWORD",
+        "REDIS_BEAT_PASSWORD",
+        "REDIS_FLOWER_PASSWORD",
         "OWNER_DATABASE_URL",
+        "API_DATABASE_URL",
     }
 )
 NEEDS: dict[str, frozenset[str]] = {
-    "migrate": frozenset({"DATABASE_URL", "APP_DB_PASSWORD"}),
+    "migrate": frozenset({"DATABASE_URL", "APP_DB_PASSWORD", "API_DB_PASSWORD"}),
     "api": frozenset({"DATABASE_URL", "REDIS_URL"}),
     "worker": frozenset({"DATABASE_URL", "REDIS_URL", "BROKER_URL"}),
     "beat": frozenset({"DATABASE_URL", "REDIS_URL", "BROKER_URL", "DISPATCH_LISTEN_URL"}),
@@ -98,6 +117,11 @@ def compose_default(value: Any) -> str:
 def migrate_app_role(command: list[str]) -> str | None:
     """The role a ``teamdesk-tasks migrate --app-role NAME`` command sets up."""
     return flag_value(command, "--app-role")
+
+
+def migrate_api_role(command: list[str]) -> str | None:
+    """The role a ``teamdesk-tasks migrate --api-role NAME`` command sets up."""
+    return flag_value(command, "--api-role")
 
 
 # --------------------------------------------------------------------------- Kubernetes

@@ -1,17 +1,22 @@
 """Who gets which credential, in deploy/compose.yaml and deploy/k8s/ (deploy/README.md,
 "Who gets which secret"), checked offline on the parsed files.
 
-- **Redis requires a password.** Compose starts it with ``--requirepass`` from the
-  required ``REDIS_PASSWORD``, and its health check authenticates from the environment;
-  every ``REDIS_URL`` (Compose default, Kubernetes Secret) carries a password, and so
-  does every ``BROKER_URL`` that is not empty (empty = ``REDIS_URL``).
-- **Two database roles.** Migrate alone holds the schema owner's ``DATABASE_URL`` and
-  ``APP_DB_PASSWORD`` and sets up the application role (``--app-role teamdesk_app``);
-  every other ``DATABASE_URL`` (and a ``DISPATCH_LISTEN_URL``) connects as that role.
-- **Each component gets only what it reads** (``NEEDS``): Flower no database URL at all.
-  On Kubernetes each pod reads its own Secret only, variable by variable (a Secret is
-  never loaded whole with ``envFrom``), and each Secret holds only its component's
-  variables; the old shared ``teamdesk-secrets`` is gone.
+- **One Redis user per component.** Compose starts Redis with ``--aclfile``: the users of
+  deploy/redis/users.acl, each placeholder replaced by the SHA-256 of its required
+  password variable, and its health check authenticates as the administrator from the
+  environment; every ``REDIS_URL`` (Compose default, Kubernetes Secret) logs in as its
+  component's own user (``teamdesk-<component>``) with a password, and so does every
+  ``BROKER_URL`` that is not empty (empty = ``REDIS_URL``).
+- **Three database roles.** Migrate alone holds the schema owner's ``DATABASE_URL`` and
+  the roles' passwords and sets up the application role (``--app-role teamdesk_app``)
+  and the API's (``--api-role teamdesk_api``); the API's ``DATABASE_URL`` connects as
+  the API's role, the workers' and beat's (and a ``DISPATCH_LISTEN_URL``) as the
+  application role.
+- **Each component gets only what it reads** (``NEEDS``): Flower no database URL at all;
+  in Compose no service interpolates another's password. On Kubernetes each pod reads
+  its own Secret only, variable by variable (a Secret is never loaded whole with
+  ``envFrom``), and each Secret holds only its component's variables; the old shared
+  ``teamdesk-secrets`` is gone.
 
 Every check is shown to fail on a copy broken in exactly that point.
 """
@@ -25,17 +30,24 @@ from typing import Any
 
 import pytest
 
+from teamdesk.redis_acl import ADMIN, PASSWORD_VARS, ROLES
 from tests.support.deploy_files import (
+    API_ROLE,
     APP_ROLE,
     COMPONENTS,
     CREDENTIAL_VARS,
+    DATABASE_ROLE,
     NEEDS,
+    OWN_SECRETS,
+    REDIS_USER,
+    SECRET_VARS,
     argv,
     compose_default,
     containers,
     env_map,
     find,
     main_container,
+    migrate_api_role,
     migrate_app_role,
     of_kind,
     pod_labels,
@@ -50,28 +62,57 @@ COMPOSE_NEEDS = {
 }
 # The schema owner's credentials, in Compose interpolations: migrate's alone.
 OWNER_VARS = ("POSTGRES_PASSWORD", "OWNER_DATABASE_URL")
-REQUIRED_REDIS_PASSWORD = re.compile(r"\$\{REDIS_PASSWORD:\?[^}]*\}")
+ROLE_NAMES = {APP_ROLE: "the application role", API_ROLE: "the API's role"}
 
 
-def _role_problems(where: str, var: str, role: str | None, url: str, *, owner: bool) -> list[str]:
-    """A database URL connects as the application role (``owner``: must not)."""
+def _role_problems(where: str, var: str, component: str, url: str) -> list[str]:
+    """A database URL connects as the component's role (migrate: as neither role)."""
     user, _ = url_credentials(url)
-    if owner and user == role:
-        return [f"{where}: {var} connects as the application role {role}"]
-    if not owner and user != role:
-        return [f"{where}: {var} connects as {user}, not the application role {role}"]
+    if component == "migrate":
+        if user in ROLE_NAMES:
+            return [f"{where}: {var} connects as {ROLE_NAMES[user]} {user}"]
+        return []
+    role = DATABASE_ROLE.get(component)
+    if role is None:  # Flower: NEEDS says it holds no database URL at all
+        return []
+    if user != role:
+        return [f"{where}: {var} connects as {user}, not {ROLE_NAMES[role]} {role}"]
     return []
 
 
-def _redis_url_problems(where: str, values: dict[str, Any]) -> list[str]:
+def _redis_url_problems(where: str, component: str, values: dict[str, Any]) -> list[str]:
+    """REDIS_URL (and a BROKER_URL on Redis) log in as the component's own user."""
     problems = []
-    redis_url = values.get("REDIS_URL")
-    if redis_url is not None and not url_credentials(redis_url)[1]:
-        problems.append(f"{where}: REDIS_URL carries no password")
-    broker = values.get("BROKER_URL")
-    if broker and not url_credentials(broker)[1]:
-        problems.append(f"{where}: BROKER_URL carries no password")
+    for var in ("REDIS_URL", "BROKER_URL"):
+        url = values.get(var)
+        if not url or (var == "BROKER_URL" and not str(url).startswith(("redis", "sentinel"))):
+            continue
+        user, password = url_credentials(url)
+        if not password:
+            problems.append(f"{where}: {var} carries no password")
+        if user != REDIS_USER[component]:
+            problems.append(f"{where}: {var} logs in as {user!r}, not {REDIS_USER[component]}")
     return problems
+
+
+def _migrate_problems(command: list[str]) -> list[str]:
+    problems = []
+    if (role := migrate_app_role(command)) != APP_ROLE:
+        problems.append(f"migrate: --app-role is {role!r}, not {APP_ROLE}")
+    if (role := migrate_api_role(command)) != API_ROLE:
+        problems.append(f"migrate: --api-role is {role!r}, not {API_ROLE}")
+    return problems
+
+
+def _foreign_secrets(name: str, env: dict[str, Any]) -> list[str]:
+    """Compose: the secrets ``name``'s environment interpolates that are not its own."""
+    used = {
+        var
+        for value in env.values()
+        for var in re.findall(r"\$\{([A-Z0-9_]+)", str(value))
+        if var in SECRET_VARS
+    }
+    return [f"{name}: interpolates {var}, not its own" for var in sorted(used - OWN_SECRETS[name])]
 
 
 # --------------------------------------------------------------------------- compose
@@ -80,9 +121,7 @@ def _redis_url_problems(where: str, values: dict[str, Any]) -> list[str]:
 def compose_access_problems(doc: dict[str, Any]) -> list[str]:
     services: dict[str, Any] = doc["services"]
     problems = _compose_redis_problems(services["redis"])
-    role = migrate_app_role(services["migrate"].get("command") or [])
-    if role != APP_ROLE:
-        problems.append(f"migrate: --app-role is {role!r}, not {APP_ROLE}")
+    problems.extend(_migrate_problems(services["migrate"].get("command") or []))
     for name in COMPONENTS:
         env = env_map(services[name].get("environment"))
         held = set(env) & CREDENTIAL_VARS
@@ -97,27 +136,35 @@ def compose_access_problems(doc: dict[str, Any]) -> list[str]:
                 for var, value in env.items()
                 if any(f"${{{owner}" in str(value) for owner in OWNER_VARS)
             )
+        problems.extend(_foreign_secrets(name, env))
         defaults = {var: compose_default(value) for var, value in env.items()}
-        problems.extend(_redis_url_problems(name, defaults))
+        problems.extend(_redis_url_problems(name, name, defaults))
         if "DATABASE_URL" in defaults:
-            problems.extend(
-                _role_problems(
-                    name, "DATABASE_URL", role, defaults["DATABASE_URL"], owner=name == "migrate"
-                )
-            )
+            problems.extend(_role_problems(name, "DATABASE_URL", name, defaults["DATABASE_URL"]))
     return problems
 
 
+USERS_FILE = re.compile(r"\./redis/users\.acl:(\S+?)(:ro)?")
+
+
 def _compose_redis_problems(redis: dict[str, Any]) -> list[str]:
+    """Redis loads deploy/redis/users.acl with every password placeholder replaced from
+    its required variable; the health check logs in as the administrator."""
     problems = []
     command = redis.get("command") or []
     text = " ".join(command) if isinstance(command, list) else str(command)
-    password_from_env = re.search(r"--requirepass\s+\"?\$\$\{?REDIS_PASSWORD\b", text)
-    if not password_from_env:
-        problems.append("redis: not started with --requirepass $REDIS_PASSWORD")
+    mounts = [m for v in redis.get("volumes") or [] if (m := USERS_FILE.fullmatch(str(v)))]
+    if not mounts:
+        problems.append("redis: ./redis/users.acl is not mounted")
+    elif mounts[0].group(1) not in text or "--aclfile" not in text:
+        problems.append("redis: not started with --aclfile from ./redis/users.acl")
     env = env_map(redis.get("environment"))
-    if not REQUIRED_REDIS_PASSWORD.fullmatch(str(env.get("REDIS_PASSWORD", ""))):
-        problems.append("redis: REDIS_PASSWORD is not a required variable (${REDIS_PASSWORD:?})")
+    for role in (ADMIN, *ROLES):
+        var = PASSWORD_VARS[role]
+        if f'/#sha256({var})/#$$(sha "$${var}")/' not in text:
+            problems.append(f"redis: the {role} user's placeholder is not replaced from {var}")
+        if not re.fullmatch(rf"\$\{{{var}:\?[^}}]*\}}", str(env.get(var, ""))):
+            problems.append(f"redis: {var} is not a required variable (${{{var}:?}})")
     test = " ".join(map(str, (redis.get("healthcheck") or {}).get("test") or []))
     authenticated = "REDIS_PASSWORD" in str(env.get("REDISCLI_AUTH", "")) or " -a " in test
     if "redis-cli" not in test or not authenticated:
@@ -129,11 +176,8 @@ def _compose_redis_problems(redis: dict[str, Any]) -> list[str]:
 
 
 def k8s_access_problems(docs: list[dict[str, Any]]) -> list[str]:
-    problems: list[str] = []
     migrate = find(docs, "Job", "teamdesk-migrate")
-    role = migrate_app_role(argv(main_container(migrate))) if migrate else None
-    if role != APP_ROLE:
-        problems.append(f"migrate: --app-role is {role!r}, not {APP_ROLE}")
+    problems = _migrate_problems(argv(main_container(migrate)) if migrate else [])
     for workload in of_kind(docs, "Deployment", "Job", "StatefulSet", "DaemonSet"):
         problems.extend(_workload_problems(workload))
     own = {f"teamdesk-{component}": component for component in COMPONENTS}
@@ -146,14 +190,11 @@ def k8s_access_problems(docs: list[dict[str, Any]]) -> list[str]:
         component = own[name]
         if extra := sorted(set(values) - NEEDS[component]):
             problems.append(f"Secret {name} holds {extra}, which {component} does not read")
-        problems.extend(_redis_url_problems(f"Secret {name}", values))
+        if component != "migrate":
+            problems.extend(_redis_url_problems(f"Secret {name}", component, values))
         for var in ("DATABASE_URL", "DISPATCH_LISTEN_URL"):
             if values.get(var) not in (None, "", "off"):
-                problems.extend(
-                    _role_problems(
-                        f"Secret {name}", var, role, values[var], owner=name == "teamdesk-migrate"
-                    )
-                )
+                problems.extend(_role_problems(f"Secret {name}", var, component, values[var]))
     return problems
 
 
@@ -219,12 +260,39 @@ def _set(service: str, key: str, value: Any) -> Callable[[dict[str, Any]], None]
 
 OWNER_URL = "${DATABASE_URL:-postgresql://teamdesk:${POSTGRES_PASSWORD}@postgres:5432/teamdesk}"
 APP_URL = "${DATABASE_URL:-postgresql://teamdesk_app:${APP_DB_PASSWORD}@postgres:5432/teamdesk}"
+API_URL = "${API_DATABASE_URL:-postgresql://teamdesk_api:${API_DB_PASSWORD}@postgres:5432/teamdesk}"
+API_REDIS = "${API_REDIS_URL:-redis://teamdesk-api:${REDIS_API_PASSWORD}@redis:6379/0}"
+
+
+def _redis_script(edit: Callable[[str], str]) -> Callable[[dict[str, Any]], None]:
+    def mutate(doc: dict[str, Any]) -> None:
+        command = doc["services"]["redis"]["command"]
+        command[-1] = edit(command[-1])
+
+    return mutate
+
+
+def _unmount_users(doc: dict[str, Any]) -> None:
+    redis = doc["services"]["redis"]
+    redis["volumes"] = [v for v in redis["volumes"] if "users.acl" not in v]
+
 
 COMPOSE_BREAKS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     (
-        "redis without a password",
+        "redis without its users",
         _set("redis", "command", ["redis-server", "--appendonly", "yes"]),
-        "redis: not started with --requirepass",
+        "redis: not started with --aclfile from ./redis/users.acl",
+    ),
+    ("redis without the users file", _unmount_users, "redis: ./redis/users.acl is not mounted"),
+    (
+        "a user's placeholder left in",
+        _redis_script(lambda s: s.replace("REDIS_API_PASSWORD)/", "REDIS_APIPASSWORD)/")),
+        "redis: the api user's placeholder is not replaced from REDIS_API_PASSWORD",
+    ),
+    (
+        "a user's password optional",
+        _set_env("redis", "REDIS_BEAT_PASSWORD", "${REDIS_BEAT_PASSWORD:-}"),
+        "redis: REDIS_BEAT_PASSWORD is not a required variable",
     ),
     (
         "redis password optional",
@@ -235,6 +303,36 @@ COMPOSE_BREAKS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         "redis health check without auth",
         _drop_env("redis", "REDISCLI_AUTH"),
         "redis: health check does not authenticate",
+    ),
+    (
+        "worker logs in as the API's Redis user",
+        _set_env("worker", "REDIS_URL", API_REDIS),
+        "worker: REDIS_URL logs in as 'teamdesk-api', not teamdesk-worker",
+    ),
+    (
+        "beat holds the API's Redis password",
+        _set_env("beat", "REDIS_URL", API_REDIS),
+        "beat: interpolates REDIS_API_PASSWORD, not its own",
+    ),
+    (
+        "the API as the application role",
+        _set_env("api", "DATABASE_URL", APP_URL),
+        "api: DATABASE_URL connects as teamdesk_app, not the API's role teamdesk_api",
+    ),
+    (
+        "the API holds the application role's password",
+        _set_env("api", "EXTRA", "${APP_DB_PASSWORD}"),
+        "api: interpolates APP_DB_PASSWORD, not its own",
+    ),
+    (
+        "the worker as the API's role",
+        _set_env("worker", "DATABASE_URL", API_URL),
+        "worker: DATABASE_URL connects as teamdesk_api, not the application role",
+    ),
+    (
+        "migrate without --api-role",
+        _set("migrate", "command", ["teamdesk-tasks", "migrate", "--app-role", "teamdesk_app"]),
+        "migrate: --api-role is None, not teamdesk_api",
     ),
     (
         "worker REDIS_URL without a password",
@@ -330,6 +428,7 @@ def _add_shared_secret(docs: list[dict[str, Any]]) -> None:
 
 K8S_OWNER = "postgresql://teamdesk:pw@postgres.example.internal:5432/teamdesk"
 K8S_APP = "postgresql://teamdesk_app:pw@postgres.example.internal:5432/teamdesk"
+K8S_API = "postgresql://teamdesk_api:pw@postgres.example.internal:5432/teamdesk"
 
 K8S_BREAKS: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
     (
@@ -393,6 +492,42 @@ K8S_BREAKS: list[tuple[str, Callable[[list[dict[str, Any]]], None], str]] = [
         "migrate as the app role",
         _secret_value("teamdesk-migrate", "DATABASE_URL", K8S_APP),
         "Secret teamdesk-migrate: DATABASE_URL connects as the application role",
+    ),
+    (
+        "the API as the application role",
+        _secret_value("teamdesk-api", "DATABASE_URL", K8S_APP),
+        "Secret teamdesk-api: DATABASE_URL connects as teamdesk_app, not the API's role",
+    ),
+    (
+        "beat as the API's role",
+        _secret_value("teamdesk-beat", "DATABASE_URL", K8S_API),
+        "Secret teamdesk-beat: DATABASE_URL connects as teamdesk_api, not the application role",
+    ),
+    (
+        "migrate as the API's role",
+        _secret_value("teamdesk-migrate", "DATABASE_URL", K8S_API),
+        "Secret teamdesk-migrate: DATABASE_URL connects as the API's role teamdesk_api",
+    ),
+    (
+        "beat logs in as the worker's Redis user",
+        _secret_value("teamdesk-beat", "REDIS_URL", "redis://teamdesk-worker:pw@redis:6379/0"),
+        "Secret teamdesk-beat: REDIS_URL logs in as 'teamdesk-worker', not teamdesk-beat",
+    ),
+    (
+        "Flower's broker as the administrator",
+        _secret_value("teamdesk-flower", "BROKER_URL", "redis://:pw@redis:6379/0"),
+        "Secret teamdesk-flower: BROKER_URL logs in as '', not teamdesk-flower",
+    ),
+    (
+        "migrate without --api-role",
+        _container_of(
+            "Job",
+            "teamdesk-migrate",
+            lambda c: c.__setitem__(
+                "command", ["teamdesk-tasks", "migrate", "--app-role", "teamdesk_app"]
+            ),
+        ),
+        "migrate: --api-role is None",
     ),
     (
         "migrate without --app-role",

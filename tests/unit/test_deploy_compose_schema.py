@@ -100,13 +100,18 @@ def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
     required = {
         "POSTGRES_PASSWORD": "pw",
         "APP_DB_PASSWORD": "app",
+        "API_DB_PASSWORD": "api",
         "REDIS_PASSWORD": "rp",
+        "REDIS_API_PASSWORD": "ra",
+        "REDIS_WORKER_PASSWORD": "rw",
+        "REDIS_BEAT_PASSWORD": "rb",
+        "REDIS_FLOWER_PASSWORD": "rf",
         "FLOWER_USER": "u",
         "FLOWER_PASSWORD": "p",
     }
     result = _docker_compose_config(tmp_path, required)
     assert result.returncode == 0, result.stderr
-    for name in ("FLOWER_PASSWORD", "REDIS_PASSWORD", "APP_DB_PASSWORD"):
+    for name in required:
         missing = _docker_compose_config(tmp_path, {k: v for k, v in required.items() if k != name})
         assert missing.returncode != 0
         assert name in missing.stderr
