@@ -113,7 +113,16 @@ def seed_clients(engine: sa.Engine, n: int) -> list[tuple[str, str]]:
 def start_api(env: BenchEnv, part: Part, index: int) -> tuple[Proc, int]:
     port = free_port()
     argv = [sys.executable, "-m", "cli.main", "api", "--host", "127.0.0.1", "--port", str(port)]
-    extra = {"API_RATE_PER_MIN": UNLIMITED, "API_RATE_BURST": UNLIMITED, "LOG_LEVEL": "warn"}
+    # Limits and quotas no client reaches: every check still runs (the rate limiter's
+    # Redis call, the daily export quota's count of the team's exports today) and never
+    # refuses (each client's team creates thousands of exports in seconds).
+    extra = {
+        "API_RATE_PER_MIN": UNLIMITED,
+        "API_RATE_BURST": UNLIMITED,
+        "TEAM_EXPORTS_PER_DAY": UNLIMITED,
+        "TEAM_EXPORT_BYTES_PER_DAY": UNLIMITED,
+        "LOG_LEVEL": "warn",
+    }
     proc = Proc(f"p7-api-{index}", argv, settings_env(part.settings, **extra), env.workdir)
     proc.start()
     part.procs.append(proc)
