@@ -117,6 +117,8 @@ class BenchEnv:
         if self.template is not None:
             with suppress(Exception):
                 databases.drop_database(self.template)
+            with suppress(Exception):  # the template granted it (tests/support/databases.py)
+                databases.drop_api_role()
         with suppress(Exception):
             keys = list(self.redis.scan_iter(match=f"{self.key_root}*", count=5000))
             for i in range(0, len(keys), 1000):
