@@ -26,7 +26,8 @@ ledger functions they call):
 
 A table missing from :data:`API_TABLES` gets nothing (tests/unit/test_api_role.py makes a
 new table of ``ledger.models`` choose). Like the application role it must not be the
-migrating role, own the tables or hold role attributes.
+migrating role, own the tables, hold role attributes or be able to do more to a table
+through another role (a member of the application role is refused).
 """
 
 from __future__ import annotations

@@ -14,13 +14,15 @@ owner, right after the migrations. The role gets what the processes use, nothing
 
 It owns nothing and is no member of an owner, so it can do no DDL (``CREATE``, ``ALTER``,
 ``DROP``, ``TRUNCATE``, ``GRANT``) and reads no table outside the list
-(``alembic_version`` included). ``LISTEN``/``NOTIFY``, advisory locks and ``SET LOCAL``
-need no grant; ``TEMP`` tables (``PUBLIC``'s by default) change no schema and are left
-alone. ``ANALYZE`` needs ownership before PostgreSQL 17, so the dispatcher refreshes the
-ledger's statistics through ``teamdesk_analyze_ledger()`` (migration 0006: ``SECURITY
-DEFINER``, that one statement), on which the role gets ``EXECUTE``; it removes what is
-past its retention through ``teamdesk_purge_ledger()`` (migration 0007, ledger/retention.py:
-the only way audit rows leave the trail), on which it gets ``EXECUTE`` too.
+(``alembic_version`` included); a role that could do more to a project table through
+another role it is a member of, or through ``PUBLIC``, is refused. ``LISTEN``/``NOTIFY``,
+advisory locks and ``SET LOCAL`` need no grant; ``TEMP`` tables (``PUBLIC``'s by default)
+change no schema and are left alone. ``ANALYZE`` needs ownership before PostgreSQL 17, so
+the dispatcher refreshes the ledger's statistics through ``teamdesk_analyze_ledger()``
+(migration 0006: ``SECURITY DEFINER``, that one statement), on which the role gets
+``EXECUTE``; it removes what is past its retention through ``teamdesk_purge_ledger()``
+(migration 0007, ledger/retention.py: the only way audit rows leave the trail), on which
+it gets ``EXECUTE`` too.
 
 The grants are re-applied at every run (``REVOKE ALL`` then ``GRANT`` on every listed
 table, in one transaction), not left to ``ALTER DEFAULT PRIVILEGES``: the migrate run that
@@ -55,7 +57,8 @@ ROLE_LOCK = 748_201_114  # pg_advisory_xact_lock key for the roles' grants (app 
 ROLE_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 APP_PASSWORD_VAR = "APP_DB_PASSWORD"
 
-GRANTABLE = frozenset({"SELECT", "INSERT", "UPDATE", "DELETE", "USAGE"})  # rows; sequences
+TABLE_PRIVILEGES = frozenset({"SELECT", "INSERT", "UPDATE", "DELETE"})
+GRANTABLE = TABLE_PRIVILEGES | {"USAGE"}  # rows; sequences
 READ_WRITE = ("SELECT", "INSERT", "UPDATE", "DELETE")
 APPEND_ONLY = ("SELECT", "INSERT")
 APPEND_ONLY_TABLES = frozenset({"task_audit"})
@@ -179,6 +182,7 @@ def grant_role(conn: Connection, role: str, password: str | None, spec: RoleSpec
     _refuse_powers(cur, role, tables)
     sequences = _owned_sequences(cur, tables)
     _grant(cur, role, tables, sequences, spec)
+    _refuse_inherited(cur, role, tables, spec)
     _refuse_ddl(cur, role, sorted({t.schema for t in tables}))
     granted = sum(1 for t in tables if spec.tables.get(t.name))
     return AppRoleReport(
@@ -295,6 +299,20 @@ def _replace(
     if granted:
         listed = sql.SQL(", ").join(granted)
         cur.execute(sql.SQL("GRANT {} ON {} {} TO {}").format(listed, on, relation.ident, who))
+
+
+def _refuse_inherited(cur: Any, role: str, tables: Sequence[_Relation], spec: RoleSpec) -> None:
+    """What the role may do to each table in the end, through the roles it is a member of
+    and PUBLIC included, is no more than ``spec`` grants it."""
+    for table in tables:
+        granted = {p.name for p in spec.tables.get(table.name, ()) if not p.columns}
+        for privilege in sorted(TABLE_PRIVILEGES - granted):
+            cur.execute("SELECT has_table_privilege(%s, %s, %s)", (role, table.oid, privilege))
+            if cur.fetchone()[0]:
+                raise AppRoleRefused(
+                    f"role {role} may {privilege} table {table.name} through another role "
+                    "or PUBLIC: revoke that membership or grant"
+                )
 
 
 def _refuse_ddl(cur: Any, role: str, schemas: Iterable[str]) -> None:

@@ -2,7 +2,8 @@
 
 ``teamdesk-tasks migrate --app-role A --api-role B`` on a fresh database creates both
 roles in one transaction; the API role holds exactly what the API runs (table and column
-grants, no sequence, no function); migrate puts drifted grants back. Every route of the
+grants, no sequence, no function); migrate puts drifted grants back and refuses an API
+role that could do more through another role (a member of the app role). Every route of the
 API works connected as it (create an export and a reminder, list, read, download,
 cancel, retry, both health routes, a refused token), and as it the statements a
 compromised API would want are refused: rewriting memberships, adding users, deleting or
@@ -158,6 +159,27 @@ def test_migrate_again_puts_drifted_api_grants_back_and_keeps_the_password(
         executable_functions(roles_db.owner_url, roles_db.api),
         verifier(roles_db.owner_url, roles_db.api),
     ) == (API_TABLE_GRANTS, API_COLUMN_GRANTS, [], stored)
+
+
+def test_an_api_role_that_inherits_more_is_refused(roles_db: RolesDatabase) -> None:
+    """A DBA's ``GRANT teamdesk_app TO teamdesk_api`` would give the API every row: migrate
+    refuses it, and its transaction leaves every grant as it was."""
+    before = privileges(roles_db.owner_url, roles_db.api)
+    admin = owner_engine(roles_db.owner_url)
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'GRANT "{roles_db.app}" TO "{roles_db.api}"'))
+        code, err = _migrate_refused(roles_db, "--api-role", roles_db.api)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'REVOKE "{roles_db.app}" FROM "{roles_db.api}"'))
+        admin.dispose()
+    assert (code, err) == (
+        1,
+        f"teamdesk-tasks migrate: role {roles_db.api} may DELETE table teams through another "
+        "role or PUBLIC: revoke that membership or grant\n",
+    )
+    assert privileges(roles_db.owner_url, roles_db.api) == before
 
 
 def _migrate_refused(roles_db: RolesDatabase, *args: str, **passwords: str) -> tuple[int, str]:
