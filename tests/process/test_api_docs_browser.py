@@ -14,7 +14,7 @@ import pytest
 
 from api.middleware import API_CSP, DOCS_CSP
 from teamdesk.config import Settings
-from tests.support.browser import SKIP_ENV, BrowserUnavailable, Chromium, skip_reason
+from tests.support.browser import Chromium, chromium_for_test
 from tests.support.processes import Proc, cluster, free_port, settings_env
 from tests.support.waiting import wait_for
 
@@ -23,16 +23,7 @@ SETTLE_MS = 10_000  # virtual time for the pages' scripts to fetch and render th
 
 @pytest.fixture
 def browser(tmp_path: Path) -> Chromium:
-    reason = skip_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    try:
-        return Chromium(tmp_path / "chromium")
-    except BrowserUnavailable as exc:
-        pytest.fail(
-            f"headless Chromium is required for this test: {exc} "
-            f"(set {SKIP_ENV}=1 to skip it where Chromium cannot be installed)"
-        )
+    return chromium_for_test(tmp_path / "chromium")
 
 
 def headers_of(url: str) -> dict[str, str]:

@@ -40,13 +40,11 @@ from tasks import queueing
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
 from tests.support.browser import (
-    SKIP_ENV,
-    BrowserUnavailable,
     Chromium,
     RenderedPage,
+    chromium_for_test,
     png_size,
     redact,
-    skip_reason,
     with_credentials,
 )
 from tests.support.factories import World, add_tickets, task_row
@@ -126,16 +124,7 @@ def flower_sees_worker(port: int) -> bool:
 
 @pytest.fixture
 def browser(tmp_path: Path) -> Chromium:
-    reason = skip_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    try:
-        return Chromium(tmp_path / "chromium")
-    except BrowserUnavailable as exc:
-        pytest.fail(
-            f"headless Chromium is required for this test: {exc} "
-            f"(set {SKIP_ENV}=1 to skip it where Chromium cannot be installed)"
-        )
+    return chromium_for_test(tmp_path / "chromium")
 
 
 def test_flower_task_page_shows_export_progress_in_a_browser(

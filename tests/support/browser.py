@@ -276,3 +276,20 @@ class RenderedPage:
 
     def __repr__(self) -> str:
         return f"RenderedPage(title={self.title!r}, fields={self.fields!r})"
+
+
+def chromium_for_test(work_dir: Path) -> Chromium:
+    """A :class:`Chromium` for a browser test: skipped only by ``TEAMDESK_SKIP_BROWSER=1``
+    (a person's choice), failed when Chromium cannot be installed."""
+    import pytest
+
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        return Chromium(work_dir)
+    except BrowserUnavailable as exc:
+        pytest.fail(
+            f"headless Chromium is required for this test: {exc} "
+            f"(set {SKIP_ENV}=1 to skip it where Chromium cannot be installed)"
+        )
