@@ -65,8 +65,11 @@ def api_schema(engine: sa.Engine, world: World, settings: Settings) -> Iterator[
     ]
     with engine.begin() as conn:
         ticket = add_ticket(conn, world.team_id, world.customer_id, "=fuzzed")
-    fuzz_settings = settings.with_overrides(
-        api_rate_per_min=FUZZ_RATE_PER_MIN, api_rate_burst=FUZZ_RATE_PER_MIN
+    fuzz_settings = settings.with_overrides(  # reads too: the fuzzer reads fast
+        api_rate_per_min=FUZZ_RATE_PER_MIN,
+        api_rate_burst=FUZZ_RATE_PER_MIN,
+        api_read_rate_per_min=FUZZ_RATE_PER_MIN,
+        api_read_burst=FUZZ_RATE_PER_MIN,
     )
     app = create_api(api_settings(fuzz_settings), configure_logging=False)
     config = _fuzz_config(world, [str(t) for t in tasks], str(ticket))
