@@ -5,9 +5,9 @@ whole. In free text: the password part of any URL (everything between ``user:`` 
 last ``@`` of the word, so a password holding ``@``, ``:``, ``/`` or ``?`` is hidden
 whole; a little more than the password may go with it, never less), the value after any
 key that names a secret and ``=`` or ``:`` (``password=...`` in key=value connection
-strings, ``PGPASSWORD=...``, ``password: ...``, ``X-Api-Key: ...``), secret-named query parameters (``?access_token=...``),
-``Bearer``/``Basic`` credentials and the API's own tokens (``tdk_...``) wherever they
-appear.
+strings, ``PGPASSWORD=...``, ``password: ...``, ``X-Api-Key: ...``), secret-named query
+parameters (``?access_token=...``), ``Bearer``/``Basic`` credentials and the API's own
+tokens (``tdk_...``) wherever they appear.
 """
 
 from __future__ import annotations
