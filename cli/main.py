@@ -105,11 +105,24 @@ def _set_up_roles(database_url: str, roles: list[tuple[str, str, str | None]]) -
 
 
 def _migrate_failed(exc: Exception) -> int:
-    print(
-        f"teamdesk-tasks migrate: cannot migrate the database: {database_failure(exc)}; "
-        "check DATABASE_URL and that PostgreSQL is running",
-        file=sys.stderr,
-    )
+    """One line on stderr: a statement of a migration that failed (the database was
+    reached; re-running is safe: each revision commits as a whole, and an interrupted
+    concurrent index build is redone), or a database that could not be reached."""
+    from ledger.index_build import IndexBuildFailed
+
+    if isinstance(exc, IndexBuildFailed):
+        reason = exc.message
+    elif getattr(exc, "statement", None):
+        reason = (
+            f"a migration statement failed: {database_failure(exc)}; running migrate "
+            "again is safe (it redoes what did not complete)"
+        )
+    else:
+        reason = (
+            f"cannot migrate the database: {database_failure(exc)}; "
+            "check DATABASE_URL and that PostgreSQL is running"
+        )
+    print(f"teamdesk-tasks migrate: {reason}", file=sys.stderr)
     return 1
 
 

@@ -96,12 +96,12 @@ class ExportQuota:
 NO_EXPORT_QUOTA = ExportQuota()
 
 MSG_EXPORTS_PER_DAY = (
-    "this team created its daily quota of exports (TEAM_EXPORTS_PER_DAY in 24 hours); "
+    "this team has created its quota of exports for the last 24 hours; "
     "try again after Retry-After seconds"
 )
 MSG_EXPORT_BYTES_PER_DAY = (
-    "this team's exports of the last 24 hours hold its daily quota of CSV bytes "
-    "(TEAM_EXPORT_BYTES_PER_DAY); try again after Retry-After seconds"
+    "this team's exports of the last 24 hours hold its quota of CSV data; "
+    "try again after Retry-After seconds"
 )
 
 # The team's exports created in the last 24 hours (ix_background_tasks_team_exports; there

@@ -70,8 +70,8 @@ def empty_db() -> Iterator[str]:
     databases.drop_database(name)
 
 
-def migrate(url: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DATABASE_URL": url, "LOG_LEVEL": "warn"}
+def migrate(url: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DATABASE_URL": url, "LOG_LEVEL": "warn", **extra_env}
     return subprocess.run(
         [sys.executable, "-m", "cli.main", "migrate"],
         env=env,
@@ -181,3 +181,109 @@ def test_stored_csvs_are_compressed_with_lz4(engine: sa.Engine) -> None:
             )
         ).scalar_one()
     assert method == "l"
+
+
+# Each index a migration builds CONCURRENTLY, as an interrupted build leaves it: present
+# and invalid. A unique index over a column with duplicates fails its build the same way a
+# cancelled one does (PostgreSQL keeps the index, indisvalid = false).
+INTERRUPTED_BUILDS = (
+    "ix_background_tasks_scheduled",
+    "ix_background_tasks_ready_0008",
+    "ix_background_tasks_team_exports",
+)
+
+
+def test_migrate_run_again_rebuilds_what_an_interrupted_build_left_invalid(
+    empty_db: str,
+) -> None:
+    from ledger.migrate import upgrade
+
+    upgrade(empty_db, "0007")
+    engine = make_engine(empty_db)
+    try:
+        with engine.begin() as conn:
+            team = conn.execute(
+                sa.text("INSERT INTO teams (name) VALUES ('t') RETURNING id")
+            ).scalar_one()
+            owner = conn.execute(
+                sa.text("INSERT INTO users (email, name) VALUES ('u@x', 'u') RETURNING id")
+            ).scalar_one()
+            conn.execute(
+                sa.text(
+                    "INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters)"
+                    " SELECT 'EXPORT', :t, :o, 'TEAM', '{}' FROM generate_series(1, 2)"
+                ),
+                {"t": team, "o": owner},
+            )
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            for name in INTERRUPTED_BUILDS:
+                with pytest.raises(sa.exc.IntegrityError):
+                    conn.execute(
+                        sa.text(
+                            f"CREATE UNIQUE INDEX CONCURRENTLY {name} ON background_tasks (kind)"
+                        )
+                    )
+        assert invalid_indexes(engine) == set(INTERRUPTED_BUILDS)
+
+        done = migrate(empty_db)
+        assert done.returncode == 0, done.stderr
+        assert invalid_indexes(engine) == set()
+        with engine.connect() as conn:
+            defined = dict(
+                conn.execute(
+                    sa.text(
+                        "SELECT indexname, indexdef FROM pg_indexes"
+                        " WHERE tablename = 'background_tasks'"
+                    )
+                ).all()
+            )
+        assert "ix_background_tasks_ready_0008" not in defined
+        assert "(kind, scheduled, team_id, run_at, id)" in defined["ix_background_tasks_ready"]
+        assert "(run_at) WHERE scheduled" in defined["ix_background_tasks_scheduled"]
+        assert "(team_id, created_at)" in defined["ix_background_tasks_team_exports"]
+        assert "ix_background_tasks_due" not in defined
+        with engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn), metadata)
+        assert diff == []
+    finally:
+        engine.dispose()
+
+
+def invalid_indexes(engine: sa.Engine) -> set[str]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+                " WHERE NOT i.indisvalid"
+            )
+        )
+        return {str(name) for (name,) in rows}
+
+
+def test_a_failed_migration_statement_says_so_and_running_again_completes(
+    empty_db: str,
+) -> None:
+    """A lock held elsewhere (a long transaction on the ledger) makes 0008's ALTER TABLE
+    give up (lock_timeout): migrate says a statement failed - not that the database is
+    unreachable - and once the lock is gone, the same command completes."""
+    from ledger.migrate import current_revision, upgrade
+
+    upgrade(empty_db, "0007")
+    engine = make_engine(empty_db)
+    try:
+        with engine.connect() as holder:
+            holder.execute(sa.text("LOCK TABLE background_tasks IN ACCESS SHARE MODE"))
+            failed = migrate(empty_db, PGOPTIONS="-c lock_timeout=200")
+            holder.rollback()
+        assert failed.returncode == 1
+        assert failed.stderr.startswith(
+            "teamdesk-tasks migrate: a migration statement failed: canceling statement due to"
+            " lock timeout; running migrate again is safe"
+        ), failed.stderr
+        assert "check DATABASE_URL" not in failed.stderr
+        assert current_revision(empty_db) == "0007"
+        done = migrate(empty_db)
+        assert done.returncode == 0, done.stderr
+        assert invalid_indexes(engine) == set()
+    finally:
+        engine.dispose()

@@ -21,7 +21,9 @@ passing it over: with 100,000 teams holding a reminder for tomorrow, one fill wa
   ``ix_background_tasks_due``: the promotion's range scan and the next due time.
 
 The indexes are built ``CONCURRENTLY`` (no lock that blocks writes on a large ledger); the
-new ready index is built beside the old one and takes its name.
+new ready index is built beside the old one and takes its name once it is valid. A run
+that was interrupted can be run again: an invalid leftover is rebuilt
+(ledger/index_build.py).
 
 Revision ID: 0008
 Revises: 0007
@@ -31,6 +33,8 @@ Create Date: 2026-12-03
 from __future__ import annotations
 
 from alembic import op
+
+from ledger.index_build import create_index_concurrently
 
 revision = "0008"
 down_revision = "0007"
@@ -71,13 +75,14 @@ def upgrade() -> None:
     )
     op.execute(f"ALTER TABLE background_tasks VALIDATE CONSTRAINT {CHECK}")
     with op.get_context().autocommit_block():
-        op.execute(
-            "CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_background_tasks_scheduled"
-            " ON background_tasks (run_at) WHERE scheduled"
+        # The old ready index is dropped only once its replacement is built and valid; an
+        # interrupted run leaves the old one in place, and running again completes it.
+        create_index_concurrently(
+            "ix_background_tasks_scheduled", "ON background_tasks (run_at) WHERE scheduled"
         )
-        op.execute(
-            "CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_background_tasks_ready_0008"
-            f" ON background_tasks (kind, scheduled, team_id, run_at, id) WHERE {READY}"
+        create_index_concurrently(
+            "ix_background_tasks_ready_0008",
+            f"ON background_tasks (kind, scheduled, team_id, run_at, id) WHERE {READY}",
         )
         op.execute("DROP INDEX CONCURRENTLY IF EXISTS ix_background_tasks_ready")
         op.execute("ALTER INDEX ix_background_tasks_ready_0008 RENAME TO ix_background_tasks_ready")

@@ -6,7 +6,8 @@
   (ledger/quota.py); the compressed CSV itself is never read for it.
 - ``ix_background_tasks_team_exports`` (team_id, created_at) over exports only: the
   quota's count and sum read a team's last 24 hours of exports, not its reminders. Built
-  ``CONCURRENTLY``: no lock that blocks writes on a large ledger.
+  ``CONCURRENTLY``: no lock that blocks writes on a large ledger (an interrupted build is
+  rebuilt by the next run: ledger/index_build.py).
 
 Revision ID: 0009
 Revises: 0008
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 from alembic import op
 
+from ledger.index_build import create_index_concurrently
+
 revision = "0009"
 down_revision = "0008"
 branch_labels = None
@@ -26,9 +29,9 @@ depends_on = None
 def upgrade() -> None:
     op.execute("ALTER TABLE background_tasks ADD COLUMN IF NOT EXISTS result_bytes bigint")
     with op.get_context().autocommit_block():
-        op.execute(
-            "CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_background_tasks_team_exports"
-            " ON background_tasks (team_id, created_at) WHERE kind = 'EXPORT'"
+        create_index_concurrently(
+            "ix_background_tasks_team_exports",
+            "ON background_tasks (team_id, created_at) WHERE kind = 'EXPORT'",
         )
 
 
