@@ -229,14 +229,13 @@ def test_migrate_run_again_rebuilds_what_an_interrupted_build_left_invalid(
         assert done.returncode == 0, done.stderr
         assert invalid_indexes(engine) == set()
         with engine.connect() as conn:
-            defined = dict(
-                conn.execute(
-                    sa.text(
-                        "SELECT indexname, indexdef FROM pg_indexes"
-                        " WHERE tablename = 'background_tasks'"
-                    )
-                ).all()
-            )
+            rows = conn.execute(
+                sa.text(
+                    "SELECT indexname, indexdef FROM pg_indexes"
+                    " WHERE tablename = 'background_tasks'"
+                )
+            ).all()
+        defined: dict[str, str] = {str(name): str(text) for name, text in rows}
         assert "ix_background_tasks_ready_0008" not in defined
         assert "(kind, scheduled, team_id, run_at, id)" in defined["ix_background_tasks_ready"]
         assert "(run_at) WHERE scheduled" in defined["ix_background_tasks_scheduled"]
