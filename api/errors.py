@@ -1,10 +1,11 @@
 """How errors become HTTP answers: always ``{"detail": "<fixed message>"}``.
 
 - ledger errors: NotFound 404, NotAllowed 403, InvalidInput / rejected filters 422,
-  InvalidState 409, TeamQuotaExceeded 429 with ``Retry-After`` (their messages are fixed
-  text chosen by the ledger);
-- every 401 answer takes from the client address's budget of failed authentications
-  (api/deps.py); an address that spent it answers 429 before its token is looked up;
+  InvalidState 409, TeamQuotaExceeded and ExportQuotaExceeded 429 with ``Retry-After``
+  (their messages are fixed text chosen by the ledger);
+- a request without a live token takes from its client address's budget of failed
+  authentications (api/deps.py) and answers 401, or 429 once the budget is spent; a
+  request with a live token never looks at that budget;
 - request validation: 422 with a fixed message per field (never the input, never
   pydantic's own text); a malformed id in the path answers 404 exactly like a missing
   task or team, since it names nothing the caller can see;

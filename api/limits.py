@@ -5,12 +5,13 @@ the bucket will be full again), updated by a Lua script that reads Redis's own c
 (``TIME``): replicas whose clocks disagree still share one bucket, and a bucket that
 refilled simply expires, so Redis holds keys only for subjects that were busy recently.
 
-Two limits use it (``teamdesk.config``):
+Three limits use it (``teamdesk.config``):
 
 - ``API_RATE_PER_MIN`` / ``API_RATE_BURST`` per token, on create, retry and cancel;
-- ``AUTH_FAILURES_PER_MIN`` per client address: every 401 takes from the address's
-  bucket, and while it is empty the address's requests answer 429 before any token is
-  looked up (so refused guesses cost no database work).
+- ``API_READ_RATE_PER_MIN`` / ``API_READ_BURST`` per token, on reads (a task, a list, a CSV);
+- ``AUTH_FAILURES_PER_MIN`` per client address (an IPv6 client's /64): every request
+  without a live token takes from the address's bucket and answers 401, or 429 once it
+  is empty; a request with a live token never looks at it (api/deps.py).
 
 **Redis unreachable: fail open.** The limits smooth traffic; the hard bound on what one
 team can queue is the ledger's cap (``TEAM_MAX_UNFINISHED``), which does not depend on
@@ -101,22 +102,12 @@ class RateLimiter:
 
     def take(self, rule: Rule, subject: str) -> Verdict:
         """Take one token from ``subject``'s bucket, or say how long until one is there."""
-        return self._ask(rule, subject, take=True)
-
-    def look(self, rule: Rule, subject: str) -> Verdict:
-        """Whether ``subject``'s bucket has a token, taking none."""
-        return self._ask(rule, subject, take=False)
-
-    def key(self, rule: Rule, subject: str) -> str:
-        return f"{self._prefix}:ratelimit:{rule.name}:{subject}"
-
-    def _ask(self, rule: Rule, subject: str, take: bool) -> Verdict:
         if not rule.enabled or self._clock() < self._paused_until:
             return ALLOWED
         try:
             client = self._client()
             script = client.register_script(BUCKET_LUA)
-            args = [rule.interval_us, rule.burst, 1 if take else 0]
+            args = [rule.interval_us, rule.burst, 1]
             wait_us = int(script(keys=[self.key(rule, subject)], args=args))
         except redis.RedisError as exc:
             self._pause(exc)
@@ -124,6 +115,9 @@ class RateLimiter:
         if wait_us <= 0:
             return ALLOWED
         return Verdict(False, max(1, math.ceil(wait_us / US_PER_S)))
+
+    def key(self, rule: Rule, subject: str) -> str:
+        return f"{self._prefix}:ratelimit:{rule.name}:{subject}"
 
     def _pause(self, exc: Exception) -> None:
         """Fail open: stop asking Redis for a while, and say so once per pause."""
