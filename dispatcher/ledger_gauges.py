@@ -51,9 +51,6 @@ _READ = sa.text(
     SELECT 'tasks' AS part, kind, status, count(*)::float8 AS value
       FROM background_tasks GROUP BY kind, status
     UNION ALL
-    SELECT 'oldest', kind, NULL, EXTRACT(EPOCH FROM now() - min(run_at))::float8
-      FROM background_tasks WHERE status = 'WAITING' AND run_at <= now() GROUP BY kind
-    UNION ALL
     SELECT 'silent', kind, NULL, count(*)::float8
       FROM background_tasks
      WHERE status = 'RUNNING' AND updated_at < now() - make_interval(secs => :half_stale_s)
@@ -108,12 +105,18 @@ class LedgerGauges(Collector):
         except (SQLAlchemyError, redis.RedisError):
             READ_ERRORS.inc()
             return []
-        return [*families(rows), *backlog_families(backlog), _live(live)]
+        return [*families(rows, backlog), *backlog_families(backlog), _live(live)]
 
 
-def families(rows: Sequence[Any]) -> list[GaugeMetricFamily]:
-    """The gauges from the statement's rows, with a zero for every kind (and status)."""
+def families(
+    rows: Sequence[Any], backlog: dict[str, tuple[int, float]] | None = None
+) -> list[GaugeMetricFamily]:
+    """The gauges from the statement's rows, with a zero for every kind (and status). The
+    oldest due WAITING task is the backlog's oldest (ready, due and not promoted, or in the
+    window: every WAITING run whose run_at has come), read once for both gauges."""
     got = {(row.part, row.kind, row.status): row.value for row in rows}
+    for kind, (_count, age) in (backlog or {}).items():
+        got[("oldest", kind, None)] = age
     tasks = GaugeMetricFamily(
         "teamdesk_tasks", "Tasks by kind and status.", labels=["kind", "status"]
     )

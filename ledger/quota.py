@@ -74,9 +74,13 @@ def ensure_room(conn: Connection, team_id: uuid.UUID, cap: int) -> None:
     ``cap`` :data:`NO_CAP` checks nothing and takes no lock."""
     if cap <= NO_CAP:
         return
-    params = {"team_id": str(team_id), "cap": cap}
-    conn.execute(LOCK_TEAM, params)
-    if conn.execute(COUNT_UNFINISHED, params).scalar_one() >= cap:
+    conn.execute(LOCK_TEAM, {"team_id": str(team_id)})
+    _check_room(conn, team_id, cap)
+
+
+def _check_room(conn: Connection, team_id: uuid.UUID, cap: int) -> None:
+    """The count, under the team's lock the caller holds."""
+    if conn.execute(COUNT_UNFINISHED, {"team_id": str(team_id), "cap": cap}).scalar_one() >= cap:
         raise TeamQuotaExceeded()
 
 
@@ -115,14 +119,20 @@ EXPORTS_TODAY = text("""
 """)
 
 
-def ensure_export_quota(conn: Connection, team_id: uuid.UUID, quota: ExportQuota) -> None:
-    """Raise :class:`ExportQuotaExceeded` when ``team_id`` may create no export now; else
-    return holding the team's lock (the one :func:`ensure_room` takes) until the caller's
-    transaction ends, so two creations cannot both take the last place."""
-    if not quota.enabled:
+def ensure_export_room(conn: Connection, team_id: uuid.UUID, cap: int, quota: ExportQuota) -> None:
+    """For a new export: :func:`ensure_room` (the cap on unfinished tasks, ``cap``), then
+    the daily export quota, under one take of the team's lock, held until the caller's
+    transaction ends so two creations cannot both take the last place. Raises
+    :class:`TeamQuotaExceeded` or :class:`ExportQuotaExceeded`; with neither limit on it
+    checks nothing and takes no lock."""
+    if cap <= NO_CAP and not quota.enabled:
         return
     params = {"team_id": str(team_id)}
     conn.execute(LOCK_TEAM, params)
+    if cap > NO_CAP:
+        _check_room(conn, team_id, cap)
+    if not quota.enabled:
+        return
     row = conn.execute(EXPORTS_TODAY, params).one()
     retry_after_s = max(1, int(row.frees_in_s or 1))
     if quota.per_day > NO_CAP and row.created >= quota.per_day:

@@ -26,7 +26,7 @@ from ledger.permissions import (
     may_schedule_reminder,
     may_see,
 )
-from ledger.quota import NO_CAP, NO_EXPORT_QUOTA, ExportQuota, ensure_export_quota, ensure_room
+from ledger.quota import NO_CAP, NO_EXPORT_QUOTA, ExportQuota, ensure_export_room, ensure_room
 from ledger.states import SCOPES
 from ledger.wake import WAKE_SQL
 
@@ -245,8 +245,7 @@ def submit_export(
     validate_filters(filters)
     if not may_export(scope, _member_role(conn, team_id, user_id)):
         raise NotAllowed(MSG_TEAM_EXPORT_NEEDS_STAFF)
-    ensure_room(conn, team_id, max_unfinished)
-    ensure_export_quota(conn, team_id, export_quota)
+    ensure_export_room(conn, team_id, max_unfinished, export_quota)
     return _insert(conn, "EXPORT", team_id, user_id, scope, dict(filters), None)
 
 

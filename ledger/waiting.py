@@ -17,20 +17,29 @@ from ledger.states import KINDS
 
 READY_COUNT_CAP = 10_000  # counting stops here: "at least this many" is enough to say
 
-# Ready runs not yet published, per kind, at most the cap each: the ready range of the
-# ready partial index, plus scheduled runs already due that the dispatcher has not yet
-# promoted (ix_background_tasks_scheduled; its next fill will).
-READY_BY_KIND = text("""
-    SELECT k.kind, least(:cap,
-           (SELECT count(*) FROM (
-                SELECT 1 FROM background_tasks t
-                 WHERE t.kind = k.kind AND NOT t.scheduled AND t.status = 'WAITING'
-                   AND t.dispatched_at IS NULL AND t.run_at <= now()
-                 LIMIT :cap) AS capped)
-           + (SELECT count(*) FROM (
-                SELECT 1 FROM background_tasks t
-                 WHERE t.scheduled AND t.run_at <= now() AND t.kind = k.kind
-                 LIMIT :cap) AS due)) AS ready
+# The three parts of "due and not yet claimed", per kind k.kind, each on a partial index:
+# ready (the ready range of ix_background_tasks_ready), scheduled runs already due that
+# the dispatcher has not yet promoted (ix_background_tasks_scheduled; its next fill
+# will), and the window: published, not yet claimed (ix_background_tasks_dispatched).
+_READY = (
+    "t.kind = k.kind AND NOT t.scheduled AND t.status = 'WAITING'"
+    " AND t.dispatched_at IS NULL AND t.run_at <= now()"
+)
+_DUE = "t.scheduled AND t.run_at <= now() AND t.kind = k.kind"
+_PUBLISHED = "t.status = 'WAITING' AND t.dispatched_at IS NOT NULL AND t.kind = k.kind"
+
+
+def _count(where: str) -> str:
+    return f"(SELECT count(*) FROM (SELECT 1 FROM background_tasks t WHERE {where} LIMIT :cap) p)"
+
+
+def _oldest(where: str) -> str:
+    return f"(SELECT min(t.run_at) FROM background_tasks t WHERE {where})"
+
+
+# Ready runs not yet published, per kind, at most the cap each.
+READY_BY_KIND = text(f"""
+    SELECT k.kind, least(:cap, {_count(_READY)} + {_count(_DUE)}) AS ready
       FROM unnest(CAST(:kinds AS text[])) AS k(kind)
 """)
 
@@ -45,34 +54,12 @@ def ready_by_kind(conn: Connection, cap: int = READY_COUNT_CAP) -> dict[str, int
 BACKLOG_COUNT_CAP = 100_000  # the backlog gauge counts this many per part at most
 
 # The backlog per kind, for autoscaling: runs due now by the database's clock and not yet
-# claimed - ready (the ready range of ix_background_tasks_ready), scheduled ones already
-# due and not yet promoted (ix_background_tasks_scheduled), and the window (published;
-# ix_background_tasks_dispatched) - each part counted up to :cap; scheduled runs not yet
-# due are not backlog. And the age of the oldest of them (0 when none).
-BACKLOG_BY_KIND = text("""
-    SELECT k.kind,
-           (SELECT count(*) FROM (
-                SELECT 1 FROM background_tasks t
-                 WHERE t.kind = k.kind AND NOT t.scheduled AND t.status = 'WAITING'
-                   AND t.dispatched_at IS NULL AND t.run_at <= now()
-                 LIMIT :cap) AS ready)
-           + (SELECT count(*) FROM (
-                SELECT 1 FROM background_tasks t
-                 WHERE t.scheduled AND t.run_at <= now() AND t.kind = k.kind
-                 LIMIT :cap) AS due)
-           + (SELECT count(*) FROM (
-                SELECT 1 FROM background_tasks t
-                 WHERE t.status = 'WAITING' AND t.dispatched_at IS NOT NULL AND t.kind = k.kind
-                 LIMIT :cap) AS published) AS backlog,
+# claimed (all three parts, each counted up to :cap; scheduled runs not yet due are not
+# backlog), and the age of the oldest of them (0 when none).
+BACKLOG_BY_KIND = text(f"""
+    SELECT k.kind, {_count(_READY)} + {_count(_DUE)} + {_count(_PUBLISHED)} AS backlog,
            coalesce(extract(epoch FROM now() - least(
-               (SELECT min(t.run_at) FROM background_tasks t
-                 WHERE t.kind = k.kind AND NOT t.scheduled AND t.status = 'WAITING'
-                   AND t.dispatched_at IS NULL AND t.run_at <= now()),
-               (SELECT min(t.run_at) FROM background_tasks t
-                 WHERE t.scheduled AND t.run_at <= now() AND t.kind = k.kind),
-               (SELECT min(t.run_at) FROM background_tasks t
-                 WHERE t.status = 'WAITING' AND t.dispatched_at IS NOT NULL
-                   AND t.kind = k.kind))), 0) AS oldest_s
+               {_oldest(_READY)}, {_oldest(_DUE)}, {_oldest(_PUBLISHED)})), 0) AS oldest_s
       FROM unnest(CAST(:kinds AS text[])) AS k(kind)
 """)
 
@@ -84,10 +71,10 @@ def backlog_by_kind(conn: Connection, cap: int = BACKLOG_COUNT_CAP) -> dict[str,
     return {str(kind): (int(backlog), max(0.0, float(oldest))) for kind, backlog, oldest in rows}
 
 
-TOP_TEAMS = 5  # teams named per queue by the top-teams gauge
+TOP_TEAMS = 5  # teams named per queue by ``health --cluster`` (cli/cluster_health.py)
 
 # The teams with the most ready runs, per kind (the ready range of ix_background_tasks_ready
-# read whole: the caller asks only while the backlog is under BACKLOG_COUNT_CAP).
+# read whole: the caller asks only for kinds whose ready runs are under its count's cap).
 TOP_READY_TEAMS = text("""
     SELECT kind, team_id, ready FROM (
         SELECT t.kind, t.team_id, count(*) AS ready,
