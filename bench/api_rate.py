@@ -37,8 +37,8 @@ from bench.env import (
     stop,
     wait_until,
 )
+from harness.processes import Proc, free_port, settings_env
 from ledger.tokens import create_token
-from tests.support.processes import Proc, free_port, settings_env
 
 CLIENTS = 8
 API_PROCESSES = 2  # deploy/k8s/api.yaml: replicas: 2 (one uvicorn process each)

@@ -56,10 +56,10 @@ from bench.env import (
 )
 from bench.throughput import TicketRef, create_exports, publish_ready, seed_world
 from dispatcher.window import MAX_WINDOW_PER_SLOT, WINDOW_PER_SLOT
+from harness.processes import Proc
 from ledger import service
 from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
 from teamdesk.heartbeat import slots_by_queue
-from tests.support.processes import Proc
 
 CONCURRENCY = 2
 WORKER_START_TIMEOUT_S = 120
@@ -145,11 +145,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-def _ms(delta: timedelta) -> float:
+def ms(delta: timedelta) -> float:
     return delta.total_seconds() * 1000
 
 
-def _spread(values: Sequence[float], digits: int = 2) -> dict[str, float]:
+def spread(values: Sequence[float], digits: int = 2) -> dict[str, float]:
     return {
         "p50": round(percentile(values, 50), digits),
         "p95": round(percentile(values, 95), digits),
@@ -189,13 +189,13 @@ def wait_finished(
     wait_until(finished, timeout, interval, what)
 
 
-def _require_claims(rows: Sequence[Any], what: str) -> None:
+def require_claims(rows: Sequence[Any], what: str) -> None:
     missing = [r.id for r in rows if r.claimed is None or r.status != "COMPLETED"]
     if missing:
         raise RuntimeError(f"bench: {len(missing)} {what} never claimed or not COMPLETED")
 
 
-def _wait_logged(proc: Proc, event: str, timeout: float, **fields: Any) -> dict[str, Any]:
+def wait_logged(proc: Proc, event: str, timeout: float, **fields: Any) -> dict[str, Any]:
     """The first log line ``event`` of ``proc`` carrying ``fields`` (polled, with a deadline)."""
 
     def found() -> dict[str, Any] | None:
@@ -279,23 +279,23 @@ class Rig:
         beat = self.env.beat(self.part, name=f"p6-beat{self._beats}")
         self.beat = beat
         self.started.append(beat)
-        _wait_logged(beat, "dispatcher.leader", BEAT_START_TIMEOUT_S, role="leader")
-        _wait_logged(beat, "dispatcher.listen", BEAT_START_TIMEOUT_S, state="listening")
+        wait_logged(beat, "dispatcher.leader", BEAT_START_TIMEOUT_S, role="leader")
+        wait_logged(beat, "dispatcher.listen", BEAT_START_TIMEOUT_S, state="listening")
         return beat
 
     def stop_beat(self) -> None:
         if self.beat is not None:
-            _terminate([self.beat])
+            terminate([self.beat])
             self.beat = None
 
     def close(self) -> list[int | None]:
         self.stop_beat()
-        codes = _terminate(self.workers)
+        codes = terminate(self.workers)
         self.workers = []
         return codes
 
 
-def _terminate(procs: Sequence[Proc]) -> list[int | None]:
+def terminate(procs: Sequence[Proc]) -> list[int | None]:
     """SIGTERM (warm shutdown) to all at once, then wait; SIGKILL what does not end."""
     running = [p for p in procs if p.popen is not None and p.popen.poll() is None]
     for proc in running:
@@ -375,20 +375,20 @@ def start_latency(rig: Rig, refs: Sequence[TicketRef], n: int) -> dict[str, Any]
         )
         time.sleep(IDLE_PAUSE_S)  # idle again before the next sample (not timed)
     rows = times_of(engine, ids)
-    _require_claims(rows, "latency exports")
-    start = [_ms(r.claimed - r.created_at) for r in rows]
-    stamped = [_ms(r.dispatched_at - r.created_at) for r in rows]
-    picked = [_ms(r.claimed - r.dispatched_at) for r in rows]
+    require_claims(rows, "latency exports")
+    start = [ms(r.claimed - r.created_at) for r in rows]
+    stamped = [ms(r.dispatched_at - r.created_at) for r in rows]
+    picked = [ms(r.claimed - r.dispatched_at) for r in rows]
     slow = sorted(rows, key=lambda r: r.claimed - r.created_at)[-5:]
     return {
         "tasks": n,
-        "start_ms": _spread(start),
-        "created_to_stamped_ms": _spread(stamped),
-        "stamped_to_claimed_ms": _spread(picked),
+        "start_ms": spread(start),
+        "created_to_stamped_ms": spread(stamped),
+        "stamped_to_claimed_ms": spread(picked),
         "slowest": [
             {
-                "start_ms": round(_ms(r.claimed - r.created_at), 2),
-                "created_to_stamped_ms": round(_ms(r.dispatched_at - r.created_at), 2),
+                "start_ms": round(ms(r.claimed - r.created_at), 2),
+                "created_to_stamped_ms": round(ms(r.dispatched_at - r.created_at), 2),
                 "claims": int(r.claims),
             }
             for r in reversed(slow)
@@ -411,13 +411,13 @@ def scheduled_lateness(rig: Rig, refs: Sequence[TicketRef], n: int) -> dict[str,
     timeout = REMINDER_LEAD_S + n * REMINDER_SPACING_S + TASK_TIMEOUT_S
     wait_finished(engine, ids, timeout, 0.05, "scheduled reminders")
     rows = times_of(engine, ids)
-    _require_claims(rows, "scheduled reminders")
-    late = [_ms(r.claimed - r.run_at) for r in rows]
+    require_claims(rows, "scheduled reminders")
+    late = [ms(r.claimed - r.run_at) for r in rows]
     return {
         "reminders": n,
-        "lead_ms_min": round(min(_ms(r.run_at - r.created_at) for r in rows), 1),
+        "lead_ms_min": round(min(ms(r.run_at - r.created_at) for r in rows), 1),
         "spacing_s": REMINDER_SPACING_S,
-        "late_ms": _spread(late),
+        "late_ms": spread(late),
         "claimed_before_run_at": sum(1 for v in late if v < 0),
         "late_ms_all": [round(v, 2) for v in late],
     }
@@ -436,7 +436,7 @@ def prefilled_rate(rig: Rig, refs: Sequence[TicketRef], n: int) -> dict[str, Any
     wait_finished(engine, ids, DRAIN_TIMEOUT_S, 0.1, "pre-filled exports")
     cpu = clock.stop()
     rows = times_of(engine, ids)
-    _require_claims(rows, "pre-filled exports")
+    require_claims(rows, "pre-filled exports")
     first = min(r.claimed for r in rows)
     last = max(r.completed for r in rows)
     seconds = (last - first).total_seconds()
@@ -461,7 +461,7 @@ def precreated_rate(rig: Rig, refs: Sequence[TicketRef], n: int) -> dict[str, An
     wait_finished(engine, ids, DRAIN_TIMEOUT_S, 0.1, "pre-created exports")
     cpu = clock.stop()
     rows = times_of(engine, ids)
-    _require_claims(rows, "pre-created exports")
+    require_claims(rows, "pre-created exports")
     first = min(r.claimed for r in rows)
     last = max(r.completed for r in rows)
     seconds = (last - first).total_seconds()
@@ -524,7 +524,7 @@ def dispatched_rate(rig: Rig, refs: Sequence[TicketRef], n: int) -> dict[str, An
     wait_finished(engine, ids, DRAIN_TIMEOUT_S, 0.1, "dispatcher-fed exports")
     cpu = clock.stop()
     rows = times_of(engine, ids)
-    _require_claims(rows, "dispatcher-fed exports")
+    require_claims(rows, "dispatcher-fed exports")
     first = min(r.created_at for r in rows)
     last_created = max(r.created_at for r in rows)
     last = max(r.completed for r in rows)
@@ -540,7 +540,7 @@ def dispatched_rate(rig: Rig, refs: Sequence[TicketRef], n: int) -> dict[str, An
         "threads": CREATE_THREADS,
         "beat_cpu_cores": cpu["cpu_cores"].get("beat", 0.0),
         "dispatcher_pg_cpu_cores": cpu["cpu_cores"].get("dispatcher_pg", 0.0),
-        "start_ms": _spread([_ms(r.claimed - r.created_at) for r in rows], 1),
+        "start_ms": spread([ms(r.claimed - r.created_at) for r in rows], 1),
         **cpu,
     }
 
@@ -701,7 +701,7 @@ def fairness_and_depth(
         sampler.stop()
     wait_finished(engine, b_ids, TASK_TIMEOUT_S, 0.05, "team B's exports")
     b_rows = times_of(engine, b_ids)
-    _require_claims(b_rows, "team B's exports")
+    require_claims(b_rows, "team B's exports")
     b_start = [(r.claimed - r.created_at).total_seconds() for r in b_rows]
     with engine.connect() as conn:
         span = conn.execute(BACKLOG_SPAN, {"team": team_a, "since": since}).one()
@@ -711,7 +711,7 @@ def fairness_and_depth(
             "b_start_s_all": [round(v, 3) for v in b_start],
             "b_start_s_median": round(statistics.median(b_start), 3),
             "b_created_to_stamped_ms": [
-                round(_ms(r.dispatched_at - r.created_at), 1) for r in b_rows
+                round(ms(r.dispatched_at - r.created_at), 1) for r in b_rows
             ],
             "team_a_when_b_created": a_at_b,
         },

@@ -25,11 +25,11 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
+from harness import databases
+from harness.processes import Proc, celery_argv, settings_env, worker_argv
+from harness.waiting import wait_for
 from teamdesk import config, db
 from teamdesk.config import Settings
-from tests.support import databases
-from tests.support.processes import Proc, celery_argv, settings_env, worker_argv
-from tests.support.waiting import wait_for
 
 REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 HOOKS_MODULE = "bench.worker_hooks"
@@ -117,7 +117,7 @@ class BenchEnv:
         if self.template is not None:
             with suppress(Exception):
                 databases.drop_database(self.template)
-            with suppress(Exception):  # the template granted it (tests/support/databases.py)
+            with suppress(Exception):  # the template granted it (harness/databases.py)
                 databases.drop_api_role()
         with suppress(Exception):
             keys = list(self.redis.scan_iter(match=f"{self.key_root}*", count=5000))

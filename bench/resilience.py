@@ -19,10 +19,10 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench.env import BenchEnv, stop, wait_until
+from harness.factories import add_tickets, make_world
+from harness.remote_gates import RemoteGate
 from ledger import service
 from teamdesk.heartbeat import active_key
-from tests.support.factories import add_tickets, make_world
-from tests.support.remote_gates import RemoteGate
 
 GATE = "export.after_read"
 RECOVERY_TIMEOUT_S = 180
@@ -54,7 +54,7 @@ def run_p4(env: BenchEnv) -> dict[str, Any]:
         part,
         "p4-w1",
         concurrency=1,
-        hooks="tests.support.remote_gates",
+        hooks="harness.remote_gates",
         TEAMDESK_TEST_GATES=GATE,
         TEAMDESK_TEST_GATE_TIMEOUT_S="600",
     )

@@ -32,7 +32,7 @@ from bench import (
     throughput,
 )
 from bench.env import BenchEnv
-from tests.support import databases
+from harness import databases
 
 PARTS = ("p1", "scaling", "p2", "p3", "p4", "p5", "p6", "p7", "p8", "p9")
 

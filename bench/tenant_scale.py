@@ -42,14 +42,14 @@ from bench.dispatch_path import (
     TASK_TIMEOUT_S,
     WARMUP_TASKS,
     Rig,
-    _ms,
-    _require_claims,
-    _spread,
-    _terminate,
-    _wait_logged,
+    ms,
+    require_claims,
+    spread,
     status_of,
+    terminate,
     times_of,
     wait_finished,
+    wait_logged,
 )
 from bench.env import BenchEnv, Part, wait_until
 from bench.throughput import TicketRef, seed_world
@@ -166,8 +166,8 @@ def reminder_starts(env: BenchEnv, part: Part, n: int) -> list[float]:
     finally:
         rig.close()
     rows = times_of(part.engine, ids)
-    _require_claims(rows, "reminders")
-    return [_ms(r.claimed - r.created_at) for r in rows]
+    require_claims(rows, "reminders")
+    return [ms(r.claimed - r.created_at) for r in rows]
 
 
 RUNNING_BY_TEAM = sa.text("""
@@ -204,7 +204,7 @@ def capped_start(env: BenchEnv) -> dict[str, Any]:
             "the capped worker's processes in the heartbeats",
         )
         beat = env.beat(part, name="p9-capped-beat", TEAM_MAX_RUNNING=1, DISPATCH_WINDOW=2)
-        _wait_logged(beat, "dispatcher.listen", BEAT_START_TIMEOUT_S, state="listening")
+        wait_logged(beat, "dispatcher.listen", BEAT_START_TIMEOUT_S, state="listening")
         ids: list[uuid.UUID] = []
         with part.engine.begin() as conn:
             for ref in capped:
@@ -233,12 +233,12 @@ def capped_start(env: BenchEnv) -> dict[str, Any]:
             start_s = CAPPED_TIMEOUT_S  # not claimed in time: the goal's "never"
         else:
             (row,) = times_of(part.engine, [new_id])
-            start_s = _ms(row.claimed - row.created_at) / 1000
+            start_s = ms(row.claimed - row.created_at) / 1000
         park.unlink()
         wait_finished(part.engine, [*ids, new_id], 120, 0.05, "capped exports")
     finally:
         park.unlink(missing_ok=True)
-        codes = _terminate([p for p in (beat, worker) if p is not None])
+        codes = terminate([p for p in (beat, worker) if p is not None])
     return {
         "start_s": round(start_s, 3),
         "teams": CAPPED_TEAMS,
@@ -284,7 +284,7 @@ def run_p9(
         "p9_reminder_start_p50_ms_100k_future": round(statistics.median(future_starts), 2),
         "p9_capped_start_s": capped_path["start_s"],
         "p9_detail": {
-            "reminder_start_ms_100k_future": _spread(future_starts),
+            "reminder_start_ms_100k_future": spread(future_starts),
             "capped_path": capped_path,
             "fill_n": FILL_N,
             "future_teams": future_teams,

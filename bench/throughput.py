@@ -31,13 +31,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import FLUSH_EVERY_S, NOOP_TASK, metrics_cost
 from bench.env import BenchEnv, Part, cpu_snapshot, read_stats, stop, wait_until
+from harness.processes import free_port
 from ledger import dispatch, service
 from ledger.dispatch import RunRef
 from ledger.states import KINDS
 from tasks import queueing
 from tasks.names import EXPORTS_QUEUE
 from teamdesk import config
-from tests.support.processes import free_port
 
 TEAMS = 100
 TICKETS_PER_TEAM = 50  # 5,000 tickets: one per export and one per reminder

@@ -3,7 +3,7 @@
 Per task: the end state its case expects (see soak/workload.py), the fixed messages,
 the reminder side effects (exactly one notification, one ``ticket.reminder_sent`` event
 and one version bump for a COMPLETED reminder, none otherwise) and the export CSV
-(equal to ``tests.support.csv_reference.expected_csv``, computed independently from the
+(equal to ``harness.csv_reference.expected_csv``, computed independently from the
 tickets table). Globally: nothing WAITING or RUNNING, no commit by a replaced execution
 (``ledger.audit``), no task completed twice, no side effect without its task, the
 exported tickets unchanged, no lease taken from a live execution and no CLAIM over a
@@ -32,6 +32,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from harness.csv_reference import expected_csv
 from ledger import audit
 from ledger.dispatch import MSG_TOO_MANY_RECOVERIES
 from soak import leases
@@ -42,7 +43,6 @@ from soak.tools import PURGE_GOAL_S, PURGE_WATCH_S
 from soak.workload import TaskPlan
 from tasks.execution import MSG_EXHAUSTED
 from tasks.reminder import EVENT_TYPE
-from tests.support.csv_reference import expected_csv
 
 TASKS = sa.text("""
     SELECT id, kind, status, run, attempts, progress, recoveries, last_error, result_csv,

@@ -21,8 +21,8 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.processes import Proc, celery_argv, worker_argv
 from soak.timeline import DRAINING, Timeline
-from tests.support.processes import Proc, celery_argv, worker_argv
 
 SHUTDOWN_TIMEOUT_S = 75.0  # the workers' drain budget: a long export finishes inside it
 HARD_EXIT_AFTER_S = 10.0  # worker/lifecycle.py: the last guard after the budget

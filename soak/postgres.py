@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psycopg2
 
-from tests.support.processes import free_port
+from harness.processes import free_port
 
 SUPERUSER = "postgres"
 START_TIMEOUT_S = 60

@@ -40,6 +40,7 @@ from pathlib import Path
 import redis
 import sqlalchemy as sa
 
+from harness.processes import settings_env
 from ledger.migrate import upgrade
 from soak import beacons, checks, hooks, logscan, workload
 from soak import world as W
@@ -63,7 +64,6 @@ from soak.sentinel import SentinelGroup
 from soak.timeline import Timeline
 from teamdesk.config import Settings
 from teamdesk.db import make_engine
-from tests.support.processes import settings_env
 
 HOOKS_MODULE = "soak.hooks"
 SOAK_APPLICATION = "teamdesk-soak"  # the soak's own connections; pgkill spares them

@@ -42,9 +42,9 @@ from typing import Any
 
 import redis
 
+from harness.processes import free_port
 from teamdesk.config import Settings
 from teamdesk.redis_client import redis_client
-from tests.support.processes import free_port
 
 MASTER_NAME = "teamdesk-test"
 SENTINELS = 3

@@ -48,11 +48,11 @@ from typing import Any
 import redis
 import sqlalchemy as sa
 
+from harness.processes import ROOT, celery_argv
 from soak import workload
 from soak.chaos import Chaos, Purge, Record, Revoke
 from soak.outages import LOCK_WAIT_S, _client
 from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
-from tests.support.processes import ROOT, celery_argv
 
 QUEUES = (EXPORTS_QUEUE, REMINDERS_QUEUE)
 COMMAND_TIMEOUT_S = 60.0

@@ -21,7 +21,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from tests.support.csv_reference import matches
+from harness.csv_reference import matches
 
 TICKETS_PER_TEAM = 400
 DAYS = 40

@@ -13,10 +13,10 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
+from harness import databases
+from harness.factories import World, make_world
 from teamdesk import config, db
 from teamdesk.config import Settings
-from tests.support import databases
-from tests.support.factories import World, make_world
 
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 RUN_ID = f"tdt{os.getpid()}_{uuid.uuid4().hex[:6]}"

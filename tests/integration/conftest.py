@@ -15,12 +15,12 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from cli.main import main
+from harness.factories import World
 from teamdesk import logs
 from teamdesk.config import Settings
 from teamdesk.heartbeat import Heartbeat, WorkerSlots
 from tests.support.api_helpers import api_client, make_tokens
 from tests.support.cli_runner import Result
-from tests.support.factories import World
 
 # --- the HTTP API (test_api_*.py) ----------------------------------------------------------
 

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from api.app import create_api
+from harness.factories import World
 from teamdesk.config import Settings
 from tests.support.api_helpers import (
     BAD_TOKEN,
@@ -27,7 +28,6 @@ from tests.support.api_helpers import (
     exports_url,
     task_in_state,
 )
-from tests.support.factories import World
 
 # --- the database going away under a task route ---------------------------------------------
 

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from api.errors import MSG_TASK_NOT_FOUND
+from harness.factories import World, task_row
 from tests.support.api_helpers import (
     BAD_TOKEN,
     bearer,
@@ -26,7 +27,6 @@ from tests.support.api_helpers import (
     reminders_url,
     task_in_state,
 )
-from tests.support.factories import World, task_row
 from tests.support.tokens import new_token, revoke
 
 

@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 
 from api.errors import MSG_TEAM_NOT_FOUND
 from api.middleware import MAX_BODY_BYTES
+from harness.factories import World, add_ticket, task_row
 from ledger import permissions, service
 from ledger.filters import (
     MSG_DATE,
@@ -33,7 +34,6 @@ from ledger.filters import (
 from ledger.filters import MSG_Q_CHARS as MSG_TEXT
 from ledger.service import MSG_RUN_AT_WINDOW as WINDOW
 from tests.support.api_helpers import bearer, count_tasks, exports_url, reminders_url
-from tests.support.factories import World, add_ticket, task_row
 
 # --- POST /api/teams/{team_id}/exports ----------------------------------------------------
 

@@ -20,9 +20,9 @@ from schemathesis.config import SchemathesisConfig
 from schemathesis.generation import GenerationMode
 
 from api.app import create_api
+from harness.factories import World, add_ticket
 from teamdesk.config import Settings
 from tests.support.api_helpers import api_settings, bearer, make_tokens, task_in_state
-from tests.support.factories import World, add_ticket
 
 EXAMPLES_PER_OPERATION = 100
 # One token makes every request: its rate limit stays on (the limiter runs on every

@@ -14,6 +14,8 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
+from harness.factories import World, add_member, add_ticket, add_user, task_row
+from harness.waiting import wait_for
 from ledger import service
 from ledger.errors import MSG_TEAM_FULL, TeamQuotaExceeded
 from teamdesk.config import Settings
@@ -25,8 +27,6 @@ from tests.support.api_helpers import (
     reminders_url,
     task_in_state,
 )
-from tests.support.factories import World, add_member, add_ticket, add_user, task_row
-from tests.support.waiting import wait_for
 
 CAP = 3
 TEAM_EXPORT = {"scope": "TEAM"}

@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_api
 from api.deps import MSG_AUTH_RATE, MSG_TOKEN_RATE
+from harness.factories import World, task_row
 from teamdesk.config import Settings
 from tests.support.api_helpers import (
     BAD_TOKEN,
@@ -31,7 +32,6 @@ from tests.support.api_helpers import (
     silent_listener,
     task_in_state,
 )
-from tests.support.factories import World, task_row
 from tests.support.tokens import token_row
 
 TEAM_EXPORT = {"scope": "TEAM"}

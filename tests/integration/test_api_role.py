@@ -10,7 +10,7 @@ compromised API would want are refused: rewriting memberships, adding users, del
 reviving tokens, reading tickets' content, deleting tasks or audit rows, the dispatcher's
 functions, DDL.
 
-Every test_api_*.py runs its in-process API as this role too (tests/support/databases.py
+Every test_api_*.py runs its in-process API as this role too (harness/databases.py
 grants it in the template database). Roles are cluster-wide: this module's are its own
 and dropped at the end.
 """
@@ -30,12 +30,13 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from api.app import create_api
+from harness import databases
+from harness.factories import add_ticket, add_tickets, make_world
 from ledger import lease
 from ledger.tokens import create_token
 from teamdesk import db
 from teamdesk.config import load_settings
 from tests.conftest import REDIS_URL
-from tests.support import databases
 from tests.support.api_helpers import bearer, exports_url, reminders_url
 from tests.support.db_roles import (
     INSUFFICIENT_PRIVILEGE,
@@ -49,7 +50,6 @@ from tests.support.db_roles import (
     role_url,
     verifier,
 )
-from tests.support.factories import add_ticket, add_tickets, make_world
 
 PREFIX = f"tdt{os.getpid()}_{uuid.uuid4().hex[:6]}"
 

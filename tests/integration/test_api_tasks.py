@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient
 
 from api.errors import MSG_LIMIT, MSG_TASK_NOT_FOUND, MSG_TEAM_NOT_FOUND
 from api.tasks import MSG_EXPIRED, MSG_NOT_AN_EXPORT, MSG_NOT_COMPLETED
+from harness.factories import World, add_ticket, set_role, task_row
 from ledger import permissions, service
 from tests.support.api_helpers import bearer, task_in_state
-from tests.support.factories import World, add_ticket, set_role, task_row
 
 # --- GET /api/teams/{team_id}/tasks -------------------------------------------------------
 

@@ -17,15 +17,15 @@ import sqlalchemy as sa
 from celery import Celery
 
 from api.deps import MSG_READ_RATE
+from harness.factories import World, add_ticket, add_tickets, audit_events, task_row
+from harness.waiting import wait_for
 from ledger import lease, service
 from ledger.quota import MSG_EXPORT_BYTES_PER_DAY, MSG_EXPORTS_PER_DAY, ExportQuota
 from tasks.export import MSG_TOO_LARGE
 from teamdesk.config import Settings
 from tests.support.api_helpers import api_client, bearer, count_tasks, exports_url, reminders_url
 from tests.support.dispatch_scan import other_team
-from tests.support.factories import World, add_ticket, add_tickets, audit_events, task_row
 from tests.support.queues import send_message
-from tests.support.waiting import wait_for
 from tests.support.workers import running_worker
 
 TEAM_EXPORT = {"scope": "TEAM"}

@@ -37,6 +37,10 @@ import redis
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
+from harness import databases
+from harness.factories import add_ticket, add_tickets, make_world
+from harness.processes import Proc, celery_argv, cluster, free_port
+from harness.waiting import wait_for
 from ledger import dispatch, retention, service
 from ledger.migrate import set_up_app_role
 from ledger.roles import AppRoleRefused, table_privileges
@@ -44,7 +48,7 @@ from ledger.wake import WAKE_CHANNEL
 from tasks.celery_app import create_app
 from teamdesk import config, db
 from teamdesk.config import Settings
-from tests.support import databases, db_roles
+from tests.support import db_roles
 from tests.support.api_helpers import api_client, bearer, exports_url, make_tokens, reminders_url
 from tests.support.db_roles import (
     INSUFFICIENT_PRIVILEGE,
@@ -54,10 +58,7 @@ from tests.support.db_roles import (
     owner_engine,
 )
 from tests.support.dispatching import running_cluster
-from tests.support.factories import add_ticket, add_tickets, make_world
-from tests.support.processes import Proc, celery_argv, cluster, free_port
 from tests.support.redis_server import dedicated_redis
-from tests.support.waiting import wait_for
 
 PREFIX = f"tdt{os.getpid()}_{uuid.uuid4().hex[:6]}"
 

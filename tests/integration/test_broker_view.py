@@ -20,11 +20,11 @@ from dispatcher import scan as scan_module
 from dispatcher.context import Cluster
 from dispatcher.scan import ScanCounts, scan
 from dispatcher.window import Window
+from harness.factories import World, task_row
 from tasks.names import EXPORTS_QUEUE
 from teamdesk.config import get_settings
 from teamdesk.heartbeat import Heartbeat
 from tests.support.dispatch_scan import ids, long_up, messages, other_team, waiting_rows
-from tests.support.factories import World, task_row
 from tests.support.queues import markers
 
 

@@ -22,11 +22,11 @@ import pytest
 import sqlalchemy as sa
 
 from cli import demo, localrun
+from harness import databases
+from harness.processes import free_port
 from ledger.tokens import user_for_token
 from teamdesk.config import Settings
-from tests.support import databases
 from tests.support.cli_runner import run_script, scalar
-from tests.support.processes import free_port
 
 pytestmark = pytest.mark.usefixtures("drop_cli_log_handler")
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from harness.factories import World, add_ticket, task_row
 from ledger import service
 from ledger.errors import MSG_TEAM_FULL
 from ledger.tokens import user_for_token
@@ -23,7 +24,6 @@ from teamdesk import config
 from teamdesk.config import Settings
 from tests.support.api_helpers import count_tasks, task_in_state
 from tests.support.cli_runner import email_of, scalar
-from tests.support.factories import World, add_ticket, task_row
 
 pytestmark = pytest.mark.usefixtures("drop_cli_log_handler")
 

@@ -16,10 +16,10 @@ import sqlalchemy as sa
 
 from cli import demo
 from cli.commands import task_commands
+from harness.factories import World
 from ledger import tokens
 from ledger.tokens import user_for_token
 from tests.support.cli_runner import email_of, scalar
-from tests.support.factories import World
 from tests.support.tokens import expire, token_row
 
 pytestmark = pytest.mark.usefixtures("drop_cli_log_handler")

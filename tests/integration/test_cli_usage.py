@@ -16,10 +16,10 @@ import sqlalchemy as sa
 from cli import demo
 from cli.commands import local as local_commands
 from cli.main import build_parser, main
+from harness.processes import free_port
 from teamdesk.config import Settings
 from tests.support.api_helpers import count_tasks
 from tests.support.cli_runner import run_script
-from tests.support.processes import free_port
 
 pytestmark = pytest.mark.usefixtures("drop_cli_log_handler")
 

@@ -11,9 +11,9 @@ import pytest
 import sqlalchemy as sa
 
 from cli.commands.watch import follow, progress_line
+from harness.factories import World, add_tickets
 from ledger import lease, service
 from tests.support.cli_runner import email_of
-from tests.support.factories import World, add_tickets
 
 pytestmark = pytest.mark.usefixtures("drop_cli_log_handler")
 

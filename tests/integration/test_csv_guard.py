@@ -16,11 +16,11 @@ from datetime import UTC, datetime, timedelta
 import sqlalchemy as sa
 from celery import Celery
 
+from harness.csv_reference import expected_csv
+from harness.factories import World, add_ticket, task_row
+from harness.waiting import wait_for
 from ledger import service
-from tests.support.csv_reference import expected_csv
 from tests.support.dispatching import running_cluster
-from tests.support.factories import World, add_ticket, task_row
-from tests.support.waiting import wait_for
 
 HEADER = "id,title,status,priority,requester_id,assignee_id,due_at,created_at,updated_at"
 

@@ -16,13 +16,8 @@ from celery import Celery
 from sqlalchemy.engine import make_url
 
 from dispatcher import scan as scan_module
-from ledger import service
-from tasks import queueing
-from tasks import reminder as reminder_module
-from teamdesk import hooks
-from tests.support.databases import admin_engine
-from tests.support.dispatching import running_cluster
-from tests.support.factories import (
+from harness.databases import admin_engine
+from harness.factories import (
     World,
     add_ticket,
     add_tickets,
@@ -30,10 +25,15 @@ from tests.support.factories import (
     make_world,
     task_row,
 )
+from harness.waiting import wait_for
+from ledger import service
+from tasks import queueing
+from tasks import reminder as reminder_module
+from teamdesk import hooks
+from tests.support.dispatching import running_cluster
 from tests.support.gates import Gate
 from tests.support.queues import marker_present
 from tests.support.scenario import event_records, side_effects
-from tests.support.waiting import wait_for
 from tests.support.workers import EventLog
 
 

@@ -15,11 +15,7 @@ import sqlalchemy as sa
 from celery import Celery
 from fastapi.testclient import TestClient
 
-from ledger import dispatch, service
-from ledger.permissions import MSG_CREATOR_LEFT
-from tests.support.api_helpers import bearer
-from tests.support.dispatching import running_cluster
-from tests.support.factories import (
+from harness.factories import (
     World,
     add_ticket,
     audit_events,
@@ -27,7 +23,11 @@ from tests.support.factories import (
     set_role,
     task_row,
 )
-from tests.support.waiting import wait_for
+from harness.waiting import wait_for
+from ledger import dispatch, service
+from ledger.permissions import MSG_CREATOR_LEFT
+from tests.support.api_helpers import bearer
+from tests.support.dispatching import running_cluster
 
 
 def scheduled_reminder(engine: sa.Engine, world: World, in_s: float) -> uuid.UUID:

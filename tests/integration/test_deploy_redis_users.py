@@ -20,10 +20,10 @@ import pytest
 import redis
 import yaml
 
+from harness.waiting import wait_for
 from teamdesk.redis_acl import ADMIN, PASSWORD_VARS, ROLES, user_name
 from tests.support.deploy_files import COMPOSE_FILE, DEPLOY
 from tests.support.redis_server import free_port
-from tests.support.waiting import wait_for
 
 CONTAINER_FILE = "/etc/teamdesk/users.acl"
 CONTAINER_OUTPUT = "/tmp/users.acl"

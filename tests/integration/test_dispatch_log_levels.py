@@ -11,10 +11,10 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
+from harness.factories import World, add_tickets, task_row
+from harness.waiting import wait_for
 from ledger import service
 from tests.support.dispatching import running_cluster
-from tests.support.factories import World, add_tickets, task_row
-from tests.support.waiting import wait_for
 
 
 def dispatcher_records(caplog: pytest.LogCaptureFixture) -> list[tuple[str, int]]:

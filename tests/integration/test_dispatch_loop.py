@@ -24,11 +24,7 @@ from dispatcher.context import Cluster
 from dispatcher.leader import leader_key
 from dispatcher.loop import DispatchLoop
 from dispatcher.window import MAX_WINDOW_PER_SLOT
-from ledger import service
-from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
-from teamdesk import config, hooks
-from tests.support.dispatching import listener_backends, running_cluster, running_dispatcher
-from tests.support.factories import (
+from harness.factories import (
     World,
     add_member,
     add_ticket,
@@ -38,9 +34,13 @@ from tests.support.factories import (
     insert_task,
     task_row,
 )
+from harness.waiting import wait_for
+from ledger import service
+from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
+from teamdesk import config, hooks
+from tests.support.dispatching import listener_backends, running_cluster, running_dispatcher
 from tests.support.gates import Gate
 from tests.support.queues import queue_key
-from tests.support.waiting import wait_for
 from tests.support.workers import running_worker
 
 NEVER_S = 3600.0  # a scan interval that never comes round during a test

@@ -24,10 +24,10 @@ from dispatcher.leader import Leadership, leader_key
 from dispatcher.loop import DispatchLoop
 from dispatcher.monitor import FailureLog
 from dispatcher.scan import ScanCounts
+from harness.factories import World, insert_task, task_row
 from ledger import dispatch
 from teamdesk.config import Settings
 from teamdesk.heartbeat import Heartbeat, WorkerSlots
-from tests.support.factories import World, insert_task, task_row
 from tests.support.queues import all_task_messages, closed_port
 
 # --- the statements' plans on a large table -----------------------------------------------

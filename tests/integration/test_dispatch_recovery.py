@@ -18,11 +18,11 @@ import sqlalchemy as sa
 from celery import Celery
 
 from dispatcher.scan import ScanCounts, run_once
+from harness.factories import World, age_task, task_row
 from ledger import dispatch, lease
 from teamdesk.config import Settings
 from teamdesk.heartbeat import Heartbeat
 from tests.support.dispatch_scan import LONG_UP, long_up, messages, running_row, waiting_rows
-from tests.support.factories import World, age_task, task_row
 
 # --- recover -----------------------------------------------------------------------------------
 

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from harness.factories import World, add_ticket, audit_events, insert_task, task_row
+from harness.waiting import wait_for
 from ledger import dispatch, lease, service
 from ledger.errors import TeamQuotaExceeded
 from ledger.quota import ensure_room
 from ledger.waiting import ready_by_kind
-from tests.support.factories import World, add_ticket, audit_events, insert_task, task_row
-from tests.support.waiting import wait_for
 
 SOON_S = 0.4  # a run due this far ahead becomes due while the test waits
 

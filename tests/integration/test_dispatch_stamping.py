@@ -19,11 +19,11 @@ from celery import Celery
 
 from dispatcher.context import Cluster
 from dispatcher.window import Window, fill
+from harness.factories import World, task_row
 from ledger import dispatch
 from teamdesk.config import Settings
 from teamdesk.heartbeat import Heartbeat
 from tests.support.dispatch_scan import ids, messages, other_team, waiting_rows
-from tests.support.factories import World, task_row
 
 # --- stamp: teams take turns -----------------------------------------------------------------
 

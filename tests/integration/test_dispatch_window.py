@@ -22,11 +22,11 @@ from celery import Celery
 
 from dispatcher import scan as scan_module
 from dispatcher.scan import run_once
+from harness.factories import World, task_row
 from ledger import lease
 from teamdesk.config import Settings
 from teamdesk.heartbeat import Heartbeat
 from tests.support.dispatch_scan import ids, long_up, messages, running_row, waiting_rows
-from tests.support.factories import World, task_row
 from tests.support.queues import closed_port, markers
 
 

@@ -15,13 +15,13 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
+from harness.factories import World, add_tickets, audit_events, set_role, task_row
+from harness.waiting import wait_for
 from ledger import service, staging
 from ledger.permissions import MSG_CREATOR_LEFT, MSG_CREATOR_NOT_STAFF
 from teamdesk import hooks
-from tests.support.factories import World, add_tickets, audit_events, set_role, task_row
 from tests.support.gates import Gate
 from tests.support.queues import send_message
-from tests.support.waiting import wait_for
 from tests.support.workers import running_worker
 
 

@@ -12,13 +12,8 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
-from ledger import lease, service
-from tasks import export
-from teamdesk import hooks
-from teamdesk.config import get_settings
-from tests.support.csv_reference import expected_csv
-from tests.support.dispatching import running_cluster
-from tests.support.factories import (
+from harness.csv_reference import expected_csv
+from harness.factories import (
     World,
     add_ticket,
     add_tickets,
@@ -26,7 +21,12 @@ from tests.support.factories import (
     insert_task,
     task_row,
 )
-from tests.support.waiting import wait_for
+from harness.waiting import wait_for
+from ledger import lease, service
+from tasks import export
+from teamdesk import hooks
+from teamdesk.config import get_settings
+from tests.support.dispatching import running_cluster
 
 
 def create_export(engine: sa.Engine, world: World) -> uuid.UUID:

@@ -7,6 +7,7 @@ import uuid
 import redis
 
 from dispatcher.scan import read_heartbeats
+from harness.waiting import wait_for
 from teamdesk.heartbeat import (
     EPOCH_TAG,
     TOMBSTONE_MIN_S,
@@ -19,7 +20,6 @@ from teamdesk.heartbeat import (
     read_lease_holders,
     tombstone_key,
 )
-from tests.support.waiting import wait_for
 
 SCOPE = "host-a"
 TTL_S = 20.0

@@ -22,16 +22,16 @@ import sqlalchemy as sa
 from celery import Celery
 
 from dispatcher.scan import ScanCounts, read_heartbeats, run_once
+from harness.factories import World, add_tickets, audit_trail, task_row
+from harness.waiting import wait_for
 from ledger import service
 from teamdesk import config, hooks
 from teamdesk.config import Settings
 from teamdesk.heartbeat import Heartbeat, holders_key
 from tests.support.dispatch_scan import running_row
-from tests.support.factories import World, add_tickets, audit_trail, task_row
 from tests.support.gates import Gate
 from tests.support.queues import send_message
 from tests.support.redis_server import dedicated_redis
-from tests.support.waiting import wait_for
 from tests.support.workers import running_worker
 
 TTL_S = 1.0

@@ -10,10 +10,10 @@ from datetime import datetime
 import pytest
 import sqlalchemy as sa
 
+from harness.factories import World, age_task, insert_task, task_row
 from ledger import dispatch, lease, staging
 from ledger.errors import LeaseLost
 from teamdesk import db
-from tests.support.factories import World, age_task, insert_task, task_row
 
 
 def claim(

@@ -9,9 +9,9 @@ import time
 import sqlalchemy as sa
 
 from dispatcher.listener import Listener
+from harness.waiting import wait_for
 from ledger.wake import WAKE_CHANNEL
 from tests.support.dispatching import listener_backends
-from tests.support.waiting import wait_for
 
 QUIET_S = 0.3  # a wait that must end without a wake: how long it listens
 

@@ -14,14 +14,14 @@ from prometheus_client import CollectorRegistry
 from api.metrics import REQUESTS, UNMATCHED
 from dispatcher.context import Cluster
 from dispatcher.ledger_gauges import READ_ERRORS, LedgerGauges
+from harness.factories import World, age_task, insert_task, task_row
+from harness.waiting import wait_for
 from ledger.dispatch import database_now as _now
 from ledger.waiting import backlog_by_kind, top_ready_teams
 from teamdesk import metrics
 from teamdesk.config import Settings
 from tests.support.api_helpers import api_client
 from tests.support.dispatch_scan import other_team
-from tests.support.factories import World, age_task, insert_task, task_row
-from tests.support.waiting import wait_for
 
 
 def gauges(collector: LedgerGauges) -> dict[tuple[str, tuple[str, ...]], float]:

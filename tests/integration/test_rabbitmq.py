@@ -13,19 +13,19 @@ from celery.result import AsyncResult
 
 from dispatcher import scan as scan_module
 from dispatcher.scan import run_once
+from harness.csv_reference import expected_csv
+from harness.factories import World, add_tickets, task_row
+from harness.waiting import wait_for
 from ledger import service
 from tasks import queueing
 from teamdesk import config, hooks
 from teamdesk.heartbeat import Heartbeat
 from tests.support.celery_tools import rabbit_vhost as throwaway_vhost
-from tests.support.csv_reference import expected_csv
 from tests.support.dispatch_scan import long_up
 from tests.support.dispatching import running_cluster
-from tests.support.factories import World, add_tickets, task_row
 from tests.support.gates import Gate
 from tests.support.queues import marker_present
 from tests.support.scenario import event_records
-from tests.support.waiting import wait_for
 from tests.support.workers import EventLog, running_worker
 
 

@@ -27,6 +27,7 @@ import redis
 import sqlalchemy as sa
 
 from dispatcher.leader import Leadership, leader_key
+from harness.factories import World
 from ledger import service
 from tasks.broker_view import look
 from tasks.celery_app import create_app
@@ -35,7 +36,6 @@ from teamdesk.config import Settings
 from teamdesk.heartbeat import Heartbeat, WorkerSlots, read_lease_holders, slots_by_queue
 from teamdesk.redis_acl import ADMIN, ROLES
 from tests.support.api_helpers import BAD_TOKEN, api_client, bearer, exports_url, make_tokens
-from tests.support.factories import World
 from tests.support.queues import send_message
 from tests.support.redis_server import dedicated_redis
 from tests.support.redis_users import AclRedis, redis_acl, redis_with_users

@@ -13,12 +13,12 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from harness.factories import World, add_ticket, insert_task, task_row
 from ledger import lease, service
 from ledger.errors import LeaseLost
 from tasks.execution import Context
 from tasks.reminder import run_reminder
 from teamdesk import config
-from tests.support.factories import World, add_ticket, insert_task, task_row
 from tests.support.scenario import side_effects
 
 

@@ -10,9 +10,9 @@ import sqlalchemy as sa
 from celery import Celery
 
 from dispatcher.scan import run_once
+from harness.factories import World, add_ticket, insert_task, task_row
 from ledger import lease, retention
 from ledger.retention import Retention, purge_retired
-from tests.support.factories import World, add_ticket, insert_task, task_row
 
 DAY_S = 86_400
 

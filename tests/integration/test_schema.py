@@ -12,9 +12,9 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
+from harness import databases
 from ledger.models import metadata
 from teamdesk.db import make_engine
-from tests.support import databases
 
 SPEC_COLUMNS = {
     "background_tasks": {

@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import sqlalchemy as sa
 
+from harness.factories import World, add_ticket, insert_task, set_role, task_row
 from ledger import lease, service
 from ledger.errors import (
     InvalidFilters,
@@ -18,7 +19,6 @@ from ledger.errors import (
     NotAllowed,
     NotFound,
 )
-from tests.support.factories import World, add_ticket, insert_task, set_role, task_row
 
 
 def count_tasks(engine: sa.Engine) -> int:

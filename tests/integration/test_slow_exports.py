@@ -13,12 +13,12 @@ import sqlalchemy as sa
 from celery import Celery
 
 from cli import localrun
+from harness.factories import World, add_tickets, task_row
+from harness.waiting import wait_for
 from ledger import service
 from tasks import demo_pause as slow_exports
 from teamdesk import hooks
 from tests.support.dispatching import running_cluster
-from tests.support.factories import World, add_tickets, task_row
-from tests.support.waiting import wait_for
 
 
 def options(slow: float) -> localrun.LocalOptions:

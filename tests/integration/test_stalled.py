@@ -20,17 +20,17 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from dispatcher.scan import run_once
+from harness.csv_reference import expected_csv
+from harness.factories import World, add_ticket, add_tickets, age_task, task_row
+from harness.processes import Proc, cluster, settings_env, worker_argv
+from harness.remote_gates import RemoteGate
+from harness.waiting import wait_for
 from ledger import service
 from tasks import queueing
 from teamdesk import config, hooks
-from tests.support.csv_reference import expected_csv
-from tests.support.factories import World, add_ticket, add_tickets, age_task, task_row
 from tests.support.gates import Gate
-from tests.support.processes import Proc, cluster, settings_env, worker_argv
 from tests.support.queues import marker_present, send_message
-from tests.support.remote_gates import RemoteGate
 from tests.support.scenario import outcomes, side_effects
-from tests.support.waiting import wait_for
 from tests.support.workers import EventLog, running_worker
 
 PAUSE_AT = {"EXPORT": "export.after_read", "REMINDER": "reminder.after_lease_read"}
@@ -78,7 +78,7 @@ def test_stalled_execution_is_taken_over_and_its_late_error_writes_nothing(
     gate_b = RemoteGate(redis_client, prefix, "task.claimed")
     b_env = settings_env(
         settings,
-        TEAMDESK_TEST_HOOKS="tests.support.remote_gates",
+        TEAMDESK_TEST_HOOKS="harness.remote_gates",
         TEAMDESK_TEST_GATES="task.claimed",
     )
     with (

@@ -17,16 +17,16 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
+from harness.factories import World, add_ticket, add_tickets, age_task, task_row
+from harness.waiting import wait_for
 from ledger import dispatch, service
 from ledger.errors import PermissionLost
 from tasks import queueing
 from teamdesk import hooks
 from tests.support.dispatching import running_cluster
-from tests.support.factories import World, add_ticket, add_tickets, age_task, task_row
 from tests.support.gates import Gate
 from tests.support.queues import publish_stamped, resend_stamped, send_message
 from tests.support.scenario import event_records, outcomes, side_effects
-from tests.support.waiting import wait_for
 from tests.support.workers import EventLog, running_worker
 
 

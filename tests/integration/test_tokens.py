@@ -13,6 +13,8 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
+from harness import databases
+from harness.factories import World
 from ledger.errors import InvalidInput, NotFound
 from ledger.migrate import upgrade
 from ledger.tokens import (
@@ -25,9 +27,7 @@ from ledger.tokens import (
     revoke_token,
 )
 from teamdesk.db import make_engine
-from tests.support import databases
 from tests.support.api_helpers import bearer
-from tests.support.factories import World
 from tests.support.tokens import expire, new_token, token_row
 
 # Detects a wait for a row lock: resolving a token must never wait at all.

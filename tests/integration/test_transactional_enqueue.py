@@ -23,12 +23,12 @@ import psycopg2
 import sqlalchemy as sa
 from celery import Celery
 
+from harness.factories import World, add_ticket, audit_events, notifications, task_row
+from harness.waiting import wait_for
 from ledger import service
 from ledger.errors import TeamQuotaExceeded
 from ledger.wake import WAKE_CHANNEL
 from tests.support.dispatching import running_cluster
-from tests.support.factories import World, add_ticket, audit_events, notifications, task_row
-from tests.support.waiting import wait_for
 
 LOCK_WAIT_TIMEOUT_S = 20.0
 

@@ -16,17 +16,17 @@ import sqlalchemy as sa
 from celery import Celery
 from sqlalchemy.engine import make_url
 
+from harness.databases import admin_engine
+from harness.factories import World, add_tickets, audit_events, task_row
+from harness.waiting import wait_for
 from ledger import lease, service
 from ledger.errors import PermissionLost
 from tasks import execution, queueing
 from tasks.names import EXPORT_TASK
 from teamdesk import hooks
-from tests.support.databases import admin_engine
-from tests.support.factories import World, add_tickets, audit_events, task_row
 from tests.support.gates import Gate
 from tests.support.queues import closed_port, send_message
 from tests.support.scenario import event_records
-from tests.support.waiting import wait_for
 from tests.support.workers import EventLog, running_worker
 
 

@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient
 
 from cli.commands.watch import progress_line
 from dispatcher.leader import Leadership, leader_key
+from harness.factories import World, insert_task
 from teamdesk.heartbeat import Heartbeat
 from tests.support.api_helpers import bearer
-from tests.support.factories import World, insert_task
 
 pytestmark = pytest.mark.usefixtures("drop_cli_log_handler")
 

@@ -11,13 +11,13 @@ import sqlalchemy as sa
 from celery import Celery
 from celery.result import AsyncResult
 
+from harness.factories import World, add_tickets, task_row
+from harness.waiting import wait_for
 from ledger import service
 from tasks import queueing
 from teamdesk import config
 from tests.support.dispatching import running_cluster
-from tests.support.factories import World, add_tickets, task_row
 from tests.support.queues import marker_present
-from tests.support.waiting import wait_for
 from tests.support.workers import EventLog
 
 

@@ -15,13 +15,8 @@ from celery import Celery
 from celery.result import AsyncResult
 
 from dispatcher import scan as scan_module
-from ledger import permissions, service
-from ledger.filters import MSG_DATE, MSG_STATUS
-from tasks import queueing
-from teamdesk import config, hooks
-from tests.support.csv_reference import expected_csv
-from tests.support.dispatching import running_cluster
-from tests.support.factories import (
+from harness.csv_reference import expected_csv
+from harness.factories import (
     World,
     add_ticket,
     add_tickets,
@@ -30,10 +25,15 @@ from tests.support.factories import (
     set_role,
     task_row,
 )
+from harness.waiting import wait_for
+from ledger import permissions, service
+from ledger.filters import MSG_DATE, MSG_STATUS
+from tasks import queueing
+from teamdesk import config, hooks
+from tests.support.dispatching import running_cluster
 from tests.support.gates import Gate
 from tests.support.queues import marker_present, send_message
 from tests.support.scenario import event_records, field, outcomes, side_effects
-from tests.support.waiting import wait_for
 from tests.support.workers import EventLog
 
 

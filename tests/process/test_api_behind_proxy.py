@@ -16,11 +16,11 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from harness.factories import World
+from harness.processes import Proc, cluster, free_port, settings_env
+from harness.waiting import wait_for
 from ledger.tokens import create_token
 from teamdesk.config import Settings
-from tests.support.factories import World
-from tests.support.processes import Proc, cluster, free_port, settings_env
-from tests.support.waiting import wait_for
 
 FAILURES = 3
 BAD_TOKEN = "tdk_" + "x" * 43

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from api.middleware import API_CSP, DOCS_CSP
+from harness.processes import Proc, cluster, free_port, settings_env
+from harness.waiting import wait_for
 from teamdesk.config import Settings
 from tests.support.browser import Chromium, chromium_for_test
-from tests.support.processes import Proc, cluster, free_port, settings_env
-from tests.support.waiting import wait_for
 
 SETTLE_MS = 10_000  # virtual time for the pages' scripts to fetch and render the spec
 

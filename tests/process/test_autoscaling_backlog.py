@@ -13,12 +13,12 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from harness.factories import World, add_tickets
+from harness.processes import Proc, celery_argv, cluster, free_port, settings_env, worker_argv
+from harness.waiting import wait_for
 from teamdesk.config import Settings
 from tests.support.autoscaling import backlog_query
-from tests.support.factories import World, add_tickets
-from tests.support.processes import Proc, celery_argv, cluster, free_port, settings_env, worker_argv
 from tests.support.prometheus import Prometheus
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -25,13 +25,13 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from harness.factories import World, add_tickets, audit_events, task_row
+from harness.waiting import wait_for
 from ledger import service
 from teamdesk.config import Settings
 from teamdesk.heartbeat import holders_key, live_members
-from tests.support.factories import World, add_tickets, audit_events, task_row
 from tests.support.gated_worker import gated_export_worker
 from tests.support.redis_server import dedicated_redis, stop
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -30,19 +30,19 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from harness.csv_reference import expected_csv
+from harness.factories import World, add_tickets, audit_trail, task_row
+from harness.processes import Proc, cluster, settings_env, worker_argv
+from harness.remote_gates import RemoteGate
+from harness.waiting import wait_for
 from ledger import service
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
 from tests.support import steady_gates
 from tests.support.celery_tools import consumer
-from tests.support.csv_reference import expected_csv
-from tests.support.factories import World, add_tickets, audit_trail, task_row
 from tests.support.operator_commands import node_of
-from tests.support.processes import Proc, cluster, settings_env, worker_argv
 from tests.support.queues import publish_stamped, queue_key
 from tests.support.redis_server import dedicated_redis
-from tests.support.remote_gates import RemoteGate
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -27,10 +27,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from ledger import service
-from tasks.celery_app import create_app
-from teamdesk.config import Settings
-from tests.support.factories import (
+from harness.factories import (
     World,
     add_ticket,
     add_tickets,
@@ -38,6 +35,12 @@ from tests.support.factories import (
     notifications,
     task_row,
 )
+from harness.processes import Proc, cluster, settings_env, worker_argv
+from harness.remote_gates import RemoteGate
+from harness.waiting import wait_for
+from ledger import service
+from tasks.celery_app import create_app
+from teamdesk.config import Settings
 from tests.support.operator_commands import (
     call,
     celery_lines,
@@ -46,10 +49,7 @@ from tests.support.operator_commands import (
     not_json,
     records,
 )
-from tests.support.processes import Proc, cluster, settings_env, worker_argv
 from tests.support.queues import markers, publish_stamped
-from tests.support.remote_gates import RemoteGate
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -249,7 +249,7 @@ def test_the_current_stamp_never_takes_over_a_live_execution(
         task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
     s = settings.with_overrides(export_batch_size=2)  # parks after rows 2 and 3
     gates = {
-        "TEAMDESK_TEST_HOOKS": "tests.support.remote_gates",
+        "TEAMDESK_TEST_HOOKS": "harness.remote_gates",
         "TEAMDESK_TEST_GATES": GATE,
         "TEAMDESK_TEST_GATE_TIMEOUT_S": 30,
     }

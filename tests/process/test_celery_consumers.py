@@ -19,14 +19,14 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from harness.factories import World, add_tickets, audit_events, task_row
+from harness.processes import Proc, celery_argv, cluster, settings_env, worker_argv
+from harness.waiting import wait_for
 from ledger import service
 from teamdesk.config import Settings
 from teamdesk.heartbeat import live_members, slots_by_queue
 from tests.support.celery_tools import consumer
-from tests.support.factories import World, add_tickets, audit_events, task_row
 from tests.support.operator_commands import node_of
-from tests.support.processes import Proc, celery_argv, cluster, settings_env, worker_argv
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -30,9 +30,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from ledger import service
-from teamdesk.config import Settings
-from tests.support.factories import (
+from harness.factories import (
     World,
     add_ticket,
     add_tickets,
@@ -40,6 +38,11 @@ from tests.support.factories import (
     notifications,
     task_row,
 )
+from harness.processes import Proc, celery_argv, cluster, settings_env, worker_argv
+from harness.remote_gates import RemoteGate
+from harness.waiting import wait_for
+from ledger import service
+from teamdesk.config import Settings
 from tests.support.operator_commands import (
     celery_lines,
     consumed_queues,
@@ -50,10 +53,7 @@ from tests.support.operator_commands import (
     not_json,
     records,
 )
-from tests.support.processes import Proc, celery_argv, cluster, settings_env, worker_argv
 from tests.support.queues import queued_ids
-from tests.support.remote_gates import RemoteGate
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -187,7 +187,7 @@ def test_revoke_terminate_cancels_a_running_export_and_the_worker_stays_healthy(
     env = settings_env(
         s,
         TEAM_MAX_RUNNING=1,
-        TEAMDESK_TEST_HOOKS="tests.support.remote_gates",
+        TEAMDESK_TEST_HOOKS="harness.remote_gates",
         TEAMDESK_TEST_GATES=GATE,
         TEAMDESK_TEST_GATE_TIMEOUT_S=30,
     )

@@ -15,15 +15,15 @@ import redis
 import sqlalchemy as sa
 
 from dispatcher.scan import read_heartbeats, run_once
+from harness.factories import World, task_row
+from harness.processes import ROOT, Proc, celery_argv, cluster, settings_env, worker_argv
+from harness.remote_gates import RemoteGate
+from harness.waiting import wait_for
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
 from teamdesk.heartbeat import lease_holders_alive, live_members
 from tests.process.test_shutdown import GATED, export, short
-from tests.support.factories import World, task_row
-from tests.support.processes import ROOT, Proc, celery_argv, cluster, settings_env, worker_argv
 from tests.support.queues import send_message
-from tests.support.remote_gates import RemoteGate
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -30,11 +30,11 @@ import psycopg2
 import pytest
 import sqlalchemy as sa
 
+from harness.factories import age_task, insert_task, make_world, task_row
 from ledger import lease
 from ledger.migrate import upgrade
 from soak.postgres import SoakPostgres
 from teamdesk.db import make_engine
-from tests.support.factories import age_task, insert_task, make_world, task_row
 
 pytestmark = pytest.mark.slow
 

@@ -30,18 +30,18 @@ import redis
 import sqlalchemy as sa
 
 from dispatcher.leader import leader_key
+from harness.factories import World, add_ticket, add_tickets, task_row
+from harness.processes import Proc, celery_argv, cluster, settings_env, worker_argv
+from harness.remote_gates import RemoteGate
+from harness.waiting import wait_for
 from ledger import service
 from teamdesk.config import Settings
-from tests.support.factories import World, add_ticket, add_tickets, task_row
-from tests.support.processes import Proc, celery_argv, cluster, settings_env, worker_argv
 from tests.support.redis_server import dedicated_redis
-from tests.support.remote_gates import RemoteGate
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
 FAST = {"scan_interval_s": 0.5, "heartbeat_ttl_s": 3.0}
-GATES = "tests.support.remote_gates"
+GATES = "harness.remote_gates"
 
 
 def fast(settings: Settings, **overrides: Any) -> Settings:

@@ -23,14 +23,14 @@ import sqlalchemy as sa
 from celery import Celery
 
 from dispatcher.scan import run_once
+from harness.factories import World, add_tickets, audit_trail, task_row
+from harness.processes import Proc
+from harness.waiting import wait_for
 from ledger import service
 from teamdesk.config import Settings
 from teamdesk.heartbeat import lease_holders_alive, live_members
-from tests.support.factories import World, add_tickets, audit_trail, task_row
 from tests.support.gated_worker import gated_export_worker
-from tests.support.processes import Proc
 from tests.support.redis_server import dedicated_redis
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

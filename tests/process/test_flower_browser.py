@@ -35,6 +35,18 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from harness.factories import World, add_tickets, task_row
+from harness.processes import (
+    ROOT,
+    Proc,
+    celery_argv,
+    cluster,
+    free_port,
+    settings_env,
+    worker_argv,
+)
+from harness.remote_gates import RemoteGate
+from harness.waiting import wait_for
 from ledger import service
 from tasks import queueing
 from tasks.celery_app import create_app
@@ -47,19 +59,7 @@ from tests.support.browser import (
     redact,
     with_credentials,
 )
-from tests.support.factories import World, add_tickets, task_row
-from tests.support.processes import (
-    ROOT,
-    Proc,
-    celery_argv,
-    cluster,
-    free_port,
-    settings_env,
-    worker_argv,
-)
 from tests.support.queues import send_message
-from tests.support.remote_gates import RemoteGate
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -146,7 +146,7 @@ def test_flower_task_page_shows_export_progress_in_a_browser(
     authed_url = with_credentials(page_url, USER, PASSWORD)
     env = settings_env(
         settings,
-        TEAMDESK_TEST_HOOKS="tests.support.remote_gates",
+        TEAMDESK_TEST_HOOKS="harness.remote_gates",
         TEAMDESK_TEST_GATES="export.after_read",
     )
     pages: dict[int, RenderedPage] = {}

@@ -19,15 +19,15 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from harness.factories import World, add_tickets, task_row
+from harness.processes import Proc, celery_argv, cluster, free_port, settings_env, worker_argv
+from harness.remote_gates import RemoteGate
+from harness.waiting import wait_for
 from ledger import service
 from tasks import queueing
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
-from tests.support.factories import World, add_tickets, task_row
-from tests.support.processes import Proc, celery_argv, cluster, free_port, settings_env, worker_argv
 from tests.support.queues import send_message
-from tests.support.remote_gates import RemoteGate
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +79,7 @@ def test_export_progress_moves_in_flower(
     port = free_port()
     env = settings_env(
         settings,
-        TEAMDESK_TEST_HOOKS="tests.support.remote_gates",
+        TEAMDESK_TEST_HOOKS="harness.remote_gates",
         TEAMDESK_TEST_GATES="export.after_read",
     )
     with cluster(tmp_path) as procs:

@@ -24,18 +24,18 @@ import redis
 import sqlalchemy as sa
 
 from dispatcher.scan import read_heartbeats, run_once
+from harness.databases import through
+from harness.factories import World, add_tickets, audit_events, task_row
+from harness.processes import Proc, cluster, settings_env, worker_argv
+from harness.remote_gates import RemoteGate
+from harness.waiting import wait_for
 from ledger import service
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
 from teamdesk.heartbeat import WorkerSlots, info_key, live_members
 from tests.process.test_shutdown import GATED
-from tests.support.databases import through
-from tests.support.factories import World, add_tickets, audit_events, task_row
-from tests.support.processes import Proc, cluster, settings_env, worker_argv
 from tests.support.queues import queued_ids, send_message
-from tests.support.remote_gates import RemoteGate
 from tests.support.tcp_proxy import tcp_proxy
-from tests.support.waiting import wait_for
 from worker.liveness import renew_interval_s
 
 pytestmark = pytest.mark.slow

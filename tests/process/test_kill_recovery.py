@@ -14,13 +14,13 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from harness.factories import World, add_tickets, task_row
+from harness.processes import Proc, celery_argv, cluster, settings_env, worker_argv
+from harness.remote_gates import RemoteGate
+from harness.waiting import wait_for
 from ledger import service
 from teamdesk.config import Settings
 from teamdesk.heartbeat import live_members
-from tests.support.factories import World, add_tickets, task_row
-from tests.support.processes import Proc, celery_argv, cluster, settings_env, worker_argv
-from tests.support.remote_gates import RemoteGate
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def test_sigkilled_worker_is_taken_over_fast(
     gate = RemoteGate(redis_client, s.queue_prefix, "export.after_read")
     gated = settings_env(
         s,
-        TEAMDESK_TEST_HOOKS="tests.support.remote_gates",
+        TEAMDESK_TEST_HOOKS="harness.remote_gates",
         TEAMDESK_TEST_GATES="export.after_read",
         TEAMDESK_TEST_GATE_TIMEOUT_S="600",
     )

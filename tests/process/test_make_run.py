@@ -31,11 +31,11 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from harness.factories import task_row
+from harness.processes import ROOT, Proc, free_port, settings_env
+from harness.remote_gates import RemoteGate
+from harness.waiting import wait_for
 from teamdesk.config import Settings
-from tests.support.factories import task_row
-from tests.support.processes import ROOT, Proc, free_port, settings_env
-from tests.support.remote_gates import RemoteGate
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ PROCESSES = ("exports", "mixed", "beat", "flower", "api")
 TICKETS = 1200
 FLOWER_PASSWORD = "smoke-test-pw"
 GATED = {
-    "TEAMDESK_TEST_HOOKS": "tests.support.remote_gates",
+    "TEAMDESK_TEST_HOOKS": "harness.remote_gates",
     "TEAMDESK_TEST_GATES": "export.after_read",
     "TEAMDESK_TEST_GATE_TIMEOUT_S": "120",
     "PYTHONPATH": str(ROOT),  # the Procfile runs the `celery` script: put tests/ in reach

@@ -49,13 +49,7 @@ import redis
 import sqlalchemy as sa
 
 from dispatcher.listener import APPLICATION_NAME as LISTEN_APPLICATION
-from ledger import service
-from ledger.migrate import upgrade
-from soak.postgres import SoakPostgres
-from tasks.reminder import EVENT_TYPE
-from teamdesk.config import Settings
-from teamdesk.db import make_engine
-from tests.support.factories import (
+from harness.factories import (
     add_ticket,
     add_tickets,
     audit_events,
@@ -63,10 +57,16 @@ from tests.support.factories import (
     notifications,
     task_row,
 )
+from harness.processes import Proc, celery_argv, cluster, settings_env, worker_argv
+from harness.remote_gates import RemoteGate, reached_key
+from harness.waiting import wait_for
+from ledger import service
+from ledger.migrate import upgrade
+from soak.postgres import SoakPostgres
+from tasks.reminder import EVENT_TYPE
+from teamdesk.config import Settings
+from teamdesk.db import make_engine
 from tests.support.pg_standby import Standby, private_primary, streaming_standby, two_host_url
-from tests.support.processes import Proc, celery_argv, cluster, settings_env, worker_argv
-from tests.support.remote_gates import RemoteGate, reached_key
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -201,7 +201,7 @@ def running_cluster(s: Settings, gates: str, tmp_path: Path) -> Iterator[tuple[P
     """A real worker (two pool processes, parking at ``gates``) and a real beat."""
     gated = settings_env(
         s,
-        TEAMDESK_TEST_HOOKS="tests.support.remote_gates",
+        TEAMDESK_TEST_HOOKS="harness.remote_gates",
         TEAMDESK_TEST_GATES=gates,
         TEAMDESK_TEST_GATE_TIMEOUT_S="600",
     )

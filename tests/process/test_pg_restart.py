@@ -23,16 +23,16 @@ from pathlib import Path
 import pytest
 import redis
 
+from harness.factories import add_tickets, audit_events, make_world, task_row
+from harness.processes import Proc, celery_argv, cluster, settings_env, worker_argv
+from harness.remote_gates import RemoteGate
+from harness.waiting import wait_for
 from ledger import service
 from ledger.migrate import upgrade
 from soak.postgres import SoakPostgres
 from teamdesk.config import Settings
 from teamdesk.db import make_engine
 from tests.process.test_shutdown import GATED
-from tests.support.factories import add_tickets, audit_events, make_world, task_row
-from tests.support.processes import Proc, celery_argv, cluster, settings_env, worker_argv
-from tests.support.remote_gates import RemoteGate
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

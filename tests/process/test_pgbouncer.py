@@ -19,14 +19,14 @@ import psycopg2
 import pytest
 import sqlalchemy as sa
 
+from harness.databases import through
+from harness.factories import World, add_ticket, add_tickets, audit_events, task_row
+from harness.processes import ROOT, Proc, celery_argv, cluster, settings_env, worker_argv
+from harness.waiting import wait_for
 from teamdesk import config, db
 from teamdesk.config import Settings
 from tests.support.api_helpers import api_client, bearer, exports_url, make_tokens, reminders_url
-from tests.support.databases import through
-from tests.support.factories import World, add_ticket, add_tickets, audit_events, task_row
 from tests.support.pgbouncer import pgbouncer
-from tests.support.processes import ROOT, Proc, celery_argv, cluster, settings_env, worker_argv
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -19,15 +19,15 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from harness.factories import World, add_tickets, insert_task, task_row
+from harness.processes import Proc, celery_argv, cluster, free_port, settings_env, worker_argv
+from harness.remote_gates import RemoteGate
+from harness.waiting import wait_for
 from ledger import service
 from ledger.tokens import create_token
 from teamdesk.config import Settings
 from tests.support.browser import Chromium
-from tests.support.factories import World, add_tickets, insert_task, task_row
-from tests.support.processes import Proc, celery_argv, cluster, free_port, settings_env, worker_argv
 from tests.support.prometheus import Prometheus
-from tests.support.remote_gates import RemoteGate
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +91,7 @@ def test_prometheus_sees_tasks_recovery_and_a_pending_alert(
 
     gated = env(
         "w1",
-        TEAMDESK_TEST_HOOKS="tests.support.remote_gates",
+        TEAMDESK_TEST_HOOKS="harness.remote_gates",
         TEAMDESK_TEST_GATES="export.after_read",
         TEAMDESK_TEST_GATE_TIMEOUT_S="120",
     )

@@ -27,12 +27,12 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from harness.factories import World, add_ticket, add_tickets, task_row
+from harness.processes import Proc, celery_argv, cluster, free_port, settings_env
+from harness.waiting import wait_for
 from teamdesk.config import Settings
 from tests.support.api_helpers import api_client, bearer, exports_url, make_tokens, reminders_url
-from tests.support.factories import World, add_ticket, add_tickets, task_row
-from tests.support.processes import Proc, celery_argv, cluster, free_port, settings_env
 from tests.support.redis_users import AclRedis, redis_with_users
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from harness.factories import World, add_tickets, audit_events, task_row
+from harness.processes import Proc
+from harness.waiting import wait_for
 from ledger import service
 from teamdesk.config import Settings
-from tests.support.factories import World, add_tickets, audit_events, task_row
 from tests.support.gated_worker import gated_export_worker
-from tests.support.processes import Proc
 from tests.support.queues import send_message
 from tests.support.redis_server import dedicated_redis
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -26,11 +26,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from ledger import service
-from soak.sentinel import MASTER_NAME, sentinel_group
-from teamdesk.config import Settings
-from tests.process.test_shutdown import GATED
-from tests.support.factories import (
+from harness.factories import (
     World,
     add_ticket,
     add_tickets,
@@ -38,9 +34,13 @@ from tests.support.factories import (
     notifications,
     task_row,
 )
-from tests.support.processes import Proc, celery_argv, cluster, settings_env, worker_argv
-from tests.support.remote_gates import GATE_REDIS_ENV, RemoteGate
-from tests.support.waiting import wait_for
+from harness.processes import Proc, celery_argv, cluster, settings_env, worker_argv
+from harness.remote_gates import GATE_REDIS_ENV, RemoteGate
+from harness.waiting import wait_for
+from ledger import service
+from soak.sentinel import MASTER_NAME, sentinel_group
+from teamdesk.config import Settings
+from tests.process.test_shutdown import GATED
 
 pytestmark = pytest.mark.slow
 

@@ -15,21 +15,21 @@ import redis
 import sqlalchemy as sa
 
 from dispatcher.scan import read_heartbeats, run_once
+from harness.factories import World, add_tickets, task_row
+from harness.processes import Proc, cluster, settings_env, worker_argv
+from harness.remote_gates import RemoteGate
+from harness.waiting import wait_for
 from ledger import lease, service
 from ledger.errors import LeaseLost
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
 from teamdesk.heartbeat import active_key, lease_holders_alive, live_members, tombstone_key
-from tests.support.factories import World, add_tickets, task_row
-from tests.support.processes import Proc, cluster, settings_env, worker_argv
 from tests.support.queues import send_message
-from tests.support.remote_gates import RemoteGate
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
 GATED = {
-    "TEAMDESK_TEST_HOOKS": "tests.support.remote_gates",
+    "TEAMDESK_TEST_HOOKS": "harness.remote_gates",
     "TEAMDESK_TEST_GATES": "export.after_read",
     "TEAMDESK_TEST_GATE_TIMEOUT_S": "600",
 }
@@ -207,7 +207,7 @@ def test_renewal_racing_shutdown_does_not_reregister(
     gate.release()  # the start-up renewal passes; the next one parks
     env = settings_env(
         s,
-        TEAMDESK_TEST_HOOKS="tests.support.remote_gates",
+        TEAMDESK_TEST_HOOKS="harness.remote_gates",
         TEAMDESK_TEST_GATES="heartbeat.before_renewal",
     )
     with cluster(tmp_path) as procs:
@@ -296,7 +296,7 @@ def test_unhandled_error_logs_fatal_and_exits_1(
     """An error Celery only logs - unrecoverable at start, or a failure while stopping -
     still ends the process with exit code 1, never a final 0."""
     env = settings_env(
-        settings, TEAMDESK_TEST_HOOKS="tests.support.remote_gates", TEAMDESK_TEST_CRASH=where
+        settings, TEAMDESK_TEST_HOOKS="harness.remote_gates", TEAMDESK_TEST_CRASH=where
     )
     with cluster(tmp_path) as procs:
         w1 = Proc("w1", worker_argv("w1", concurrency=1), env, tmp_path).start()

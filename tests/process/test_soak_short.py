@@ -16,8 +16,8 @@ import time
 
 import pytest
 
+from harness.processes import ROOT
 from soak.chaos import KINDS
-from tests.support.processes import ROOT
 
 pytestmark = pytest.mark.slow
 

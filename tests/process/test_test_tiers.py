@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from tests.support.processes import ROOT
+from harness.processes import ROOT
 from tests.support.queues import closed_port
 
 

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from harness.factories import World, add_ticket
+from harness.processes import Proc, celery_argv, cluster, free_port, settings_env, worker_argv
+from harness.waiting import wait_for
 from ledger.tokens import create_token, hash_token
 from teamdesk.config import Settings
-from tests.support.factories import World, add_ticket
-from tests.support.processes import Proc, celery_argv, cluster, free_port, settings_env, worker_argv
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from harness.factories import World, add_tickets, insert_task, task_row
+from harness.processes import Proc, celery_argv, cluster, settings_env, worker_argv
+from harness.waiting import wait_for
 from ledger import service
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
-from tests.support.factories import World, add_tickets, insert_task, task_row
-from tests.support.processes import Proc, celery_argv, cluster, settings_env, worker_argv
 from tests.support.queues import send_message
-from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def run_worker_through(
     )
     env = settings_env(
         s,
-        TEAMDESK_TEST_HOOKS="tests.support.remote_gates",
+        TEAMDESK_TEST_HOOKS="harness.remote_gates",
         TEAMDESK_TEST_LOG_SAMPLE="1",
         TEAMDESK_TEST_AUTH_VALUE=AUTH_VALUE,
     )

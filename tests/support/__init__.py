@@ -1,1 +1,3 @@
-"""Test support: databases cloned from a migrated template, factories, gates."""
+"""Test-only support: API and CLI clients, workers, queues, steady gates, services of
+their own. What the bench and the soak use too (processes, databases, factories, ...)
+is in the top-level ``harness`` package."""

@@ -13,11 +13,11 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from api.app import create_api
+from harness.databases import as_api_role
+from harness.factories import World, insert_task
 from ledger import lease, service
 from ledger.tokens import create_token
 from teamdesk.config import Settings
-from tests.support.databases import as_api_role
-from tests.support.factories import World, insert_task
 
 USERS = ("staff", "staff2", "customer", "outsider")
 BAD_TOKEN = "tdk_" + "x" * 43

@@ -14,8 +14,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from harness.processes import settings_env
 from teamdesk.config import Settings
-from tests.support.processes import settings_env
 
 CLI = str(Path(sys.executable).parent / "teamdesk-tasks")
 

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 
 import sqlalchemy as sa
 
+from harness import databases
 from teamdesk.db import sqlalchemy_url
-from tests.support import databases
 
 PASSWORD_VARS = ("APP_DB_PASSWORD", "API_DB_PASSWORD")
 INSUFFICIENT_PRIVILEGE = "42501"

@@ -11,8 +11,8 @@ from typing import Any
 import redis
 import sqlalchemy as sa
 
+from harness.factories import World, add_member, add_user, insert_task
 from ledger import lease
-from tests.support.factories import World, add_member, add_user, insert_task
 from tests.support.queues import all_task_messages, message_ids
 
 LONG_UP = 3600.0  # an injected heartbeat-record age well past HEARTBEAT_TTL_S

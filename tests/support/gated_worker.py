@@ -13,12 +13,12 @@ from pathlib import Path
 import redis
 from celery import Celery
 
+from harness.processes import Proc, cluster, settings_env, worker_argv
+from harness.remote_gates import RemoteGate
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
 from tests.support import steady_gates
-from tests.support.processes import Proc, cluster, settings_env, worker_argv
 from tests.support.queues import send_message
-from tests.support.remote_gates import RemoteGate
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from typing import Any
 
 import redis
 
+from harness.processes import ROOT, Proc, celery_argv, settings_env
 from tasks.names import TASK_QUEUES
 from teamdesk.config import Settings
-from tests.support.processes import ROOT, Proc, celery_argv, settings_env
 from tests.support.queues import queue_key
 
 REPLY_TIMEOUT_S = 10  # how long a remote-control command waits for the node's reply

@@ -25,9 +25,9 @@ from typing import Any
 import psycopg2
 import sqlalchemy as sa
 
+from harness.waiting import wait_for
 from soak.postgres import START_TIMEOUT_S, SUPERUSER, SoakPostgres
 from teamdesk.db import make_engine
-from tests.support.waiting import wait_for
 
 STREAMING_TIMEOUT_S = 30.0
 REPLAY_TIMEOUT_S = 10.0  # detects a standby that stopped streaming

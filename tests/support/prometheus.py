@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from tests.support.processes import ROOT, Proc, free_port
+from harness.processes import ROOT, Proc, free_port
 
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yaml"
 INTERVAL = "1s"

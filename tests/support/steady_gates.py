@@ -4,7 +4,7 @@ For tests that restart or squeeze the worker's ``REDIS_URL``: a gate parked on t
 server would fail with it. A worker started with
 ``TEAMDESK_TEST_HOOKS=tests.support.steady_gates``, ``TEAMDESK_STEADY_GATES=<points>``
 and ``TEAMDESK_STEADY_GATE_REDIS_URL=<url>`` parks at those points on that other Redis,
-with the same keys, so the test drives it with :class:`~tests.support.remote_gates.RemoteGate`.
+with the same keys, so the test drives it with :class:`~harness.remote_gates.RemoteGate`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import redis
 
+from harness.remote_gates import TIMEOUT_ENV, _describe, open_key, reached_key
 from teamdesk import hooks
-from tests.support.remote_gates import TIMEOUT_ENV, _describe, open_key, reached_key
 
 POINTS_ENV = "TEAMDESK_STEADY_GATES"
 URL_ENV = "TEAMDESK_STEADY_GATE_REDIS_URL"

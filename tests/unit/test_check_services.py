@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.processes import free_port
+from harness.processes import free_port
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_services.py"
 

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from tests.support.waiting import wait_for
+from harness.waiting import wait_for
 from worker.steps import Renewals
 
 GATE_TIMEOUT_S = 10.0

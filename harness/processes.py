@@ -21,7 +21,7 @@ from typing import Any
 
 from teamdesk.config import Settings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:

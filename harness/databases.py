@@ -3,7 +3,7 @@
 The template also grants the API's database role (ledger/api_role.py) to :data:`API_ROLE`,
 a role of this test run (roles are cluster-wide; :func:`drop_api_role` removes it once
 the template is gone), so every clone carries its grants and the in-process API of the
-tests connects as it (tests/support/api_helpers.py, ``api_client``).
+tests connects as it (their ``api_client``, in the tests' support package).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Gates across processes, through Redis lists: for real ``celery worker`` subprocesses.
 
-A worker started with ``TEAMDESK_TEST_HOOKS=tests.support.remote_gates`` and
+A worker started with ``TEAMDESK_TEST_HOOKS=harness.remote_gates`` and
 ``TEAMDESK_TEST_GATES=export.after_read,...`` parks every execution reaching one of those
 points: it pushes a token to ``<prefix>:gate-reached:<point>`` and blocks on
 ``<prefix>:gate-open:<point>`` until the test pushes a release token. The wait is bounded
