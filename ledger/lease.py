@@ -8,29 +8,23 @@ transaction, so a reminder can put its completion in the same transaction as its
 side effects.
 
 These statements run on every task, so they go straight to the DBAPI cursor (psycopg2
-``%(name)s`` parameters) rather than through SQLAlchemy's statement layer, which costs
-about 100 µs a statement; a lost server connection is still handed back to SQLAlchemy
-so its pool drops it.
+``%(name)s`` parameters), each prepared once per database session (ledger/prepared.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import re
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import psycopg2
-from psycopg2.extensions import TRANSACTION_STATUS_IDLE, AsIs
+from psycopg2.extensions import AsIs
 from sqlalchemy.engine import Connection
 
-from ledger import staging
+from ledger import prepared, staging
 from ledger.errors import LeaseLost, LedgerError, PermissionLost
 from ledger.permissions import MAY_EXPORT_SQL, export_refusal
 from ledger.wake import WAKE_SQL
-from teamdesk.db import PREPARED_KEY, may_prepare
 
 # The lease condition every write of a running execution carries.
 _LEASE = (
@@ -125,18 +119,6 @@ _PROGRESS_COMMIT_SET = "EXISTS (SELECT FROM commit_mode)"
 REPORT_PROGRESS = f"""{_PROGRESS_COMMIT}
     UPDATE background_tasks SET progress = %(progress)s, updated_at = now()
      WHERE {_LEASE} AND {_PROGRESS_COMMIT_SET}
-"""
-
-# Guard: the lease. An export's last progress write (99) before its completion, which
-# also reads the owner's role in the task's team now, for the final permission check.
-# Returns nothing when the lease is lost.
-REPORT_LAST_PROGRESS = f"""{_PROGRESS_COMMIT}, reported AS (
-        UPDATE background_tasks SET progress = %(progress)s, updated_at = now()
-         WHERE {_LEASE} AND {_PROGRESS_COMMIT_SET}
-        RETURNING team_id, owner_id
-    )
-    SELECT m.role FROM reported r
-      LEFT JOIN memberships m ON m.team_id = r.team_id AND m.user_id = r.owner_id
 """
 
 # Guard: the lease, and the owner may still run this export (ledger/permissions.py): a
@@ -236,88 +218,14 @@ class Claim:
     owner_role: str | None  # the owner's role in the team when the claim committed
 
 
-_PYFORMAT = re.compile(r"%\((\w+)\)s")
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    """One of the statements above as a prepared statement of the session: what runs in
-    the same round trip before it (``prefix``), its body with ``$n`` parameters."""
-
-    name: str
-    prefix: str
-    body: str
-    names: tuple[str, ...]
-
-    def execute_sql(self) -> str:
-        arguments = ", ".join(f"%({name})s" for name in self.names)
-        return f"{self.prefix} EXECUTE {self.name}({arguments})"
-
-
-_FORMS: dict[str, _Prepared] = {}
-
-
-def _form(sql: str) -> _Prepared:
-    form = _FORMS.get(sql)
-    if form is None:
-        prefix, _, body = sql.rpartition(";")
-        names = tuple(dict.fromkeys(_PYFORMAT.findall(body)))
-        converted = _PYFORMAT.sub(lambda m: f"${names.index(m.group(1)) + 1}", body)
-        name = "td_lease_" + hashlib.sha256(sql.encode()).hexdigest()[:12]
-        form = _FORMS[sql] = _Prepared(name, prefix + ";" if prefix else "", converted, names)
-    return form
-
-
-def _prepared_sql(conn: Connection, cursor: Any, sql: str) -> str:
-    """``sql`` to run on this session: its body prepared once per database session (one
-    round trip, the first time), then executed by name, so PostgreSQL parses and plans it
-    once instead of at every task. A prepared statement outlives a rolled-back
-    transaction, and a new session (a reconnect) starts with none. Unprepared where the
-    engine says so (DATABASE_PREPARED_STATEMENTS=off: PgBouncer in transaction pooling
-    hands each transaction any server session)."""
-    if not may_prepare(conn.connection.info):
-        return sql
-    form = _form(sql)
-    prepared: set[str] = conn.connection.info.setdefault(PREPARED_KEY, set())
-    if form.name not in prepared:
-        cursor.execute(f"PREPARE {form.name} AS {form.body}")
-        prepared.add(form.name)
-    return form.execute_sql()
-
-
-def _execute(conn: Connection, sql: str | bytes, params: dict[str, Any] | None) -> Any:
-    """Run one statement on ``conn``'s DBAPI connection (inside its transaction, if any);
-    a lease statement (text) as the session's prepared statement. A statement that runs
-    on its own (no transaction open: an execution's autocommit connection) is bounded by
-    ``STATEMENT_TIMEOUT_MS``, in the same round trip; one inside the caller's transaction
-    keeps the caller's bounds (a reminder's)."""
-    dbapi = conn.connection.dbapi_connection
-    assert dbapi is not None
-    cursor = dbapi.cursor()
-    try:
-        if isinstance(sql, str):
-            sql = _prepared_sql(conn, cursor, sql)
-        if dbapi.info.transaction_status == TRANSACTION_STATUS_IDLE:
-            sql = _bounded(sql)
-        cursor.execute(sql, params)
-    except (psycopg2.OperationalError, psycopg2.InterfaceError):
-        conn.invalidate()  # the server connection is gone: the pool must not reuse it
-        raise
-    return cursor
-
-
 # Every statement of an execution's own connection is bounded: a frozen or overloaded
-# database ends a statement, never a worker process waiting forever. Per statement
-# (``set_config(..., true)`` ends with the statement's own transaction), never for the
-# session: behind PgBouncer in transaction pooling the next client of that server
-# connection would inherit it.
+# database ends a statement, never a worker process waiting forever (ledger/prepared.py).
 STATEMENT_TIMEOUT_MS = 60_000
 
 
-def _bounded(sql: str | bytes) -> str | bytes:
-    """``sql`` preceded, in the same implicit transaction, by its statement timeout."""
-    bound = f"SELECT set_config('statement_timeout', '{STATEMENT_TIMEOUT_MS}ms', true); "
-    return bound.encode() + sql if isinstance(sql, bytes) else bound + sql
+def _execute(conn: Connection, sql: str | bytes, params: dict[str, Any] | None) -> Any:
+    """One lease statement on ``conn``'s driver connection (ledger/prepared.py)."""
+    return prepared.execute(conn, sql, params, STATEMENT_TIMEOUT_MS)
 
 
 def claim(
@@ -373,20 +281,6 @@ def report_progress(conn: Connection, lease: Lease, progress: int, durable_after
     _write_or_lose(conn, REPORT_PROGRESS, lease, progress=progress, durable_after_s=durable_after_s)
 
 
-def report_last_progress(
-    conn: Connection, lease: Lease, progress: int, durable_after_s: float
-) -> str | None:
-    """Write progress (committed as :func:`report_progress` commits) and read the owner's
-    current role in the task's team, in one statement; LeaseLost when the lease is gone."""
-    if not 0 <= progress <= 100:
-        raise ValueError("progress must be within 0..100")
-    params = {**lease.params(), "progress": progress, "durable_after_s": durable_after_s}
-    row = _execute(conn, REPORT_LAST_PROGRESS, params).fetchone()
-    if row is None:
-        raise LeaseLost(lease.task_id)
-    return None if row[0] is None else str(row[0])
-
-
 def complete_export(conn: Connection, lease: Lease, csv: bytearray | str, summary: str) -> None:
     """COMPLETED with ``csv``: text, or a buffer of UTF-8 bytes as COPY wrote them, handed
     over and emptied. A large buffer is streamed to the server (ledger/staging.py: the
@@ -408,7 +302,7 @@ def complete_export(conn: Connection, lease: Lease, csv: bytearray | str, summar
     assert dbapi is not None
     cursor = dbapi.cursor()
     template = cursor.mogrify(
-        _prepared_sql(conn, cursor, COMPLETE_EXPORT),
+        prepared.prepared_sql(conn, cursor, COMPLETE_EXPORT),
         {**lease.params(), "csv": AsIs(marker), "csv_bytes": csv_bytes, "summary": summary},
     )
     before, after = template.split(marker.encode())

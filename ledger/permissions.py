@@ -47,6 +47,18 @@ MAY_EXPORT_SQL = f"""EXISTS (
        AND (background_tasks.scope <> 'TEAM' OR m.role = '{STAFF}'))"""
 
 
+# may_export and may_schedule_reminder in SQL, for a creation in one statement
+# (ledger/creation.py): the caller (``%(owner_id)s``) is a member of ``%(team_id)s`` now,
+# and staff when the export's ``%(scope)s`` is TEAM, or for a reminder.
+MAY_CREATE_EXPORT_SQL = f"""EXISTS (
+    SELECT 1 FROM memberships m
+     WHERE m.team_id = %(team_id)s AND m.user_id = %(owner_id)s
+       AND (CAST(%(scope)s AS text) <> 'TEAM' OR m.role = '{STAFF}'))"""
+MAY_CREATE_REMINDER_SQL = f"""EXISTS (
+    SELECT 1 FROM memberships m
+     WHERE m.team_id = %(team_id)s AND m.user_id = %(owner_id)s AND m.role = '{STAFF}')"""
+
+
 def may_schedule_reminder(role: str | None) -> bool:
     return role == STAFF
 

@@ -18,10 +18,11 @@ bounded by the cap.
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import text
+from sqlalchemy import TextClause, text
 from sqlalchemy.engine import Connection
 
 from ledger.errors import ExportQuotaExceeded, TeamQuotaExceeded
@@ -31,7 +32,19 @@ NO_CAP = 0
 
 # Held until the creating transaction ends; the key space is distinct from the
 # reminders' lock (tasks/reminder.py), which hashes another prefix.
-LOCK_TEAM = text("SELECT pg_advisory_xact_lock(hashtextextended('teamdesk.quota:' || :team_id, 0))")
+# The statements below are written with psycopg2 parameters (``%(name)s``), the form the
+# one-round-trip creation (ledger/creation.py) sends to the driver; ``_text`` makes the
+# SQLAlchemy form of the same statement.
+LOCK_TEAM_SQL = (
+    "SELECT pg_advisory_xact_lock(hashtextextended('teamdesk.quota:' || %(team_id)s, 0))"
+)
+
+
+def _text(sql: str) -> TextClause:
+    return text(re.sub(r"%\((\w+)\)s", r":\1", sql))
+
+
+LOCK_TEAM = _text(LOCK_TEAM_SQL)
 
 # WAITING and not published, counted per kind and per value of ``scheduled`` on the ready
 # index (kind, scheduled, team_id, ...): equalities on its leading columns are a range
@@ -40,21 +53,24 @@ LOCK_TEAM = text("SELECT pg_advisory_xact_lock(hashtextextended('teamdesk.quota:
 # WAITING and published) on the in-flight index (team_id, kind). Each part stops at :cap
 # rows: the sum reaches :cap exactly when the team has that many.
 _READY = (
-    "kind = '{kind}' AND scheduled = {scheduled} AND team_id = :team_id"
+    "kind = '{kind}' AND scheduled = {scheduled} AND team_id = %(team_id)s"
     " AND status = 'WAITING' AND dispatched_at IS NULL"
 )
 _INFLIGHT = (
-    "team_id = :team_id"
+    "team_id = %(team_id)s"
     " AND (status = 'RUNNING' OR (status = 'WAITING' AND dispatched_at IS NOT NULL))"
 )
 
 
 def _bounded_count(where: str) -> str:
-    return f"(SELECT count(*) FROM (SELECT 1 FROM background_tasks WHERE {where} LIMIT :cap) AS p)"
+    return (
+        f"(SELECT count(*) FROM (SELECT 1 FROM background_tasks WHERE {where} LIMIT %(cap)s) AS p)"
+    )
 
 
-COUNT_UNFINISHED = text(
-    "SELECT "
+# The team's unfinished tasks, counted up to %(cap)s (an expression).
+UNFINISHED_SQL = (
+    "("
     + "\n     + ".join(
         [
             *(
@@ -65,7 +81,9 @@ COUNT_UNFINISHED = text(
             _bounded_count(_INFLIGHT),
         ]
     )
+    + ")"
 )
+COUNT_UNFINISHED = _text("SELECT " + UNFINISHED_SQL)
 
 
 def ensure_room(conn: Connection, team_id: uuid.UUID, cap: int) -> None:
@@ -111,11 +129,13 @@ MSG_EXPORT_BYTES_PER_DAY = (
 # The team's exports created in the last 24 hours (ix_background_tasks_team_exports; there
 # are at most per_day of them, as this check keeps it), with the CSV bytes their
 # completions stored, and when the oldest leaves the window.
-EXPORTS_TODAY = text("""
+EXPORTS_OF_THE_DAY_SQL = """
+      FROM background_tasks
+     WHERE team_id = %(team_id)s AND kind = 'EXPORT' AND created_at > now() - interval '1 day'"""
+EXPORTS_TODAY = _text(f"""
     SELECT count(*) AS created, coalesce(sum(result_bytes), 0) AS bytes,
            ceil(extract(epoch FROM min(created_at) + interval '1 day' - now())) AS frees_in_s
-      FROM background_tasks
-     WHERE team_id = :team_id AND kind = 'EXPORT' AND created_at > now() - interval '1 day'
+      {EXPORTS_OF_THE_DAY_SQL}
 """)
 
 

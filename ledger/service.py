@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Connection, RowMapping
 
+from ledger import creation
 from ledger.errors import InvalidInput, InvalidState, NotAllowed, NotFound
 from ledger.filters import validate_filters
 from ledger.permissions import (
@@ -41,12 +43,8 @@ MSG_CANCEL_STATE = "only WAITING or RUNNING tasks can be cancelled"
 
 ROLE = text("SELECT role FROM memberships WHERE team_id = :team_id AND user_id = :user_id")
 
-# The window a reminder's run_at may fall in, by the database's clock: a year ahead at most
-# (a reminder in year 9999 would never fire), a day in the past at most (a late request).
-RUN_AT_IN_WINDOW = text("""
-    SELECT CAST(:run_at AS timestamptz)
-           BETWEEN now() - interval '1 day' AND now() + interval '1 year'
-""")
+# The window a reminder's run_at may fall in, by the database's clock (ledger/creation.py).
+RUN_AT_IN_WINDOW = text(f"SELECT CAST(:run_at AS timestamptz) {creation.RUN_AT_WINDOW_SQL}")
 
 # A reminder that completes without side effects says why in its summary, after this.
 SKIPPED_PREFIX = "skipped: "
@@ -139,14 +137,18 @@ CANCEL_RUN = text(_CANCEL.format(run_guard=" AND run = :run"))
 
 WAKE = text(WAKE_SQL)
 
-TICKET_IN_TEAM = text("SELECT 1 FROM tickets WHERE id = :ticket_id AND team_id = :team_id")
+TICKET_IN_TEAM = text(
+    creation.TICKET_IN_TEAM_SQL.replace("%(ticket_id)s", ":ticket_id").replace(
+        "%(team_id)s", ":team_id"
+    )
+)
 
 
 @dataclass(frozen=True)
 class TaskView:
     """A task as its owner may see it (everything but the CSV body)."""
 
-    row: RowMapping
+    row: Mapping[Any, Any]
 
     @property
     def id(self) -> uuid.UUID:
@@ -239,14 +241,37 @@ def submit_export(
     """Validate and insert a WAITING export; nothing is written when anything is wrong,
     when the team already has ``max_unfinished`` unfinished tasks, or when it used its
     daily ``export_quota`` (ledger/quota.py). Returns the new task as its creator sees it
-    (read back by the insert itself)."""
-    if scope not in SCOPES:
-        raise InvalidInput(MSG_SCOPE)
-    validate_filters(filters)
+    (read back by the insert itself). Inside the caller's transaction: the rules are
+    checked in one statement (ledger/creation.py), and again one at a time, to say which
+    refused, only when that statement inserted nothing."""
+    view = try_submit_export(conn, team_id, user_id, scope, filters, max_unfinished, export_quota)
+    if view is not None:
+        return view
     if not may_export(scope, _member_role(conn, team_id, user_id)):
         raise NotAllowed(MSG_TEAM_EXPORT_NEEDS_STAFF)
     ensure_export_room(conn, team_id, max_unfinished, export_quota)
     return _insert(conn, "EXPORT", team_id, user_id, scope, dict(filters), None)
+
+
+def try_submit_export(
+    conn: Connection,
+    team_id: uuid.UUID,
+    user_id: uuid.UUID,
+    scope: Any,
+    filters: Any,
+    max_unfinished: int = NO_CAP,
+    export_quota: ExportQuota = NO_EXPORT_QUOTA,
+) -> TaskView | None:
+    """:func:`submit_export` in one round trip, on any connection (an autocommit one
+    too): :class:`InvalidInput` for a bad scope or filters, None when a rule refused it
+    (then :func:`submit_export`, in a transaction, says which)."""
+    if scope not in SCOPES:
+        raise InvalidInput(MSG_SCOPE)
+    validate_filters(filters)
+    row = creation.insert_export(
+        conn, team_id, user_id, scope, dict(filters), max_unfinished, export_quota, TASK_COLUMNS
+    )
+    return None if row is None else TaskView(row)
 
 
 def create_reminder(
@@ -271,13 +296,11 @@ def submit_reminder(
 ) -> TaskView:
     """Validate and insert a WAITING reminder for one ticket, due at ``run_at`` (default now);
     refused like :func:`submit_export` when the team is at ``max_unfinished``. Returns the
-    new task as its creator sees it."""
-    try:
-        ticket = uuid.UUID(str(ticket_id))
-    except ValueError:
-        raise InvalidInput(MSG_TICKET) from None
-    if run_at is not None and run_at.tzinfo is None:
-        raise InvalidInput(MSG_RUN_AT)
+    new task as its creator sees it. Checked as :func:`submit_export` checks."""
+    view = try_submit_reminder(conn, team_id, user_id, ticket_id, run_at, max_unfinished)
+    if view is not None:
+        return view
+    ticket = _ticket(ticket_id)
     if run_at is not None and not conn.execute(RUN_AT_IN_WINDOW, {"run_at": run_at}).scalar():
         raise InvalidInput(MSG_RUN_AT_WINDOW)
     if not may_schedule_reminder(_member_role(conn, team_id, user_id)):
@@ -286,6 +309,32 @@ def submit_reminder(
         raise InvalidInput(MSG_TICKET)
     ensure_room(conn, team_id, max_unfinished)
     return _insert(conn, "REMINDER", team_id, user_id, "TEAM", {"ticket_id": str(ticket)}, run_at)
+
+
+def try_submit_reminder(
+    conn: Connection,
+    team_id: uuid.UUID,
+    user_id: uuid.UUID,
+    ticket_id: Any,
+    run_at: datetime | None = None,
+    max_unfinished: int = NO_CAP,
+) -> TaskView | None:
+    """:func:`submit_reminder` in one round trip, on any connection, as
+    :func:`try_submit_export` is."""
+    ticket = _ticket(ticket_id)
+    if run_at is not None and run_at.tzinfo is None:
+        raise InvalidInput(MSG_RUN_AT)
+    row = creation.insert_reminder(
+        conn, team_id, user_id, ticket, run_at, max_unfinished, TASK_COLUMNS
+    )
+    return None if row is None else TaskView(row)
+
+
+def _ticket(ticket_id: Any) -> uuid.UUID:
+    try:
+        return uuid.UUID(str(ticket_id))
+    except ValueError:
+        raise InvalidInput(MSG_TICKET) from None
 
 
 def read_task_as_operator(conn: Connection, task_id: uuid.UUID) -> TaskView:

@@ -21,6 +21,8 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from ledger import prepared
+from ledger.creation import STATEMENT_TIMEOUT_MS
 from ledger.errors import InvalidInput, NotFound
 
 TOKEN_PREFIX = "tdk_"
@@ -40,20 +42,20 @@ INSERT_TOKEN = text("""
 # A live token (not revoked, not expired by the database's clock) and its owner. The same
 # statement records the use when the last record is older than TOUCH_EVERY_S; a row another
 # request is touching right now is skipped (SKIP LOCKED), never waited for.
-RESOLVE_TOKEN = text("""
+RESOLVE_TOKEN = """
     WITH live AS (
         SELECT id, user_id FROM api_tokens
-         WHERE token_hash = :token_hash AND revoked_at IS NULL AND expires_at > now()
+         WHERE token_hash = %(token_hash)s AND revoked_at IS NULL AND expires_at > now()
     ), stale AS (
         SELECT t.id FROM api_tokens t JOIN live ON live.id = t.id
          WHERE t.last_used_at IS NULL
-            OR t.last_used_at < now() - make_interval(secs => :touch_every_s)
+            OR t.last_used_at < now() - make_interval(secs => %(touch_every_s)s)
            FOR UPDATE OF t SKIP LOCKED
     ), touched AS (
         UPDATE api_tokens SET last_used_at = now() WHERE id IN (SELECT id FROM stale)
     )
     SELECT id, user_id FROM live
-""")
+"""
 
 LIST_TOKENS = text("""
     SELECT id, name, created_at, last_used_at, expires_at, revoked_at,
@@ -119,12 +121,11 @@ def resolve_token(conn: Connection, raw: str) -> TokenOwner | None:
     answer for all three)."""
     if not raw.startswith(TOKEN_PREFIX) or len(raw) > MAX_TOKEN_CHARS:
         return None
-    row = conn.execute(
-        RESOLVE_TOKEN, {"token_hash": hash_token(raw), "touch_every_s": TOUCH_EVERY_S}
-    ).first()
+    params = {"token_hash": hash_token(raw), "touch_every_s": TOUCH_EVERY_S}
+    row = prepared.execute(conn, RESOLVE_TOKEN, params, STATEMENT_TIMEOUT_MS).fetchone()
     if row is None:
         return None
-    return TokenOwner(uuid.UUID(str(row.id)), uuid.UUID(str(row.user_id)))
+    return TokenOwner(uuid.UUID(str(row[0])), uuid.UUID(str(row[1])))
 
 
 def user_for_token(conn: Connection, raw: str) -> uuid.UUID | None:

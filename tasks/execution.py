@@ -40,7 +40,7 @@ from ledger.errors import LeaseLost, TaskRejected
 from tasks import delivery, queueing
 from teamdesk import hooks
 from teamdesk.config import Settings, get_settings
-from teamdesk.db import DATABASE_ERRORS, get_engine
+from teamdesk.db import DATABASE_ERRORS, get_engine, get_execution_engine
 from teamdesk.logs import log_event
 from worker.steps import lease_holder
 
@@ -58,8 +58,8 @@ class TaskFailed(Exception):
 @dataclass(frozen=True)
 class Context:
     """What a task body gets: its claim, settings, the execution's connection (autocommit:
-    each ledger write is one statement and one round trip), the engine it came from (for a
-    transaction of its own) and a progress reporter."""
+    each ledger write is one statement and one round trip), the engine it came from (its
+    connections are autocommit too: for a second one) and a progress reporter."""
 
     claim: lease.Claim
     settings: Settings
@@ -106,7 +106,7 @@ def execute(
 def _deliver(task: Task, message: delivery.Delivery, body: Body) -> dict[str, Any]:
     settings = get_settings()
     task_id, run, stamp = message.task_id, message.run, message.stamp
-    engine = get_engine()
+    engine = get_execution_engine()
     with ExitStack() as stack:
         try:
             # Opening the connection is part of the claim: a database refusing new
@@ -150,14 +150,14 @@ def _deliver(task: Task, message: delivery.Delivery, body: Body) -> dict[str, An
 
 @contextmanager
 def _execution_connection(engine: Engine) -> Iterator[Connection]:
-    """The execution's own connection (autocommit). Closing one the database dropped (a
-    restart, a terminated backend, a failover) fails while it resets the session; that
-    must not replace the execution's outcome (its retry, rejection or completion), so such
-    a connection is invalidated instead: the pool drops it. A statement sent on the raw
-    driver connection (an export's COPY) leaves SQLAlchemy unaware that the server went
-    away, and the pool's reset would log a traceback: such a connection is invalidated
-    before it is closed."""
-    conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+    """The execution's own connection (``engine``'s are autocommit). Closing one the
+    database dropped (a restart, a terminated backend, a failover) fails while it resets
+    the session; that must not replace the execution's outcome (its retry, rejection or
+    completion), so such a connection is invalidated instead: the pool drops it. A
+    statement sent on the raw driver connection (an export's COPY) leaves SQLAlchemy
+    unaware that the server went away, and the pool's reset would log a traceback: such a
+    connection is invalidated before it is closed."""
+    conn = engine.connect()
     try:
         yield conn
     finally:

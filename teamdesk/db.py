@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import select
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -14,6 +17,7 @@ from sqlalchemy.engine import Connection, Engine
 from teamdesk.config import database_hosts, get_settings
 
 _engine: Engine | None = None
+_execution_engine: Engine | None = None
 _lock = threading.Lock()
 
 # Per connection (``conn.connection.info``): whether the ledger may prepare statements on
@@ -47,11 +51,7 @@ def make_engine(url: str, prepared_statements: bool = True, **kwargs: object) ->
     (off behind PgBouncer in transaction pooling)."""
     url = sqlalchemy_url(url)
     connect_args = {"connect_timeout": 5, "application_name": "teamdesk-tasks"}
-    # Pre-ping costs a round trip per checkout, but without it every pooled connection
-    # that PostgreSQL dropped (a restart, a failover, pg_terminate_backend) fails its next
-    # use, one task attempt each, in every worker process.
     options: dict[str, object] = {
-        "pool_pre_ping": True,
         "pool_recycle": 1800,
         "pool_size": 5,
         "max_overflow": 10,
@@ -64,7 +64,42 @@ def make_engine(url: str, prepared_statements: bool = True, **kwargs: object) ->
     def _mark(_dbapi: object, record: sa.pool.ConnectionPoolEntry) -> None:
         record.info[PREPARE_KEY] = prepared_statements
 
+    @sa.event.listens_for(engine, "checkout")
+    def _refuse_hung_up(dbapi: Any, _record: object, _proxy: object) -> None:
+        if hung_up(dbapi):
+            raise sa.exc.DisconnectionError(MSG_HUNG_UP)
+
     return engine
+
+
+MSG_HUNG_UP = "PostgreSQL closed this pooled connection while it was idle"
+
+
+def hung_up(dbapi: Any) -> bool:
+    """Whether the server closed this idle psycopg2 connection (a restart, a failover,
+    ``pg_terminate_backend``, an idle timeout), told without a round trip. A server that
+    ends a session sends its reason and closes the socket, so an idle connection whose
+    socket is readable has been hung up on, unless what waits is a notification: libpq
+    reads whatever is there (``poll``), and raises at the end of the stream.
+
+    This replaces SQLAlchemy's pre-ping (a ``SELECT 1`` round trip at every checkout, a
+    third of an export's round trips). A pooled connection dropped since its last use is
+    still replaced before anything is sent on it; neither check can tell a frozen or
+    unreachable server from a slow one, which the statement timeouts bound."""
+    try:
+        for _ in range(_POLLS):
+            if dbapi.closed:
+                return True
+            readable, _, _ = select.select([dbapi.fileno()], [], [], 0)
+            if not readable:
+                return False
+            dbapi.poll()  # the server's last word (a notice), then its end: raises
+    except (psycopg2.Error, OSError, ValueError):
+        return True
+    return True  # still something to read after every poll: not an idle session
+
+
+_POLLS = 3  # a hung-up session reads as a notice (the FATAL reason), then raises
 
 
 def bound_transactions(engine: Engine, statement_timeout_ms: int, **settings: str) -> Engine:
@@ -139,6 +174,25 @@ def may_prepare(info: dict[object, object]) -> bool:
     return bool(info.get(PREPARE_KEY, True))
 
 
+@contextmanager
+def autocommit(engine: Engine) -> Iterator[Connection]:
+    """A connection of ``engine``'s pool whose driver connection is in autocommit for this
+    checkout, for statements sent straight to the driver (ledger/prepared.py): each commits
+    by itself, with no BEGIN or COMMIT round trip. psycopg2 switches autocommit without a
+    statement (SQLAlchemy's isolation-level option would reset the session on return:
+    one more round trip), and it is switched back before the connection returns to the
+    pool, so the next checkout finds it as the pool made it."""
+    with engine.connect() as conn:
+        dbapi = conn.connection.dbapi_connection
+        assert dbapi is not None
+        dbapi.autocommit = True
+        try:
+            yield conn
+        finally:
+            if not conn.invalidated and not dbapi.closed:
+                dbapi.autocommit = False
+
+
 def get_engine() -> Engine:
     global _engine
     with _lock:
@@ -148,10 +202,29 @@ def get_engine() -> Engine:
         return _engine
 
 
-def reset_engine(dispose: bool = True) -> None:
-    """Forget the engine (after a fork, or when settings change in tests)."""
-    global _engine
+def get_execution_engine() -> Engine:
+    """The pool of task executions' own connections: autocommit from the start, so a
+    checkout and a return cost no statement (a connection switched to autocommit for one
+    checkout is switched back when it returns: one more round trip). Each ledger write of
+    an execution is one statement that commits by itself; a reminder opens and ends its
+    transaction explicitly."""
+    global _execution_engine
     with _lock:
-        if _engine is not None and dispose:
-            _engine.dispose(close=False)
-        _engine = None
+        if _execution_engine is None:
+            settings = get_settings()
+            _execution_engine = make_engine(
+                settings.database_url,
+                settings.database_prepared_statements,
+                isolation_level="AUTOCOMMIT",
+            )
+        return _execution_engine
+
+
+def reset_engine(dispose: bool = True) -> None:
+    """Forget the engines (after a fork, or when settings change in tests)."""
+    global _engine, _execution_engine
+    with _lock:
+        for engine in (_engine, _execution_engine):
+            if engine is not None and dispose:
+                engine.dispose(close=False)
+        _engine = _execution_engine = None

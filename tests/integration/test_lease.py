@@ -288,24 +288,6 @@ def test_audit_trail_records_every_lease_change(engine: sa.Engine, world: World)
         assert audit.repeated_completions(conn) == {task_id: 2}
 
 
-def test_the_last_progress_write_reads_the_owners_role_now(engine: sa.Engine, world: World) -> None:
-    task_id = insert_task_committed(engine, world)
-    held = claimed(engine, task_id)
-    with engine.begin() as conn:
-        assert lease.report_last_progress(conn, held, 99, 30.0) == "STAFF"
-        conn.execute(
-            sa.text("DELETE FROM memberships WHERE team_id = :t AND user_id = :u"),
-            {"t": world.team_id, "u": world.staff_id},
-        )
-    with engine.begin() as conn:
-        assert lease.report_last_progress(conn, held, 99, 30.0) is None  # the owner left
-    newer = claimed(engine, task_id, takeover=True)  # a re-send takes the run over
-    with engine.begin() as conn, pytest.raises(LeaseLost):
-        lease.report_last_progress(conn, held, 99, 30.0)
-    row = task_row(engine, task_id)
-    assert (row["execution_id"], row["progress"]) == (newer.execution_id, 0)
-
-
 def test_lease_statements_are_prepared_once_per_session(engine: sa.Engine, world: World) -> None:
     first, second = insert_task_committed(engine, world), insert_task_committed(engine, world)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
@@ -314,7 +296,7 @@ def test_lease_statements_are_prepared_once_per_session(engine: sa.Engine, world
             assert held is not None
             lease.complete_export(conn, held.lease, bytearray(b"id\n"), "0 rows")
         names = conn.exec_driver_sql(
-            "SELECT name FROM pg_prepared_statements WHERE name LIKE 'td_lease_%%'"
+            "SELECT name FROM pg_prepared_statements WHERE name LIKE 'td_prep_%%'"
         ).scalars()
         assert len(set(names)) == 2  # the claim and the completion, once each
     assert task_row(engine, second)["result_csv"] == "id\n"

@@ -75,15 +75,8 @@ def _claimed(engine: sa.Engine) -> lease.Lease:
     return claim.lease
 
 
-def _report(conn: sa.Connection, held: lease.Lease, progress: int, last: bool) -> None:
-    if last:  # an export's last progress write, which also reads the owner's role
-        assert lease.report_last_progress(conn, held, progress, DURABLE_AFTER_S) == "STAFF"
-    else:
-        lease.report_progress(conn, held, progress, DURABLE_AFTER_S)
-
-
 def _crash_while_reporting(
-    server: SoakPostgres, engine: sa.Engine, held: lease.Lease, progress: int, last: bool
+    server: SoakPostgres, engine: sa.Engine, held: lease.Lease, progress: int
 ) -> None:
     """Report ``progress`` with the WAL writer stopped, then crash the server."""
     with engine.connect() as conn:
@@ -93,7 +86,7 @@ def _crash_while_reporting(
     os.kill(walwriter, signal.SIGSTOP)
     try:
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            _report(conn, held, progress, last)
+            lease.report_progress(conn, held, progress, DURABLE_AFTER_S)
     finally:
         os.kill(walwriter, signal.SIGKILL)  # a stopped process dies of it too
     _wait_recovered(server, walwriter)
@@ -129,19 +122,18 @@ def _durable_baseline(engine: sa.Engine) -> None:
         conn.execute(sa.text("CHECKPOINT"))
 
 
-@pytest.mark.parametrize("last", [False, True], ids=["progress", "last-progress"])
 def test_a_progress_write_after_a_long_silence_survives_a_crash(
-    server: SoakPostgres, engine: sa.Engine, last: bool
+    server: SoakPostgres, engine: sa.Engine
 ) -> None:
     held = _claimed(engine)
     age_task(engine, held.task_id, DURABLE_AFTER_S + 5)  # the last write is 35 s old
     _durable_baseline(engine)
     before = task_row(engine, held.task_id)
 
-    _crash_while_reporting(server, engine, held, 99 if last else 40, last)
+    _crash_while_reporting(server, engine, held, 40)
 
     row = task_row(engine, held.task_id)
-    assert row["progress"] == (99 if last else 40)
+    assert row["progress"] == 40
     assert row["updated_at"] > before["updated_at"]
     assert (row["status"], row["execution_id"], row["lease_holder"]) == (
         "RUNNING",
@@ -150,9 +142,8 @@ def test_a_progress_write_after_a_long_silence_survives_a_crash(
     )
 
 
-@pytest.mark.parametrize("last", [False, True], ids=["progress", "last-progress"])
 def test_a_progress_write_right_after_another_may_be_lost_in_a_crash(
-    server: SoakPostgres, engine: sa.Engine, last: bool
+    server: SoakPostgres, engine: sa.Engine
 ) -> None:
     """The hot path keeps its asynchronous commit (and the crash above is one that loses
     such a commit): the claim just wrote the row, so this write is not waited for."""
@@ -160,6 +151,6 @@ def test_a_progress_write_right_after_another_may_be_lost_in_a_crash(
     _durable_baseline(engine)
     before = task_row(engine, held.task_id)
 
-    _crash_while_reporting(server, engine, held, 99 if last else 40, last)
+    _crash_while_reporting(server, engine, held, 40)
 
     assert task_row(engine, held.task_id) == before

@@ -1,0 +1,112 @@
+"""Hot-path statements sent straight to the driver, each prepared once per database session.
+
+The ledger's per-task and per-request statements (ledger/lease.py, ledger/creation.py,
+the token lookup) run thousands of times a minute, so they skip SQLAlchemy's statement
+layer (about 100 µs a statement) and PostgreSQL's parse and plan (as much again): the
+body of each is prepared once per session and then executed by name. What runs before it
+in the same round trip (``prefix``: a ``set_config``, a lock) is sent as it is. A lost
+server connection is still handed back to SQLAlchemy, so its pool drops it.
+
+A statement sent with no transaction open (an autocommit connection) carries its own
+``statement_timeout`` in the same round trip and the same implicit transaction
+(``set_config(..., true)`` ends with it), never for the session: behind PgBouncer in
+transaction pooling the next client of that server connection would inherit it. One sent
+inside the caller's transaction keeps the caller's bounds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg2
+from psycopg2.extensions import TRANSACTION_STATUS_IDLE
+from sqlalchemy.engine import Connection
+
+from teamdesk.db import PREPARED_KEY, may_prepare
+
+_PYFORMAT = re.compile(r"%\((\w+)\)s")
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A statement as a prepared statement of the session: what runs in the same round
+    trip before it (``prefix``), its body with ``$n`` parameters."""
+
+    name: str
+    prefix: str
+    body: str
+    names: tuple[str, ...]
+
+    def execute_sql(self) -> str:
+        arguments = ", ".join(f"%({name})s" for name in self.names)
+        return f"{self.prefix} EXECUTE {self.name}({arguments})"
+
+
+_FORMS: dict[str, _Prepared] = {}
+
+
+def _form(sql: str) -> _Prepared:
+    form = _FORMS.get(sql)
+    if form is None:
+        prefix, _, body = sql.rpartition(";")
+        names = tuple(dict.fromkeys(_PYFORMAT.findall(body)))
+        converted = _PYFORMAT.sub(lambda m: f"${names.index(m.group(1)) + 1}", body)
+        name = "td_prep_" + hashlib.sha256(sql.encode()).hexdigest()[:12]
+        form = _FORMS[sql] = _Prepared(name, prefix + ";" if prefix else "", converted, names)
+    return form
+
+
+def prepared_sql(conn: Connection, cursor: Any, sql: str) -> str:
+    """``sql`` (psycopg2 ``%(name)s`` parameters; statements before its last ``;`` are its
+    prefix) to run on this session: its body prepared once per database session (one
+    round trip, the first time), then executed by name. A prepared statement outlives a
+    rolled-back transaction, and a new session (a reconnect) starts with none. Unprepared
+    where the engine says so (DATABASE_PREPARED_STATEMENTS=off: PgBouncer in transaction
+    pooling hands each transaction any server session)."""
+    if not may_prepare(conn.connection.info):
+        return sql
+    form = _form(sql)
+    prepared: set[str] = conn.connection.info.setdefault(PREPARED_KEY, set())
+    if form.name not in prepared:
+        cursor.execute(f"PREPARE {form.name} AS {form.body}")
+        prepared.add(form.name)
+    return form.execute_sql()
+
+
+def execute(
+    conn: Connection, sql: str | bytes, params: dict[str, Any] | None, timeout_ms: int
+) -> Any:
+    """Run one statement on ``conn``'s DBAPI connection (inside its transaction, if any)
+    and return the cursor; text as the session's prepared statement, bytes as they are.
+    With no transaction open it is bounded by ``timeout_ms`` in the same round trip. A
+    connection that is not in autocommit begins its transaction as SQLAlchemy's own
+    ``execute`` would, so the caller's ``commit`` ends it."""
+    dbapi = conn.connection.dbapi_connection
+    assert dbapi is not None
+    if not dbapi.autocommit and not conn.in_transaction():
+        conn.begin()  # SQLAlchemy's autobegin, as its own execute does: commit() ends it
+    cursor = dbapi.cursor()
+    try:
+        if isinstance(sql, str):
+            sql = prepared_sql(conn, cursor, sql)
+        if dbapi.info.transaction_status == TRANSACTION_STATUS_IDLE:
+            sql = bounded(sql, timeout_ms)
+        cursor.execute(sql, params)
+    except (psycopg2.OperationalError, psycopg2.InterfaceError):
+        conn.invalidate()  # the server connection is gone: the pool must not reuse it
+        raise
+    return cursor
+
+
+def bounded(sql: str | bytes, timeout_ms: int) -> str | bytes:
+    """``sql`` preceded, in the same implicit transaction, by its statement timeout."""
+    bound = f"SELECT set_config('statement_timeout', '{int(timeout_ms)}ms', true); "
+    return bound.encode() + sql if isinstance(sql, bytes) else bound + sql
+
+
+def row_dict(cursor: Any, row: tuple[Any, ...]) -> dict[str, Any]:
+    """``row`` of ``cursor``'s result by column name."""
+    return {column.name: value for column, value in zip(cursor.description, row, strict=True)}
