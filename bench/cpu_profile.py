@@ -7,13 +7,16 @@ stack (SQLAlchemy, psycopg2, redis-py, kombu, billiard, logging, our code, ...),
 process role, and printed as microseconds per task. "Active" includes waiting for a CPU
 and some socket waits, so read the figures as shares, not CPU seconds (P1's /proc figures
 are the CPU seconds). Writes
-``results/cpu_profile.json`` and ``results/cpu_profile.txt``.
+``results/cpu_profile.json`` and ``results/cpu_profile.txt``, and a flame graph of one pool
+child draining small exports, ``results/flame_export_child[_TAG].svg`` (``TAG`` from the
+environment's ``BENCH_FLAME_TAG``, e.g. ``before`` / ``after``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -89,11 +92,42 @@ def profile_drain(env: BenchEnv, part: Part, label: str, n: int) -> dict[str, An
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    flame = flame_graph(worker.pid) if label == "cpu-export" else None
     wait_until(lambda: env.backlog(part) == 0, 600, 0.1, f"{label} to drain")
-    spy.send_signal(2)  # SIGINT: py-spy writes its output and exits
-    spy.wait(timeout=60)
+    for sampler in (spy, flame):
+        if sampler is not None:
+            sampler.send_signal(2)  # SIGINT: py-spy writes its output and exits
+            sampler.wait(timeout=60)
     stop(worker)
     return aggregate(out.read_text() if out.exists() else "", n)
+
+
+def flame_graph(worker_pid: int) -> subprocess.Popen[bytes] | None:
+    """A second py-spy on the worker's first pool child, writing an SVG flame graph."""
+    children = Path(f"/proc/{worker_pid}/task/{worker_pid}/children")
+    pids = children.read_text().split() if children.exists() else []
+    if not pids:
+        return None
+    tag = os.environ.get("BENCH_FLAME_TAG", "")
+    name = f"flame_export_child{'_' + tag if tag else ''}.svg"
+    target = Path(__file__).with_name("results") / name
+    return subprocess.Popen(
+        [
+            py_spy(),
+            "record",
+            "--pid",
+            pids[0],
+            "--rate",
+            str(RATE_HZ),
+            "--format",
+            "flamegraph",
+            "--output",
+            str(target),
+            "--nonblocking",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def aggregate(raw: str, n: int) -> dict[str, Any]:

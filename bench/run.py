@@ -44,6 +44,7 @@ REQUIRED_KEYS = (
     "p1_export_tasks_per_s",
     "p1_reminder_tasks_per_s",
     "p1_overhead_cpu_us",
+    "p1_export_vs_procrastinate",
     "p1_metrics_cost",
     "p1_metrics_us_per_task",
     "p2_export_ratio_to_copy",

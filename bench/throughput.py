@@ -29,8 +29,9 @@ import sqlalchemy as sa
 from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench import FLUSH_EVERY_S, NOOP_TASK, metrics_cost
+from bench import FLUSH_EVERY_S, NOOP_TASK, metrics_cost, peer_procrastinate
 from bench.env import BenchEnv, Part, cpu_snapshot, read_stats, stop, wait_until
+from harness import databases
 from harness.processes import free_port
 from ledger import dispatch, service
 from ledger.dispatch import RunRef
@@ -326,7 +327,24 @@ def run_p1(env: BenchEnv, n: int = 5000, rounds: int = 2) -> dict[str, Any]:
             }
             result = quieter
         runs[kind].append(result)
-    return summarise_p1(runs, n, publish)
+    summary = summarise_p1(runs, n, publish)
+    summary.update(run_peer(n, rounds, summary["p1_export_tasks_per_s"]))
+    return summary
+
+
+def run_peer(n: int, rounds: int, export_per_s: float) -> dict[str, Any]:
+    """The nearest peer on the same PostgreSQL: procrastinate draining ``n`` no-op jobs with
+    two worker processes (bench/peer_procrastinate.py), ``rounds`` times; the median."""
+    peers = [
+        peer_procrastinate.procrastinate_noop_jobs_per_s(databases.ADMIN_URL, n, concurrency=2)
+        for _ in range(rounds)
+    ]
+    rate = float(statistics.median(p["jobs_per_s"] for p in peers))
+    return {
+        "p1_procrastinate_jobs_per_s": round(rate, 1),
+        "p1_export_vs_procrastinate": round(export_per_s / rate, 3),
+        "p1_peer_detail": peers,
+    }
 
 
 def _median_rate(results: list[dict[str, Any]]) -> float:
