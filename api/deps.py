@@ -3,7 +3,8 @@ the rate limits (docs/design.md, "HTTP API").
 
 A route reads the raw token from the header (:func:`bearer_token`, no database), then
 resolves it inside its own transaction (:func:`authenticate`), so every task route is
-one short transaction. Tokens are never logged or echoed.
+one short transaction (a creation: two statements, each committing by itself). Tokens
+are never logged or echoed.
 
 A request that fails authentication (no token, or one that is unknown, expired or
 revoked) takes from its client address's budget and answers 401, or 429 once that budget

@@ -23,6 +23,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import psycopg2
 import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
@@ -82,11 +83,15 @@ STATUS_BY_ERROR: tuple[tuple[type[LedgerError], int], ...] = (
     (TaskRejected, 422),  # InvalidFilters
 )
 
+# SQLAlchemy's, and psycopg2's own: the hot-path statements (the token, a creation) go
+# straight to the driver (ledger/prepared.py).
 UNAVAILABLE_ERRORS = (
     sqlalchemy.exc.OperationalError,
     sqlalchemy.exc.InterfaceError,
     sqlalchemy.exc.TimeoutError,
     sqlalchemy.exc.DisconnectionError,
+    psycopg2.OperationalError,
+    psycopg2.InterfaceError,
 )
 
 logger = logging.getLogger(__name__)

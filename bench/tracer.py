@@ -5,8 +5,9 @@ PostgreSQL: the engine's connections are built with a psycopg2 connection/cursor
 that times ``execute``, ``copy_expert``, ``commit`` and ``rollback``; a round trip that
 opens a transaction is also counted as a ``BEGIN`` (psycopg2 sends it first, separately).
 Every statement is named after what it does (``claim``, ``progress``, ``complete``, ...);
-``BEGIN`` and ``COMMIT`` are named after the statement they open or close, and a pool
-pre-ping is ``ping``, so each step's round trips can be read off directly.
+``BEGIN`` and ``COMMIT`` are named after the statement they open or close (a pool sends
+nothing at checkout: teamdesk.db.hung_up), so each step's round trips can be read off
+directly.
 
 Redis: ``Redis.execute_command`` and ``Pipeline.execute`` (result backend, task events,
 queued marker), timed by command name.

@@ -2,9 +2,10 @@
 engine of its own and the ``REDIS_URL`` client (heartbeats, the leader lock).
 
 The engine's connections carry a statement timeout (a pass must not hang on a lock or a
-stuck server), commit without waiting for the WAL flush, and skip the pre-ping: a pass
-that meets a dropped connection fails, the pool forgets it, and the next pass, moments
-later, takes a new one.
+stuck server) and commit without waiting for the WAL flush. Like every pool
+(teamdesk/db.py), a checkout sends nothing: a pass that meets a dropped connection the
+socket did not show fails, the pool forgets it, and the next pass, moments later, takes
+a new one.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ def dispatcher_engine(settings: Settings) -> Engine:
     engine = make_engine(
         settings.database_url,
         settings.database_prepared_statements,
-        pool_pre_ping=False,
         pool_size=2,
         max_overflow=2,
         connect_args={"connect_timeout": 5, "application_name": APPLICATION_NAME},

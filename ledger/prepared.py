@@ -95,10 +95,19 @@ def execute(
         if dbapi.info.transaction_status == TRANSACTION_STATUS_IDLE:
             sql = bounded(sql, timeout_ms)
         cursor.execute(sql, params)
-    except (psycopg2.OperationalError, psycopg2.InterfaceError):
-        conn.invalidate()  # the server connection is gone: the pool must not reuse it
+    except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
+        if connection_lost(dbapi, exc):
+            conn.invalidate()  # the server connection is gone: the pool must not reuse it
         raise
     return cursor
+
+
+def connection_lost(dbapi: Any, exc: psycopg2.Error) -> bool:
+    """Whether ``exc`` lost the session (the connection is closed, the error has no
+    SQLSTATE, or it is a connection or shutdown class one), rather than ended one
+    statement (a statement or lock timeout, a deadlock) on a connection still usable."""
+    code = exc.pgcode or ""
+    return bool(dbapi.closed) or not code or code.startswith(("08", "57P"))
 
 
 def bounded(sql: str | bytes, timeout_ms: int) -> str | bytes:

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg2
 import sqlalchemy as sa
+from psycopg2.extensions import TRANSACTION_STATUS_IDLE
 from sqlalchemy.engine import Connection, Engine
 
 from teamdesk.config import database_hosts, get_settings
@@ -51,13 +52,14 @@ def make_engine(url: str, prepared_statements: bool = True, **kwargs: object) ->
     (off behind PgBouncer in transaction pooling)."""
     url = sqlalchemy_url(url)
     connect_args = {"connect_timeout": 5, "application_name": "teamdesk-tasks"}
-    options: dict[str, object] = {
+    options: dict[str, Any] = {
         "pool_recycle": 1800,
         "pool_size": 5,
         "max_overflow": 10,
         "connect_args": connect_args,
     }
     options.update(kwargs)
+    options["connect_args"] = {**KEEPALIVES, **options["connect_args"]}
     engine = sa.create_engine(url, **options)
 
     @sa.event.listens_for(engine, "connect")
@@ -78,28 +80,46 @@ MSG_HUNG_UP = "PostgreSQL closed this pooled connection while it was idle"
 def hung_up(dbapi: Any) -> bool:
     """Whether the server closed this idle psycopg2 connection (a restart, a failover,
     ``pg_terminate_backend``, an idle timeout), told without a round trip. A server that
-    ends a session sends its reason and closes the socket, so an idle connection whose
-    socket is readable has been hung up on, unless what waits is a notification: libpq
-    reads whatever is there (``poll``), and raises at the end of the stream.
+    ends a session sends its reason (a FATAL message) and closes the socket, so an idle
+    connection with something to read has been hung up on, unless what waits is only a
+    notification (a ``LISTEN``): libpq reads whatever is there (``poll``), and the server's
+    last word arrives as a notice, or the end of the stream raises.
 
     This replaces SQLAlchemy's pre-ping (a ``SELECT 1`` round trip at every checkout, a
     third of an export's round trips). A pooled connection dropped since its last use is
-    still replaced before anything is sent on it; neither check can tell a frozen or
-    unreachable server from a slow one, which the statement timeouts bound."""
+    still replaced before anything is sent on it; a flow that a NAT or load balancer
+    dropped silently is kept alive by TCP keepalives (``KEEPALIVES``); neither check can
+    tell a frozen or unreachable server from a slow one, which the statement timeouts
+    bound."""
     try:
         for _ in range(_POLLS):
             if dbapi.closed:
                 return True
-            readable, _, _ = select.select([dbapi.fileno()], [], [], 0)
-            if not readable:
+            poller = select.poll()
+            poller.register(dbapi.fileno(), select.POLLIN)
+            if not poller.poll(0):
                 return False
-            dbapi.poll()  # the server's last word (a notice), then its end: raises
-    except (psycopg2.Error, OSError, ValueError):
+            notices = len(dbapi.notices), (dbapi.notices[-1] if dbapi.notices else None)
+            dbapi.poll()
+            if (len(dbapi.notices), dbapi.notices[-1] if dbapi.notices else None) != notices:
+                return True  # a notice while idle: the server's reason for closing
+    except (psycopg2.Error, OSError):
         return True
     return True  # still something to read after every poll: not an idle session
 
 
-_POLLS = 3  # a hung-up session reads as a notice (the FATAL reason), then raises
+_POLLS = 3  # a notification or two may wait; more than that is not an idle session
+
+# TCP keepalives on every connection: an idle pooled connection keeps its flow open
+# through NATs and load balancers that drop silent flows after a few minutes (the next
+# packet would get a reset, so the first statement after the idle time would fail), and
+# a peer that vanished is noticed within about 90 s.
+KEEPALIVES = {
+    "keepalives": 1,
+    "keepalives_idle": 60,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+}
 
 
 def bound_transactions(engine: Engine, statement_timeout_ms: int, **settings: str) -> Engine:
@@ -181,7 +201,10 @@ def autocommit(engine: Engine) -> Iterator[Connection]:
     by itself, with no BEGIN or COMMIT round trip. psycopg2 switches autocommit without a
     statement (SQLAlchemy's isolation-level option would reset the session on return:
     one more round trip), and it is switched back before the connection returns to the
-    pool, so the next checkout finds it as the pool made it."""
+    pool, so the next checkout finds it as the pool made it. Only for statements sent to
+    the driver: SQLAlchemy's own ``execute`` would begin a transaction of its own (and,
+    on an engine with ``bound_transactions``, bound only that one). A connection left
+    inside a transaction is dropped rather than returned."""
     with engine.connect() as conn:
         dbapi = conn.connection.dbapi_connection
         assert dbapi is not None
@@ -189,7 +212,11 @@ def autocommit(engine: Engine) -> Iterator[Connection]:
         try:
             yield conn
         finally:
-            if not conn.invalidated and not dbapi.closed:
+            if conn.invalidated or dbapi.closed:
+                pass
+            elif dbapi.info.transaction_status != TRANSACTION_STATUS_IDLE:
+                conn.invalidate()  # a transaction left open (an explicit BEGIN): not reusable
+            else:
                 dbapi.autocommit = False
 
 

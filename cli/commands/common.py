@@ -103,6 +103,7 @@ def guarded(handler: Handler) -> Handler:
 
     @functools.wraps(handler)
     def run(args: argparse.Namespace) -> int:
+        import psycopg2
         from sqlalchemy import exc as sa_exc
 
         from ledger.errors import InvalidFilters, InvalidInput, LedgerError
@@ -118,11 +119,16 @@ def guarded(handler: Handler) -> Handler:
         except LedgerError as exc:
             say_error(args, exc.message)
             return EXIT_REFUSED
-        except (sa_exc.OperationalError, sa_exc.InterfaceError) as exc:
+        except (
+            sa_exc.OperationalError,
+            sa_exc.InterfaceError,
+            psycopg2.OperationalError,  # the hot-path statements go straight to the driver
+            psycopg2.InterfaceError,
+        ) as exc:
             say_error(args, unreachable_message(exc))
             return EXIT_REFUSED
-        except sa_exc.ProgrammingError as exc:
-            if getattr(exc.orig, "pgcode", None) != "42P01":  # undefined_table
+        except (sa_exc.ProgrammingError, psycopg2.ProgrammingError) as exc:
+            if getattr(getattr(exc, "orig", exc), "pgcode", None) != "42P01":  # undefined_table
                 raise
             say_error(args, "the database has no schema yet; run: teamdesk-tasks migrate")
             return EXIT_REFUSED

@@ -11,7 +11,9 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import uuid
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -19,6 +21,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_api
 from harness.factories import World
+from harness.waiting import wait_for
 from teamdesk.config import Settings
 from tests.support.api_helpers import (
     BAD_TOKEN,
@@ -28,6 +31,8 @@ from tests.support.api_helpers import (
     exports_url,
     task_in_state,
 )
+
+JOIN_TIMEOUT_S = 30
 
 # --- the database going away under a task route ---------------------------------------------
 
@@ -42,6 +47,51 @@ def test_task_routes_answer_503_without_details_when_the_database_is_unreachable
     assert response.status_code == 503
     assert set(response.json()) == {"detail"}
     assert str(port) not in response.text and "127.0.0.1" not in response.text
+
+
+WAITING_ON_A_LOCK = sa.text(
+    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+    " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+
+
+def test_a_creation_whose_session_dies_mid_statement_answers_503_and_writes_nothing(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str]
+) -> None:
+    """The creation's statements go straight to the driver (ledger/prepared.py): a lost
+    session raises psycopg2's own error, which must answer 503 like SQLAlchemy's (it was
+    a 500). Gate: the creation waits for its team's lock, held here; its backend is
+    terminated while it waits."""
+    answer: dict[str, object] = {}
+
+    def create() -> None:
+        answer["response"] = client.post(
+            exports_url(world.team_id),
+            json={"scope": "TEAM", "filters": {}},
+            headers=bearer(tokens["staff"]),
+        )
+
+    creator = threading.Thread(target=create)
+    with engine.begin() as holder:
+        holder.execute(
+            sa.text("SELECT pg_advisory_xact_lock(hashtextextended('teamdesk.quota:' || :t, 0))"),
+            {"t": str(world.team_id)},
+        )
+        creator.start()
+        try:
+            pid = wait_for(
+                lambda: holder.execute(WAITING_ON_A_LOCK).scalar(),
+                what="the creation to wait for its team's lock",
+            )
+            holder.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+        finally:
+            creator.join(JOIN_TIMEOUT_S)
+    assert not creator.is_alive()
+    response: Any = answer["response"]
+    assert response.status_code == 503
+    assert set(response.json()) == {"detail"}
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM background_tasks")).scalar_one() == 0
 
 
 # --- OpenAPI ---------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from harness.factories import World, add_ticket, insert_task
+from harness.waiting import wait_for
 from ledger import service
 from ledger.errors import (
     ExportQuotaExceeded,
@@ -222,3 +223,46 @@ def test_the_autocommit_checkout_returns_the_connection_as_the_pool_made_it(
         service.submit_export(conn, world.team_id, world.staff_id, "TEAM", {})
         conn.rollback()
     assert _count(engine) == before
+
+
+def _notifications_until_marker(listener: Any, engine: sa.Engine) -> list[str]:
+    """The channels notified before a marker notification sent now: notifications come
+    in commit order, so everything committed before the marker has arrived with it."""
+    with engine.connect() as conn:
+        conn.exec_driver_sql("NOTIFY teamdesk_test_marker")
+        conn.commit()
+    channels: list[str] = []
+
+    def marker_arrived() -> bool:
+        listener.poll()
+        while listener.notifies:
+            channels.append(listener.notifies.pop(0).channel)
+        return "teamdesk_test_marker" in channels
+
+    wait_for(marker_arrived, what="the marker notification")
+    return channels[: channels.index("teamdesk_test_marker")]
+
+
+def test_a_refused_creation_wakes_no_dispatcher_an_accepted_one_does(
+    engine: sa.Engine, world: World
+) -> None:
+    """A refusal is an INSERT of no row: before migration 0010 its statement trigger
+    committed a notification anyway, and the dispatcher filled for nothing at every 429."""
+    listener = engine.raw_connection()
+    dbapi: Any = listener.driver_connection
+    try:
+        dbapi.autocommit = True
+        cursor = listener.cursor()
+        cursor.execute("LISTEN teamdesk_dispatch")
+        cursor.execute("LISTEN teamdesk_test_marker")
+        with autocommit(engine) as conn:
+            refused = service.try_submit_export(conn, world.team_id, world.customer_id, "TEAM", {})
+        assert refused is None
+        assert _notifications_until_marker(dbapi, engine) == []
+        with autocommit(engine) as conn:
+            accepted = service.try_submit_export(conn, world.team_id, world.staff_id, "TEAM", {})
+        assert accepted is not None
+        assert _notifications_until_marker(dbapi, engine) == ["teamdesk_dispatch"]
+    finally:
+        dbapi.autocommit = False
+        listener.close()

@@ -9,7 +9,12 @@ autocommit from the start). Each test reads what the server last ran on that bac
 
 from __future__ import annotations
 
+import gc
+import os
+import resource
+import select
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -35,6 +40,12 @@ def _last_query(admin: sa.Engine, pid: int) -> str:
             sa.text("SELECT query FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}
         ).scalar_one()
     return str(query)
+
+
+def _readable(dbapi: Any) -> bool:
+    poller = select.poll()
+    poller.register(dbapi.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _gone(admin: sa.Engine, pid: int) -> bool:
@@ -64,13 +75,27 @@ def test_a_connection_terminated_in_the_pool_is_replaced_before_use(
 ) -> None:
     with single.connect() as conn:
         pid = _pid(conn)
+        dbapi = conn.connection.dbapi_connection
     with engine.connect() as admin:
         assert admin.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar()
-    # The signal is sent; the session has ended once its backend is gone.
-    wait_for(lambda: _gone(engine, pid), what="the terminated backend to exit")
+    # The gate: the server's last word (its FATAL) has reached the pooled connection. The
+    # close may still be on its way: the notice alone must be enough.
+    wait_for(lambda: _readable(dbapi), what="the terminated session's last message")
     with single.connect() as conn:  # no error: a new connection
         assert _pid(conn) != pid
         assert conn.exec_driver_sql("SELECT 1").scalar_one() == 1
+
+
+def test_a_connection_whose_server_closed_the_socket_is_replaced_before_use(
+    single: sa.Engine, engine: sa.Engine
+) -> None:
+    with single.connect() as conn:
+        pid = _pid(conn)
+    with engine.connect() as admin:
+        assert admin.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid}).scalar()
+    wait_for(lambda: _gone(engine, pid), what="the terminated backend to exit")
+    with single.connect() as conn:
+        assert _pid(conn) != pid
 
 
 def test_a_notification_waiting_on_a_pooled_connection_does_not_drop_it(
@@ -102,3 +127,30 @@ def test_an_execution_connection_returns_to_its_pool_without_a_statement(
         assert _pid(conn) == pid
         dbapi = conn.connection.dbapi_connection
         assert dbapi is not None and dbapi.autocommit
+
+
+def test_a_connection_numbered_past_1024_is_checked_like_any_other(database_url: str) -> None:
+    """A process with many files open (an API replica with many clients) gets socket
+    numbers past select()'s limit of 1024: the check must not take those for hung up
+    (select raised ValueError, every checkout reconnected, and then failed)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"this process may open {soft} files only")
+    engine = db.make_engine(database_url, pool_size=1, max_overflow=0)
+    gc.collect()  # no finalizer may free a low number between the padding and the connect
+    gc.disable()
+    padding = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with engine.connect() as conn:
+            gc.enable()
+            pid = _pid(conn)
+            dbapi = conn.connection.dbapi_connection
+            assert dbapi is not None and dbapi.fileno() >= 1024
+        assert not db.hung_up(dbapi)
+        with engine.connect() as conn:
+            assert _pid(conn) == pid  # the same connection, not a new one
+    finally:
+        gc.enable()
+        engine.dispose()
+        for fd in padding:
+            os.close(fd)

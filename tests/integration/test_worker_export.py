@@ -48,7 +48,7 @@ def test_export_completes_and_progress_reaches_flower(
         "updated_at",
     ]
     assert [r[1] for r in body[1:]] == [f"Ticket {i}" for i in range(1, 1201)]
-    # After the last batch the ledger says 99 and the queue's next event is the success.
+    # After the last batch nothing is reported: the queue's next event is the success.
     assert [e["result"] for e in progress] == ["41% (500/1200 rows)", "83% (1000/1200 rows)"]
     assert [e["percent"] for e in progress] == [41, 83]
     # Flower's SUCCESS and result come from the event; the result backend keeps failures only.
