@@ -52,9 +52,13 @@ class Watch:
 _cond = threading.Condition()
 _watches: set[Watch] = set()
 _thread_pid: int | None = None
+# When the thread wakes next on its own (monotonic): a new watch due later needs no wake-up
+# (one thread switch per export saved), as it is looked at then.
+_wake_at = 0.0
 
 
 def _run() -> None:
+    global _wake_at
     cond = _cond
     with cond:
         while True:
@@ -72,13 +76,14 @@ def _run() -> None:
                     cond.acquire()
                 expired.sent = True
                 cond.notify_all()
-            wait = min((w.deadline for w in _watches), default=now + 3600) - now
-            cond.wait(timeout=max(wait, 0.01))
+            wait = max(min((w.deadline for w in _watches), default=now + 3600) - now, 0.01)
+            _wake_at = now + wait
+            cond.wait(timeout=wait)
 
 
 def _forget_in_child() -> None:
-    global _cond, _watches, _thread_pid
-    _cond, _watches, _thread_pid = threading.Condition(), set(), None
+    global _cond, _watches, _thread_pid, _wake_at
+    _cond, _watches, _thread_pid, _wake_at = threading.Condition(), set(), None, 0.0
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
@@ -99,7 +104,8 @@ def watch(conn: Any, limit_s: float) -> Iterator[Watch]:
     with _cond:
         _ensure_thread()
         _watches.add(entry)
-        _cond.notify()
+        if entry.deadline < _wake_at or not _wake_at:
+            _cond.notify()
     try:
         yield entry
     finally:
