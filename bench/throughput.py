@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench import FLUSH_EVERY_S, NOOP_TASK, metrics_cost, peer_procrastinate
+from bench import FLUSH_EVERY_S, NOOP_TASK, metrics_cost
 from bench.env import BenchEnv, Part, cpu_snapshot, read_stats, stop, wait_until
 from harness import databases
 from harness.processes import free_port
@@ -335,6 +335,10 @@ def run_p1(env: BenchEnv, n: int = 5000, rounds: int = 2) -> dict[str, Any]:
 def run_peer(n: int, rounds: int, export_per_s: float) -> dict[str, Any]:
     """The nearest peer on the same PostgreSQL: procrastinate draining ``n`` no-op jobs with
     two worker processes (bench/peer_procrastinate.py), ``rounds`` times; the median."""
+    # procrastinate is in the bench extra only (make bench installs it), as matplotlib
+    # is for the chart: the tests import this module without it.
+    from bench import peer_procrastinate
+
     peers = [
         peer_procrastinate.procrastinate_noop_jobs_per_s(databases.ADMIN_URL, n, concurrency=2)
         for _ in range(rounds)
