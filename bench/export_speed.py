@@ -2,8 +2,8 @@
 HEADER`` of the same rows, and the executing process's peak RSS for 100,000 rows.
 
 The export runs in a real worker (``-c 1``) and is timed inside it: ``execute()``, i.e.
-claim, read, per-batch progress, final permission check, completion and the ledger
-re-read. The COPY runs in this process on its own connection, right after, on the same
+claim, read, per-batch progress and the completion (whose guard checks the owner's
+role). The COPY runs in this process on its own connection, right after, on the same
 (warm) rows; its output is checked against the export's CSV, so both did the same work.
 """
 

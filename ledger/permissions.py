@@ -1,11 +1,11 @@
 """Who may run what: the one home of the permission rules (docs/design.md, "Permissions").
 
 A role is the user's ``memberships.role`` in the task's team, or None when they are not
-a member. The rules are checked where a task is asked for (create, retry) and again by
-the worker, as of the claim, just before an export's result is written, and by the
-export's completion statement itself, so a role change between creation and the write
-is honoured. Every refusal has one fixed text,
-the same in the API's 403, the CLI and the task's ``last_error``.
+a member. The rules are checked where a task is asked for (create, retry: the creation's
+one statement carries them too, ``MAY_CREATE_*``), again by the worker as of the claim,
+and by the export's completion statement itself, so a role change between creation and
+the write is honoured. Every refusal has one fixed text, the same in the API's 403, the
+CLI and the task's ``last_error``.
 """
 
 from __future__ import annotations
