@@ -75,19 +75,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import procrastinate
 import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-T = TypeVar("T")
+from harness.waiting import wait_for
 
 DSN_ENV = "TDBENCH_PROCRASTINATE_DSN"  # the workers' conninfo, read when they import us
 TASK_NAME = "tdbench_noop"
@@ -123,18 +123,6 @@ def __getattr__(name: str) -> Any:
 
 
 # ---- helpers ------------------------------------------------------------------------------
-def _wait_for(probe: Callable[[], T], timeout: float, what: str) -> T:
-    """Poll ``probe`` until it returns something truthy; a deadline, never an ordering."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"peer_procrastinate: timed out after {timeout:.0f} s: {what}")
-        time.sleep(POLL_S)
-
-
 def _libpq_url(database_url: str) -> str:
     """A SQLAlchemy-style ``postgresql+driver://`` URL as libpq reads it."""
     return re.sub(r"^postgres(?:ql)?\+\w+://", "postgresql://", database_url)
@@ -244,10 +232,11 @@ def _stop_workers(workers: list[_Worker]) -> None:
         if w.popen.poll() is None:
             with suppress(ProcessLookupError):
                 w.popen.send_signal(signal.SIGTERM)
-    with suppress(TimeoutError):
-        _wait_for(
+    with suppress(AssertionError):  # a timeout: SIGKILL below
+        wait_for(
             lambda: all(w.popen.poll() is not None for w in workers),
             STOP_TIMEOUT_S,
+            POLL_S,
             "workers to stop after SIGTERM",
         )
     for w in workers:
@@ -319,9 +308,10 @@ def procrastinate_noop_jobs_per_s(
                     ).fetchone()
                     return row is not None and row[0] >= len(workers)
 
-                _wait_for(
+                wait_for(
                     listening,
                     min(READY_TIMEOUT_S, max(deadline - time.monotonic(), 0.0)),
+                    POLL_S,
                     f"{len(workers)} procrastinate worker(s) to LISTEN",
                 )
 
@@ -349,9 +339,10 @@ def procrastinate_noop_jobs_per_s(
                 _check_alive(workers)
                 return bool(row[0] >= jobs)
 
-            _wait_for(
+            wait_for(
                 drained,
                 max(deadline - time.monotonic(), 0.0),
+                POLL_S,
                 f"{jobs} procrastinate jobs to succeed",
             )
             after = _cpu_snapshot(monitor, db_name, pids)
