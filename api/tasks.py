@@ -105,7 +105,7 @@ def create_export(
         task = service.try_submit_export(conn, *args)
     if task is None:  # a rule refused it: the same rules, one at a time, say which
         with res.engine.begin() as conn:
-            task = service.submit_export(conn, *args)
+            task = service.submit_export_checked(conn, *args)
     view = task.as_dict()
     response.headers["Location"] = f"/api/tasks/{task.id}"
     return _explained([view], res)[0]
@@ -134,7 +134,7 @@ def create_reminder(
         task = service.try_submit_reminder(conn, *args)
     if task is None:  # a rule refused it: the same rules, one at a time, say which
         with res.engine.begin() as conn:
-            task = service.submit_reminder(conn, *args)
+            task = service.submit_reminder_checked(conn, *args)
     view = task.as_dict()
     response.headers["Location"] = f"/api/tasks/{task.id}"
     return _explained([view], res)[0]

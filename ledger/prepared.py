@@ -23,6 +23,7 @@ from typing import Any
 
 import psycopg2
 from psycopg2.extensions import TRANSACTION_STATUS_IDLE
+from sqlalchemy import TextClause, text
 from sqlalchemy.engine import Connection
 
 from teamdesk.db import PREPARED_KEY, may_prepare
@@ -114,6 +115,12 @@ def bounded(sql: str | bytes, timeout_ms: int) -> str | bytes:
     """``sql`` preceded, in the same implicit transaction, by its statement timeout."""
     bound = f"SELECT set_config('statement_timeout', '{int(timeout_ms)}ms', true); "
     return bound.encode() + sql if isinstance(sql, bytes) else bound + sql
+
+
+def as_text(sql: str) -> TextClause:
+    """The SQLAlchemy form of a statement written for the driver (``%(name)s`` becomes
+    ``:name``), so the sequential paths run the very SQL the hot path sends."""
+    return text(_PYFORMAT.sub(r":\1", sql))
 
 
 def row_dict(cursor: Any, row: tuple[Any, ...]) -> dict[str, Any]:

@@ -18,14 +18,13 @@ bounded by the cap.
 
 from __future__ import annotations
 
-import re
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import TextClause, text
 from sqlalchemy.engine import Connection
 
 from ledger.errors import ExportQuotaExceeded, TeamQuotaExceeded
+from ledger.prepared import as_text
 from ledger.states import KINDS
 
 NO_CAP = 0
@@ -33,18 +32,14 @@ NO_CAP = 0
 # Held until the creating transaction ends; the key space is distinct from the
 # reminders' lock (tasks/reminder.py), which hashes another prefix.
 # The statements below are written with psycopg2 parameters (``%(name)s``), the form the
-# one-round-trip creation (ledger/creation.py) sends to the driver; ``_text`` makes the
-# SQLAlchemy form of the same statement.
+# one-round-trip creation (ledger/creation.py) sends to the driver; ``as_text``
+# (ledger/prepared.py) makes the SQLAlchemy form of the same statement.
 LOCK_TEAM_SQL = (
     "SELECT pg_advisory_xact_lock(hashtextextended('teamdesk.quota:' || %(team_id)s, 0))"
 )
 
 
-def _text(sql: str) -> TextClause:
-    return text(re.sub(r"%\((\w+)\)s", r":\1", sql))
-
-
-LOCK_TEAM = _text(LOCK_TEAM_SQL)
+LOCK_TEAM = as_text(LOCK_TEAM_SQL)
 
 # WAITING and not published, counted per kind and per value of ``scheduled`` on the ready
 # index (kind, scheduled, team_id, ...): equalities on its leading columns are a range
@@ -83,7 +78,7 @@ UNFINISHED_SQL = (
     )
     + ")"
 )
-COUNT_UNFINISHED = _text("SELECT " + UNFINISHED_SQL)
+COUNT_UNFINISHED = as_text("SELECT " + UNFINISHED_SQL)
 
 
 def ensure_room(conn: Connection, team_id: uuid.UUID, cap: int) -> None:
@@ -132,7 +127,7 @@ MSG_EXPORT_BYTES_PER_DAY = (
 EXPORTS_OF_THE_DAY_SQL = """
       FROM background_tasks
      WHERE team_id = %(team_id)s AND kind = 'EXPORT' AND created_at > now() - interval '1 day'"""
-EXPORTS_TODAY = _text(f"""
+EXPORTS_TODAY = as_text(f"""
     SELECT count(*) AS created, coalesce(sum(result_bytes), 0) AS bytes,
            ceil(extract(epoch FROM min(created_at) + interval '1 day' - now())) AS frees_in_s
       {EXPORTS_OF_THE_DAY_SQL}

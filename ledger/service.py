@@ -28,6 +28,7 @@ from ledger.permissions import (
     may_schedule_reminder,
     may_see,
 )
+from ledger.prepared import as_text
 from ledger.quota import NO_CAP, NO_EXPORT_QUOTA, ExportQuota, ensure_export_room, ensure_room
 from ledger.states import SCOPES
 from ledger.wake import WAKE_SQL
@@ -137,11 +138,7 @@ CANCEL_RUN = text(_CANCEL.format(run_guard=" AND run = :run"))
 
 WAKE = text(WAKE_SQL)
 
-TICKET_IN_TEAM = text(
-    creation.TICKET_IN_TEAM_SQL.replace("%(ticket_id)s", ":ticket_id").replace(
-        "%(team_id)s", ":team_id"
-    )
-)
+TICKET_IN_TEAM = as_text(creation.TICKET_IN_TEAM_SQL)
 
 
 @dataclass(frozen=True)
@@ -247,6 +244,22 @@ def submit_export(
     view = try_submit_export(conn, team_id, user_id, scope, filters, max_unfinished, export_quota)
     if view is not None:
         return view
+    return submit_export_checked(
+        conn, team_id, user_id, scope, filters, max_unfinished, export_quota
+    )
+
+
+def submit_export_checked(
+    conn: Connection,
+    team_id: uuid.UUID,
+    user_id: uuid.UUID,
+    scope: Any,
+    filters: Any,
+    max_unfinished: int = NO_CAP,
+    export_quota: ExportQuota = NO_EXPORT_QUOTA,
+) -> TaskView:
+    """The rules one at a time, in the caller's transaction, after the one statement
+    refused: raises the first that refuses, or inserts when none does any more."""
     if not may_export(scope, _member_role(conn, team_id, user_id)):
         raise NotAllowed(MSG_TEAM_EXPORT_NEEDS_STAFF)
     ensure_export_room(conn, team_id, max_unfinished, export_quota)
@@ -300,6 +313,18 @@ def submit_reminder(
     view = try_submit_reminder(conn, team_id, user_id, ticket_id, run_at, max_unfinished)
     if view is not None:
         return view
+    return submit_reminder_checked(conn, team_id, user_id, ticket_id, run_at, max_unfinished)
+
+
+def submit_reminder_checked(
+    conn: Connection,
+    team_id: uuid.UUID,
+    user_id: uuid.UUID,
+    ticket_id: Any,
+    run_at: datetime | None = None,
+    max_unfinished: int = NO_CAP,
+) -> TaskView:
+    """The reminder's rules one at a time, as :func:`submit_export_checked`."""
     ticket = _ticket(ticket_id)
     if run_at is not None and not conn.execute(RUN_AT_IN_WINDOW, {"run_at": run_at}).scalar():
         raise InvalidInput(MSG_RUN_AT_WINDOW)
