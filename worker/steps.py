@@ -244,6 +244,18 @@ class LivenessStep(bootsteps.StartStopStep):
         self.intake.follow()
 
     def stop(self, parent: Any) -> None:
+        self._end(draining=False)
+
+    def terminate(self, parent: Any) -> None:
+        """A cold shutdown (and every ``celery.contrib.testing`` worker's end): Celery's
+        blueprint calls ``terminate`` then, whose default acts only on ``self.obj``, which
+        this step has none of; the renewal thread ran on past the worker. This step ends
+        before the pool's, whose children may still be running: the member leaves the
+        active sets but stays a lease holder until it expires, one TTL on, so no run of a
+        child that is still alive is taken over (the warm stop's drain does the same)."""
+        self._end(draining=True)
+
+    def _end(self, draining: bool) -> None:
         global _holder
         if self.renewals is not None:
             self.renewals.stop(STOP_WAIT_S)
@@ -251,7 +263,7 @@ class LivenessStep(bootsteps.StartStopStep):
         if self.wake is not None:
             self.wake.cancel()
             self.wake = None
-        self.liveness.stop()
+        self.liveness.stop(draining=draining)
         _holder = None
 
     def shutdown(self, parent: Any) -> None:
