@@ -124,7 +124,8 @@ def test_prometheus_sees_tasks_recovery_and_a_pending_alert(
         )
         assert task_row(engine, parked_id)["recoveries"] == 1
         assert task_row(engine, bad)["status"] == "FAILED"
-        wait_for(prom.ready, timeout=30, what="Prometheus")
+        # A job Prometheus has not scraped yet has no ``up``: the API's target once had none.
+        wait_for(prom.scraped_every_target, timeout=30, what="Prometheus to scrape each target")
         ledger = ledger_counts(engine)
 
         def prometheus_agrees() -> bool:

@@ -45,6 +45,7 @@ def config(jobs: dict[str, list[str]], rules: Path = ALERTS) -> dict[str, Any]:
 
 class Prometheus:
     def __init__(self, work: Path, jobs: dict[str, list[str]]) -> None:
+        self.targets = {target for targets in jobs.values() for target in targets}
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         conf = work / "prometheus.yml"
@@ -75,6 +76,16 @@ class Prometheus:
                 return bool(answer.status == 200)
         except OSError:
             return False
+
+    def scraped_every_target(self) -> bool:
+        """Every configured target has been scraped at least once (up or down). Prometheus
+        hands its scrape loops their targets about 5 s after it is ready, then staggers
+        their first scrapes over an interval: until then a job has no ``up`` at all."""
+        if not self.ready():
+            return False
+        active = self.get("/api/v1/targets", state="active")["activeTargets"]
+        scraped = {t["labels"]["instance"] for t in active if t["health"] != "unknown"}
+        return scraped == self.targets
 
     def query(self, expr: str) -> dict[tuple[tuple[str, str], ...], float]:
         """An instant query: each series' labels (sorted, no __name__) -> value."""
