@@ -4,8 +4,8 @@ A claim issues a fresh ``execution_id``. Every later write by that execution is 
 statement conditional on ``id, run, execution_id`` and ``status = 'RUNNING'`` and checks
 its row count: progress and completion raise :class:`LeaseLost` on 0 rows, a failure
 report returns ``False``. Each function runs inside the caller's connection and
-transaction, so a reminder can put its completion in the same transaction as its
-side effects.
+transaction, so a reminder can put its completion in the same transaction as its side
+effects, and its side effects in the completion's statement (:func:`completion_with`).
 
 These statements run on every task, so they go straight to the DBAPI cursor (psycopg2
 ``%(name)s`` parameters), each prepared once per database session (ledger/prepared.py).
@@ -32,17 +32,19 @@ _LEASE = (
 )
 
 
-def _audited(update: str, event: str) -> str:
+def _audited(update: str, event: str, effects: str = "", counted: str = "") -> str:
     """``update`` (RETURNING id, run) plus its task_audit row, in one statement; the
-    statement returns one row per changed task, so its row count is the update's."""
+    statement returns one row per changed task, so its row count is the update's.
+    ``effects``: more CTEs, written only through ``changed``; ``counted``: more columns
+    of the returned row (what they wrote)."""
     return f"""
     WITH changed AS ({update}
         RETURNING id, run
     ), audit AS (
         INSERT INTO task_audit (task_id, run, event, execution_id)
         SELECT id, run, {event}, CAST(%(execution_id)s AS uuid) FROM changed
-    )
-    SELECT id FROM changed"""
+    ){effects}
+    SELECT id{counted} FROM changed"""
 
 
 # Guard: the message's run is the ledger's run, the row is not finished, and the message
@@ -157,20 +159,25 @@ COMPLETE_EXPORT_STAGED = COMPLETE_EXPORT.replace(
     "result_csv = %(csv)s", f"result_csv = (SELECT value FROM {staging.STAGE_TABLE})"
 )
 
-# Guard: the lease; the caller's transaction holds the side effects (and the wake-up,
-# which a rollback drops with them).
-COMPLETE = (
-    WAKE_SQL
-    + ";"
-    + _audited(
-        f"""
+_COMPLETE_UPDATE = f"""
         UPDATE background_tasks
            SET status = 'COMPLETED', progress = 100, result_summary = %(summary)s,
                execution_id = NULL, lease_holder = NULL, last_error = NULL, updated_at = now()
-         WHERE {_LEASE}""",
-        "'COMPLETE'",
-    )
-)
+         WHERE {_LEASE}"""
+
+
+def completion_with(effects: str, counted: str) -> str:
+    """The completion of :data:`COMPLETE` with side effects in the same statement (a
+    reminder's): ``effects`` are CTEs (``, name AS (...)``) that write only through
+    ``changed``, the completed row, so a lost lease writes none of them; ``counted`` are
+    the columns that say what they wrote (``, (SELECT count(*) FROM name)``). Build it
+    once: each distinct statement is prepared once per session."""
+    return WAKE_SQL + ";" + _audited(_COMPLETE_UPDATE, "'COMPLETE'", effects, counted)
+
+
+# Guard: the lease; the caller's transaction holds the side effects (and the wake-up,
+# which a rollback drops with them).
+COMPLETE = completion_with("", "")
 
 # Guard: the lease. A retry is a ledger row like any other: WAITING, unpublished, ready
 # at run_at = the database's clock + the backoff; the dispatcher publishes it then.
@@ -343,9 +350,17 @@ def _not_completed(conn: Connection, lease: Lease) -> LedgerError:
     return LeaseLost(lease.task_id)
 
 
-def complete_in_transaction(conn: Connection, lease: Lease, summary: str) -> None:
-    """Complete inside the caller's transaction; LeaseLost must roll that transaction back."""
-    _write_or_lose(conn, COMPLETE, lease, summary=summary)
+def complete_in_transaction(
+    conn: Connection, lease: Lease, summary: str, statement: str = COMPLETE, **values: Any
+) -> tuple[Any, ...]:
+    """Complete inside the caller's transaction, with the side effects ``statement`` (built
+    by :func:`completion_with`, its parameters in ``values``) carries; returns its counted
+    columns. LeaseLost (nothing written) must roll that transaction back."""
+    params = {**lease.params(), "summary": summary, **values}
+    row = _execute(conn, statement, params).fetchone()
+    if row is None:
+        raise LeaseLost(lease.task_id)
+    return tuple(row[1:])
 
 
 def report_failure(

@@ -23,7 +23,7 @@ worker that sees the task sees its mark):
 Every task also pauses a little where a fault hurts most, so that faults find work in
 flight: an export ``SOAK_EXPORT_PAUSE_S`` after each batch read (its read transaction
 open, the progress not yet written), a reminder ``SOAK_REMINDER_PAUSE_S`` after its
-side effects were written and before its completion (one open transaction).
+side effects and its completion were written, before they commit (one open transaction).
 """
 
 from __future__ import annotations

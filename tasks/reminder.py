@@ -3,27 +3,27 @@ one transaction with the task's completion under the lease (docs/design.md, "Exp
 and "Lifecycle").
 
 One transaction on the execution's own connection (no second connection, no pool check),
-in four round trips: open it, bound it, take the team's lock and read the ticket with its
-assignee's role (one); the side effects (one); the completion (one); COMMIT. The per-team
-advisory lock serialises reminders of one team; the claim happens outside it, so holding
-the lock proves nothing about the lease: the completion's own guard decides, and a 0-row
-completion raises LeaseLost, which rolls the whole transaction back (returning normally
-would commit the side effects). No separate lease check runs first: a replaced execution
-does its reads and writes for nothing and rolls them back, which costs less than a round
-trip on every reminder.
+in three round trips: open it, bound it, take the team's lock and read the ticket with its
+assignee's role (one); the side effects with the completion, one statement (one); COMMIT.
+The per-team advisory lock serialises reminders of one team; the claim happens outside
+it, so holding the lock proves nothing about the lease: the completion's own guard
+decides. Each side effect is written through the completed row, so a lost lease writes
+none of them and the 0-row completion raises LeaseLost, which rolls the transaction back.
+No separate lease check runs first: a replaced execution does its read for nothing,
+which costs less than a round trip on every reminder.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 
 import psycopg2
 from sqlalchemy import exc as sa_exc
-from sqlalchemy import text
-from sqlalchemy.engine import Connection, Row
+from sqlalchemy.engine import Connection
 
-from ledger import lease
+from ledger import lease, prepared
 from ledger.errors import PermissionLost, TaskRejected
 from ledger.permissions import reminder_refusal
 from ledger.service import SKIPPED_PREFIX
@@ -54,38 +54,52 @@ def tx_budget_s(settings: Settings) -> float:
 
 # The transaction opens (on the autocommit execution connection), takes its bounds (in
 # ms) and the team's lock, and reads the ticket, locked, with its assignee's role in the
-# team: one round trip.
-OPEN_AND_READ = text("""
+# team: one round trip; the read is the session's prepared statement (ledger/prepared.py),
+# what comes before it is sent as it is.
+OPEN_AND_READ = """
     BEGIN;
-    SET LOCAL lock_timeout = :budget_ms;
-    SET LOCAL statement_timeout = :budget_ms;
-    SET LOCAL idle_in_transaction_session_timeout = :budget_ms;
-    SELECT pg_advisory_xact_lock(hashtextextended('teamdesk.reminder:' || :team_id, 0));
-    SELECT t.id, t.status, t.assignee_id, m.role AS assignee_role
+    SET LOCAL lock_timeout = %(budget_ms)s;
+    SET LOCAL statement_timeout = %(budget_ms)s;
+    SET LOCAL idle_in_transaction_session_timeout = %(budget_ms)s;
+    SELECT pg_advisory_xact_lock(hashtextextended('teamdesk.reminder:' || %(team_id)s, 0));
+    SELECT t.status, t.assignee_id, m.role
       FROM tickets t
       LEFT JOIN memberships m ON m.team_id = t.team_id AND m.user_id = t.assignee_id
-     WHERE t.id = :ticket_id AND t.team_id = :team_id
+     WHERE t.id = %(ticket_id)s AND t.team_id = %(team_id)s
        FOR UPDATE OF t
-""")
-# The three side effects in one statement; the completion follows in the same transaction.
-SEND = text("""
-    WITH notified AS (
+"""
+
+# The three side effects and the completion in one statement (ledger/lease.py builds
+# the completion and its guard): each side effect is written through the completed row,
+# so a lost lease writes none of them.
+SEND_AND_COMPLETE = lease.completion_with(
+    """, notified AS (
         INSERT INTO notifications (user_id, ticket_id, task_id, kind)
-        VALUES (:assignee_id, :ticket_id, :task_id, :kind)
+        SELECT CAST(%(assignee_id)s AS uuid), CAST(%(ticket_id)s AS uuid), id,
+               CAST(%(kind)s AS text)
+          FROM changed
         RETURNING 1
     ), bumped AS (
         UPDATE tickets SET version = version + 1, updated_at = now()
-         WHERE id = :ticket_id
+         WHERE id = %(ticket_id)s AND EXISTS (SELECT FROM changed)
         RETURNING 1
     ), recorded AS (
         INSERT INTO system_events (team_id, ticket_id, type, payload)
-        VALUES (:team_id, :ticket_id, :type, CAST(:payload AS jsonb))
+        SELECT CAST(%(team_id)s AS uuid), CAST(%(ticket_id)s AS uuid), CAST(%(type)s AS text),
+               CAST(%(payload)s AS jsonb)
+          FROM changed
         RETURNING 1
-    )
-    SELECT (SELECT count(*) FROM notified) AS notifications,
-           (SELECT count(*) FROM bumped) AS versions,
-           (SELECT count(*) FROM recorded) AS events
-""")
+    )""",
+    """, (SELECT count(*) FROM notified), (SELECT count(*) FROM bumped),
+        (SELECT count(*) FROM recorded)""",
+)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    status: str
+    assignee_id: object  # a UUID as the driver returns it; None: unassigned
+    assignee_role: str | None
 
 
 def _ticket_id(ctx: Context) -> uuid.UUID:
@@ -95,7 +109,7 @@ def _ticket_id(ctx: Context) -> uuid.UUID:
         raise TaskRejected(MSG_BAD_TICKET) from None
 
 
-def _why_not(ticket: Row[object] | None) -> str | None:
+def _why_not(ticket: Ticket | None) -> str | None:
     """The reason to complete without side effects, or None to send the reminder."""
     if ticket is None:
         return f"{SKIPPED_PREFIX}the ticket no longer exists"
@@ -120,26 +134,26 @@ def run_reminder(ctx: Context) -> str:
     except BaseException:
         _rollback(conn)
         raise
-    conn.exec_driver_sql("COMMIT")
+    prepared.execute(conn, b"COMMIT", None, lease.STATEMENT_TIMEOUT_MS)
     return summary
 
 
 def _in_transaction(conn: Connection, ctx: Context, ticket_id: uuid.UUID) -> str:
-    """Lock, read, side effects, completion; the caller commits or rolls back."""
+    """Lock and read; side effects with the completion; the caller commits or rolls back."""
     claim = ctx.claim
-    budget_ms = str(max(1, round(tx_budget_s(ctx.settings) * 1000)))
-    params = {"team_id": str(claim.team_id), "ticket_id": ticket_id, "budget_ms": budget_ms}
-    ticket = conn.execute(OPEN_AND_READ, params).one_or_none()
+    budget_ms = max(1, round(tx_budget_s(ctx.settings) * 1000))
+    params = {"team_id": str(claim.team_id), "ticket_id": str(ticket_id), "budget_ms": budget_ms}
+    row = prepared.execute(conn, OPEN_AND_READ, params, budget_ms).fetchone()
+    ticket = None if row is None else Ticket(*row)
     hooks.fire("reminder.after_lease_read", claim=claim)
     reason = _why_not(ticket)
     if reason is not None:
         lease.complete_in_transaction(conn, claim.lease, reason)
         return reason
-    assert ticket is not None
-    _send(conn, ctx, ticket_id, ticket.assignee_id)
-    hooks.fire("reminder.after_event_insert", claim=claim)
+    assert ticket is not None and ticket.assignee_id is not None
     summary = f"reminder sent to {ticket.assignee_id}"
-    lease.complete_in_transaction(conn, claim.lease, summary)
+    _send_and_complete(conn, ctx, ticket_id, ticket.assignee_id, summary)
+    hooks.fire("reminder.after_event_insert", claim=claim)
     return summary
 
 
@@ -154,20 +168,26 @@ def _rollback(conn: Connection) -> None:
         conn.invalidate()
 
 
-def _send(conn: Connection, ctx: Context, ticket_id: uuid.UUID, assignee: uuid.UUID) -> None:
-    held = ctx.claim.lease
+def effect_values(claim: lease.Claim, ticket_id: uuid.UUID, assignee: object) -> dict[str, str]:
+    """The parameters of :data:`SEND_AND_COMPLETE` beside the lease and the summary."""
+    held = claim.lease
     payload = {"task_id": str(held.task_id), "run": held.run, "assignee_id": str(assignee)}
-    written = conn.execute(
-        SEND,
-        {
-            "assignee_id": assignee,
-            "ticket_id": ticket_id,
-            "task_id": held.task_id,
-            "kind": NOTIFICATION_KIND,
-            "team_id": ctx.claim.team_id,
-            "type": EVENT_TYPE,
-            "payload": json.dumps(payload),
-        },
-    ).one()
-    if (written.notifications, written.versions, written.events) != (1, 1, 1):
+    return {
+        "assignee_id": str(assignee),
+        "ticket_id": str(ticket_id),
+        "kind": NOTIFICATION_KIND,
+        "team_id": str(claim.team_id),
+        "type": EVENT_TYPE,
+        "payload": json.dumps(payload),
+    }
+
+
+def _send_and_complete(
+    conn: Connection, ctx: Context, ticket_id: uuid.UUID, assignee: object, summary: str
+) -> None:
+    values = effect_values(ctx.claim, ticket_id, assignee)
+    written = lease.complete_in_transaction(
+        conn, ctx.claim.lease, summary, SEND_AND_COMPLETE, **values
+    )
+    if written != (1, 1, 1):
         raise RuntimeError("reminder side effects were not written exactly once")

@@ -28,7 +28,7 @@ POINTS = frozenset(
         "export.after_read",  # a batch was read, its progress not yet written
         "export.before_result_write",  # the final permission check passed
         "reminder.after_lease_read",  # inside the transaction, lease seen, nothing written
-        "reminder.after_event_insert",  # side effects written, completion not yet
+        "reminder.after_event_insert",  # side effects and completion written, not committed
         "queue.failure_callback",  # Celery's task_failure signal, before it logs
         "heartbeat.before_renewal",  # checked it is not stopping; the Lua call not yet sent
         "dispatcher.before_publish",  # runs stamped and committed; their messages not yet sent

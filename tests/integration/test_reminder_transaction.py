@@ -16,6 +16,7 @@ from sqlalchemy.engine import Connection
 from harness.factories import World, add_ticket, insert_task, task_row
 from ledger import lease, service
 from ledger.errors import LeaseLost
+from tasks import reminder
 from tasks.execution import Context
 from tasks.reminder import run_reminder
 from teamdesk import config
@@ -88,3 +89,31 @@ def test_a_lost_lease_rolls_everything_back_and_ends_the_transaction(
         assert conn.exec_driver_sql("SELECT 1").scalar_one() == 1  # still usable
     assert side_effects(engine, ticket) == before
     assert task_row(engine, task_id)["status"] == "RUNNING"  # the newer execution's
+
+
+def test_the_completion_statement_writes_no_side_effect_for_a_lost_lease(
+    engine: sa.Engine, world: World
+) -> None:
+    """The side effects are written through the completed row: with the lease gone the
+    statement writes none of them, even in a transaction that then commits."""
+    ticket, task_id = reminder_for(engine, world)
+    before = side_effects(engine, ticket)
+    with execution(engine, task_id) as (conn, ctx):
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as other:
+            newer = lease.claim(other, task_id, 0, takeover=True)
+            assert newer is not None
+        values = reminder.effect_values(ctx.claim, ticket, world.staff_id)
+        conn.exec_driver_sql("BEGIN")
+        with pytest.raises(LeaseLost):
+            lease.complete_in_transaction(
+                conn, ctx.claim.lease, "late", reminder.SEND_AND_COMPLETE, **values
+            )
+        conn.exec_driver_sql("COMMIT")  # what the statement wrote, if anything, stays
+    assert side_effects(engine, ticket) == before
+    row = task_row(engine, task_id)
+    assert (row["status"], row["execution_id"]) == ("RUNNING", newer.lease.execution_id)
+    with engine.connect() as conn:
+        audit = conn.execute(
+            sa.text("SELECT event FROM task_audit WHERE task_id = :t ORDER BY id"), {"t": task_id}
+        ).scalars()
+        assert list(audit) == ["CLAIM", "CLAIM"]
