@@ -73,6 +73,10 @@ ROWS: list[tuple[str, str, str]] = [  # key, what, unit
         "ratio",
     ),
     ("p1_procrastinate_jobs_per_s", "P1 procrastinate no-op jobs, 2 worker processes", "jobs/s"),
+    ("p1_body_us_export", "P1 a small export's body alone (claim to commit), wall", "us"),
+    ("p1_body_cpu_us_export", "P1 a small export's body alone, CPU (worker + PostgreSQL)", "us"),
+    ("p1_body_us_reminder", "P1 a reminder's body alone (claim to commit), wall", "us"),
+    ("p1_body_cpu_us_reminder", "P1 a reminder's body alone, CPU (worker + PostgreSQL)", "us"),
     ("p1_metrics_cost", "P1 small exports, worker metrics on / off (throughput)", "ratio"),
     ("p1_export_metrics_tasks_per_s", "P1 small exports, -c 2, metrics on", "tasks/s"),
     ("p1_metrics_cpu_us", "P1 CPU per small export, metrics on minus off", "us"),
@@ -290,6 +294,11 @@ own Redis key prefix (`tdbench-<hex>-<part>`, deleted at the end); it never touc
   most 3 reruns) and the quieter of the two kept. CPU per task is read from /proc
   for the worker's processes and the PostgreSQL backends of the bench database, and from
   `INFO cpu` for Redis; `foreign_cpu_cores` is what the rest of the machine used meanwhile.
+  *The bodies alone* (`p1_body_*`, bench/body_cost.py): after the batches, 2,000 one-ticket
+  exports and then 2,000 reminders (50 of each first, not counted)
+  are claimed and run one after the other on one autocommit execution connection in this
+  process, without Celery or the broker: wall time per task, and this process's CPU plus
+  the PostgreSQL backend's (from /proc) per task.
 - **P2** — 10,000 and 100,000 tickets with commas, quotes, newlines, formula-like starts
   and NULLs. A `-c 1` worker runs the 10k export 10 times; after each one completes, this
   process runs `COPY (same SELECT) TO STDOUT WITH (FORMAT csv, FORCE_QUOTE *, HEADER)`

@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench import FLUSH_EVERY_S, NOOP_TASK, metrics_cost
+from bench import FLUSH_EVERY_S, NOOP_TASK, body_cost, metrics_cost
 from bench.env import BenchEnv, Part, cpu_snapshot, read_stats, stop, wait_until
 from harness import databases
 from harness.processes import free_port
@@ -299,6 +299,9 @@ def p1_order(rounds: int) -> list[str]:
     return [*order, "noop"]
 
 
+BODY_TASKS = 2000  # of each kind, for the bodies alone (bench/body_cost.py)
+
+
 def run_p1(env: BenchEnv, n: int = 5000, rounds: int = 2) -> dict[str, Any]:
     """The batches of :func:`p1_order`. A batch during which the rest of the machine kept
     more than NOISY_CORES busy is run once more and the quieter of the two kept (both are
@@ -328,6 +331,7 @@ def run_p1(env: BenchEnv, n: int = 5000, rounds: int = 2) -> dict[str, Any]:
             result = quieter
         runs[kind].append(result)
     summary = summarise_p1(runs, n, publish)
+    summary.update(body_cost.run_body_cost(part, min(n, BODY_TASKS)))
     summary.update(run_peer(n, rounds, summary["p1_export_tasks_per_s"]))
     return summary
 

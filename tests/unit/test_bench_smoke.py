@@ -40,6 +40,11 @@ ISSUE_KEYS = {
     # Issue 15: what the worker's Prometheus metrics cost.
     "p1_metrics_cost",
     "p1_metrics_us_per_task",
+    # Issue 26: the task bodies alone, beside the end-to-end ratios.
+    "p1_body_us_export",
+    "p1_body_cpu_us_export",
+    "p1_body_us_reminder",
+    "p1_body_cpu_us_reminder",
     # Issue 24: a fill's cost at tenant scale.
     "p9_fill_ms_empty",
     "p9_fill_ms_100k_future",
@@ -98,6 +103,7 @@ GOAL_KEYS = {
         "bench.api_rate",
         "bench.audit_growth",
         "bench.metrics_cost",
+        "bench.body_cost",
         "bench.tenant_scale",
     ],
 )
