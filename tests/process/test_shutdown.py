@@ -310,3 +310,29 @@ def test_unhandled_error_logs_fatal_and_exits_1(
     assert levels == ({"fatal"} if where == "start" else {"error"})
     assert lines[-1]["event"] == "worker.stopped" and lines[-1]["exit_code"] == 1
     assert lines[-1]["level"] == "error"
+
+
+def test_a_cold_shutdown_stops_renewing_and_stays_a_holder_until_it_expires(
+    settings: Settings, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """SIGQUIT (Celery's cold shutdown, the blueprint's ``terminate``): the worker leaves
+    the active sets at once and no renewal puts it back; it stays a lease holder, which
+    expires one TTL on (its pool's children are stopped after its liveness step)."""
+    s = settings.with_overrides(heartbeat_ttl_s=2.0)
+    with cluster(tmp_path) as procs:
+        w1 = Proc("w1", worker_argv("w1", concurrency=2), settings_env(s), tmp_path).start()
+        procs.append(w1)
+        member = w1.wait_event("worker.started")["member"]
+        assert live_members(redis_client, s.queue_prefix) == {member}
+        w1.send(signal.SIGQUIT)
+        code = w1.wait(timeout=30)
+    assert live_members(redis_client, s.queue_prefix) == set()
+    assert member in lease_holders_alive(redis_client, s.queue_prefix)
+    assert redis_client.get(tombstone_key(s.queue_prefix, member)) == "draining"
+    wait_for(
+        lambda: member not in lease_holders_alive(redis_client, s.queue_prefix),
+        timeout=30,
+        what="the holder to expire",
+    )
+    assert code == 0  # Celery's cold shutdown; it sends no worker_shutdown (no worker.stopped)
+    assert w1.events("heartbeat.failed") == []
