@@ -318,7 +318,8 @@ def test_a_cold_shutdown_stops_renewing_and_stays_a_holder_until_it_expires(
     """SIGQUIT (Celery's cold shutdown, the blueprint's ``terminate``): the worker leaves
     the active sets at once and no renewal puts it back; it stays a lease holder, which
     expires one TTL on (its pool's children are stopped after its liveness step)."""
-    s = settings.with_overrides(heartbeat_ttl_s=2.0)
+    # The holder is read after the process is gone: a TTL well above a slow exit's length.
+    s = settings.with_overrides(heartbeat_ttl_s=5.0)
     with cluster(tmp_path) as procs:
         w1 = Proc("w1", worker_argv("w1", concurrency=2), settings_env(s), tmp_path).start()
         procs.append(w1)
