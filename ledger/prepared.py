@@ -117,6 +117,19 @@ def bounded(sql: str | bytes, timeout_ms: int) -> str | bytes:
     return bound.encode() + sql if isinstance(sql, bytes) else bound + sql
 
 
+def end_transaction(conn: Connection, commit: bool) -> None:
+    """COMMIT or ROLLBACK the transaction a statement opened on ``conn``'s driver
+    connection (``BEGIN`` sent as SQL, outside SQLAlchemy's own); a lost session
+    invalidates the connection, so its pool drops it, and raises."""
+    dbapi = conn.connection.dbapi_connection
+    assert dbapi is not None
+    try:
+        dbapi.cursor().execute("COMMIT" if commit else "ROLLBACK")
+    except (psycopg2.OperationalError, psycopg2.InterfaceError):
+        conn.invalidate()
+        raise
+
+
 def as_text(sql: str) -> TextClause:
     """The SQLAlchemy form of a statement written for the driver (``%(name)s`` becomes
     ``:name``), so the sequential paths run the very SQL the hot path sends."""

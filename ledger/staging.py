@@ -15,6 +15,8 @@ import struct
 import psycopg2
 from sqlalchemy.engine import Connection
 
+from ledger import prepared
+
 STAGE_TABLE = "pg_temp.teamdesk_staged_text"
 # Smaller texts go as a literal: staging costs the server a second write of the text
 # (10k rows, 2.6 MB: about 10 ms more than the literal), while a few MB held three times
@@ -82,10 +84,4 @@ def stage(conn: Connection, data: bytearray, bound_ms: int) -> bool:
 
 def end(conn: Connection, commit: bool) -> None:
     """End the transaction :func:`stage` opened."""
-    dbapi = conn.connection.dbapi_connection
-    assert dbapi is not None
-    try:
-        dbapi.cursor().execute("COMMIT" if commit else "ROLLBACK")
-    except (psycopg2.OperationalError, psycopg2.InterfaceError):
-        conn.invalidate()
-        raise
+    prepared.end_transaction(conn, commit)

@@ -20,7 +20,6 @@ import uuid
 from dataclasses import dataclass
 
 import psycopg2
-from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection
 
 from ledger import lease, prepared
@@ -134,7 +133,7 @@ def run_reminder(ctx: Context) -> str:
     except BaseException:
         _rollback(conn)
         raise
-    prepared.execute(conn, b"COMMIT", None, lease.STATEMENT_TIMEOUT_MS)
+    prepared.end_transaction(conn, commit=True)
     return summary
 
 
@@ -163,9 +162,9 @@ def _rollback(conn: Connection) -> None:
     if conn.invalidated or conn.closed:
         return
     try:
-        conn.exec_driver_sql("ROLLBACK")
-    except (psycopg2.Error, sa_exc.DBAPIError):
-        conn.invalidate()
+        prepared.end_transaction(conn, commit=False)
+    except psycopg2.Error:
+        conn.invalidate()  # a ROLLBACK that failed leaves nothing worth keeping
 
 
 def effect_values(claim: lease.Claim, ticket_id: uuid.UUID, assignee: object) -> dict[str, str]:
