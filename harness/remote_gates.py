@@ -82,10 +82,14 @@ class RemoteGate:
         self.client, self.prefix, self.point = client, prefix, point
 
     def wait_reached(self, timeout: float = 30) -> dict[str, Any]:
-        got = self.client.blpop([reached_key(self.prefix, self.point)], timeout=timeout)
-        if got is None:
-            raise AssertionError(f"remote gate {self.point} was never reached")
-        return dict(json.loads(got[1]))
+        # Short waits in a loop: a client's socket timeout may be shorter than ``timeout``.
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.client.blpop([reached_key(self.prefix, self.point)], timeout=1)
+            if got is not None:
+                return dict(json.loads(got[1]))
+            if time.monotonic() > deadline:
+                raise AssertionError(f"remote gate {self.point} was never reached")
 
     def release(self, times: int = 1) -> None:
         for _ in range(times):

@@ -51,12 +51,12 @@ def _audited(update: str, event: str, effects: str = "", counted: str = "") -> s
 # is the run's current publish: its stamp equals the row's ``dispatched_at``. A WAITING row
 # is claimed only once it is due (``run_at``, the database's clock), which a current stamp
 # implies; it starts the run's next attempt (the first, a retry after backoff, or the one
-# after a recovery). A RUNNING row is taken over only when its execution is known to be
-# gone: the row is silent for ``stale_after_s`` by the database's clock (the dispatcher's
-# staleness rule), or the caller says so (``takeover``: Celery's re-send after the pool
-# process running it was lost). A redelivery of the same message while its execution is
-# alive (kombu restores a worker's unacknowledged message on a broker reconnect) claims
-# nothing. A takeover continues the attempt it replaces. A message of an earlier publish
+# after a recovery). A RUNNING row is taken over only when it is silent for
+# ``stale_after_s`` by the database's clock (the dispatcher's staleness rule): a
+# redelivery of the same message while its execution is alive (kombu restores a worker's
+# unacknowledged message on a broker reconnect) claims nothing. A lost pool process is
+# not a takeover: its worker reports it (REPORT_LOST). A takeover continues the attempt
+# it replaces. A message of an earlier publish
 # (the run was recovered, or judged lost, and published again with a new stamp) claims
 # nothing: it must not take the run from the replacement. Without a stamp (a caller inside
 # the ledger's own tests and tools; tasks refuse such messages) the stamp is not checked.
@@ -76,8 +76,7 @@ CLAIM = """
          WHERE id = %(task_id)s AND run = %(run)s
            AND ((status = 'WAITING' AND run_at <= now())
                 OR (status = 'RUNNING'
-                    AND (%(takeover)s
-                         OR updated_at < now() - make_interval(secs => %(stale_after_s)s))))
+                    AND updated_at < now() - make_interval(secs => %(stale_after_s)s)))
            AND (CAST(%(stamp)s AS timestamptz) IS NULL
                 OR dispatched_at = CAST(%(stamp)s AS timestamptz))
         RETURNING id, run, kind, team_id, owner_id, scope, filters, attempts
@@ -199,6 +198,72 @@ REPORT_FAILURE = (
 )
 
 
+# Guard: the lease of an execution whose pool process was lost (the worker's main process
+# issued its execution id and saw the process die). The attempt it ran has failed: with
+# attempts left, WAITING and unpublished, ready after the backoff
+# ``base_delay_s * 2^(attempts-1)`` by the database's clock; on the last attempt, FAILED.
+# Either way with the reason. The same run again, never a recovery: the process is known
+# to be gone, nothing waits for the staleness rule. Wakes the dispatcher at commit.
+REPORT_LOST = (
+    WAKE_SQL
+    + ";"
+    + f"""
+    WITH changed AS (
+        UPDATE background_tasks
+           SET status = CASE WHEN attempts >= %(max_attempts)s THEN 'FAILED' ELSE 'WAITING' END,
+               last_error = CASE WHEN attempts >= %(max_attempts)s
+                                 THEN %(final_message)s ELSE %(message)s END,
+               execution_id = NULL, lease_holder = NULL, dispatched_at = NULL,
+               run_at = CASE WHEN attempts >= %(max_attempts)s THEN run_at
+                             ELSE now() + make_interval(
+                                 secs => %(base_delay_s)s * 2 ^ greatest(attempts - 1, 0)) END,
+               updated_at = now()
+         WHERE {_LEASE}
+        RETURNING id, run, status, attempts, run_at
+    ), audit AS (
+        INSERT INTO task_audit (task_id, run, event, execution_id)
+        SELECT id, run, CASE WHEN status = 'FAILED' THEN 'FAIL' ELSE 'WAIT' END,
+               CAST(%(execution_id)s AS uuid)
+          FROM changed
+    )
+    SELECT status, attempts, greatest(extract(epoch FROM run_at - now()), 0) FROM changed"""
+)
+
+
+# Guard: the run's current publish, unclaimed - WAITING with ``dispatched_at`` equal to the
+# message's stamp: only that publish's message matches, and no execution holds the run.
+# Its claim failed for a cause that does not pass by itself (a missing prepared statement,
+# a permission, a schema mismatch): the attempt it would have started failed, with the
+# cause; with attempts left WAITING and unpublished after the backoff, else FAILED. Run
+# unprepared, on a connection of its own (the claim's may be what failed). Wakes the
+# dispatcher at commit.
+CLAIM_REFUSED = (
+    WAKE_SQL
+    + ";"
+    + """
+    WITH changed AS (
+        UPDATE background_tasks
+           SET attempts = attempts + 1,
+               status = CASE WHEN attempts + 1 >= %(max_attempts)s THEN 'FAILED' ELSE 'WAITING' END,
+               last_error = CASE WHEN attempts + 1 >= %(max_attempts)s
+                                 THEN %(final_message)s ELSE %(message)s END,
+               dispatched_at = NULL,
+               run_at = CASE WHEN attempts + 1 >= %(max_attempts)s THEN run_at
+                             ELSE now() + make_interval(
+                                 secs => %(base_delay_s)s * 2 ^ attempts) END,
+               updated_at = now()
+         WHERE id = %(task_id)s AND run = %(run)s AND status = 'WAITING'
+           AND dispatched_at = CAST(%(stamp)s AS timestamptz)
+        RETURNING id, run, status, attempts, run_at
+    ), audit AS (
+        INSERT INTO task_audit (task_id, run, event, execution_id)
+        SELECT id, run, CASE WHEN status = 'FAILED' THEN 'FAIL' ELSE 'WAIT' END, NULL
+          FROM changed
+    )
+    SELECT status, attempts, greatest(extract(epoch FROM run_at - now()), 0) FROM changed"""
+)
+
+
 @dataclass(frozen=True)
 class Lease:
     task_id: uuid.UUID
@@ -243,20 +308,20 @@ def claim(
     stamp: datetime | None = None,
     *,
     stale_after_s: float | None = None,
-    takeover: bool = False,
+    execution_id: uuid.UUID | None = None,
 ) -> Claim | None:
-    """Take the lease for ``run`` with a fresh execution id, for the message published with
-    ``stamp`` (its row's ``dispatched_at`` then); None means skip the message. A RUNNING
-    row is taken over only when silent for ``stale_after_s`` (database clock; None: never),
-    or with ``takeover`` (its execution is known to be gone)."""
-    execution_id = uuid.uuid4()
+    """Take the lease for ``run`` with a fresh execution id (``execution_id``: the one the
+    worker's main process issued for this delivery, so it can report the execution if its
+    pool process is lost; else a new one), for the message published with ``stamp`` (its
+    row's ``dispatched_at`` then); None means skip the message. A RUNNING row is taken
+    over only when silent for ``stale_after_s`` (database clock; None: never)."""
+    execution_id = execution_id or uuid.uuid4()
     params = {
         "task_id": str(task_id),
         "run": run,
         "execution_id": str(execution_id),
         "holder": holder,
         "stamp": stamp,
-        "takeover": takeover,
         "stale_after_s": stale_after_s,
     }
     row = _execute(conn, CLAIM, params).fetchone()
@@ -375,6 +440,73 @@ def report_failure(
         "delay_s": float(retry_in_s),
     }
     return bool(_execute(conn, REPORT_FAILURE, params).rowcount == 1)
+
+
+@dataclass(frozen=True)
+class FailedAttempt:
+    """What :func:`report_lost` or :func:`refuse_claim` wrote: the row's status now
+    (WAITING or FAILED), the attempt that failed, and the seconds until the next attempt
+    is due (0 if FAILED)."""
+
+    status: str
+    attempt: int
+    retry_in_s: float
+
+
+def report_lost(
+    conn: Connection,
+    lease: Lease,
+    *,
+    max_attempts: int,
+    base_delay_s: float,
+    message: str,
+    final_message: str,
+) -> FailedAttempt | None:
+    """The execution holding ``lease`` lost its process: its attempt failed (WAITING after
+    the backoff, or FAILED on the last attempt, with ``message`` or ``final_message``).
+    ``lease.attempt`` is not read: the row's own count decides. None when that execution
+    holds no lease (it never claimed, or a newer execution or a cancel owns the run)."""
+    params = {
+        **lease.params(),
+        "max_attempts": max_attempts,
+        "base_delay_s": float(base_delay_s),
+        "message": message,
+        "final_message": final_message,
+    }
+    row = _execute(conn, REPORT_LOST, params).fetchone()
+    if row is None:
+        return None
+    return FailedAttempt(status=row[0], attempt=int(row[1]), retry_in_s=float(row[2]))
+
+
+def refuse_claim(
+    conn: Connection,
+    task_id: uuid.UUID,
+    run: int,
+    stamp: datetime,
+    *,
+    max_attempts: int,
+    base_delay_s: float,
+    message: str,
+    final_message: str,
+) -> FailedAttempt | None:
+    """The claim of the message published with ``stamp`` failed for a cause that will not
+    pass: its attempt failed (WAITING after the backoff, or FAILED on the last attempt,
+    with ``message`` or ``final_message``). None when the row is not that publish's,
+    unclaimed (another message or execution has it). Unprepared: for the rare path."""
+    params = {
+        "task_id": str(task_id),
+        "run": run,
+        "stamp": stamp,
+        "max_attempts": max_attempts,
+        "base_delay_s": float(base_delay_s),
+        "message": message,
+        "final_message": final_message,
+    }
+    row = conn.execute(prepared.as_text(CLAIM_REFUSED), params).fetchone()
+    if row is None:
+        return None
+    return FailedAttempt(status=row[0], attempt=int(row[1]), retry_in_s=float(row[2]))
 
 
 def _write_or_lose(conn: Connection, sql: str, lease: Lease, **values: Any) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import psycopg2
 from psycopg2.extensions import TRANSACTION_STATUS_IDLE
 from sqlalchemy import TextClause, text
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection
 
 from teamdesk.db import PREPARED_KEY, may_prepare
@@ -58,6 +59,11 @@ def _form(sql: str) -> _Prepared:
         name = "td_prep_" + hashlib.sha256(sql.encode()).hexdigest()[:12]
         form = _FORMS[sql] = _Prepared(name, prefix + ";" if prefix else "", converted, names)
     return form
+
+
+def statement_name(sql: str) -> str:
+    """The name ``sql`` is prepared under on a session."""
+    return _form(sql).name
 
 
 def prepared_sql(conn: Connection, cursor: Any, sql: str) -> str:
@@ -96,11 +102,42 @@ def execute(
         if dbapi.info.transaction_status == TRANSACTION_STATUS_IDLE:
             sql = bounded(sql, timeout_ms)
         cursor.execute(sql, params)
-    except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
-        if connection_lost(dbapi, exc):
-            conn.invalidate()  # the server connection is gone: the pool must not reuse it
+    except psycopg2.Error as exc:
+        if exc.pgcode == UNDEFINED_PREPARED_STATEMENT:
+            # The session does not have what this connection's set says it prepared (a
+            # pooler handed the transaction another server session): forget the set, so
+            # the next statement on this connection prepares again.
+            conn.connection.info.pop(PREPARED_KEY, None)
+        elif isinstance(exc, psycopg2.OperationalError | psycopg2.InterfaceError):
+            if connection_lost(dbapi, exc):
+                conn.invalidate()  # the server connection is gone: the pool must not reuse it
         raise
     return cursor
+
+
+UNDEFINED_PREPARED_STATEMENT = "26000"  # SQLSTATE invalid_sql_statement_name
+# SQLSTATE classes of failures that pass by themselves: a connection's (08), a transaction
+# rolled back for a concurrent one (40: serialization, deadlock), resources (53: too many
+# connections, out of memory, disk full), an operator's or a timeout's (57: statement
+# timeout, shutdown, cannot connect now), the system's (58); and a lock not available.
+_TRANSIENT_CLASSES = ("08", "40", "53", "57", "58")
+_TRANSIENT_CODES = frozenset({"55P03"})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failed database call may succeed if tried again later: the server or the
+    network went away, a timeout, a conflict with another transaction, a resource limit.
+    Not a missing prepared statement, a permission, an undefined table or column, a bug:
+    those fail the same way every time."""
+    if isinstance(exc, OSError | sa_exc.TimeoutError):
+        return True  # the network, or no pooled connection free in time
+    orig = getattr(exc, "orig", None) or exc
+    if not isinstance(orig, psycopg2.Error):
+        return False
+    code = orig.pgcode
+    if not code:  # no SQLSTATE: the connection failed or was lost
+        return isinstance(orig, psycopg2.OperationalError | psycopg2.InterfaceError)
+    return code.startswith(_TRANSIENT_CLASSES) or code in _TRANSIENT_CODES
 
 
 def connection_lost(dbapi: Any, exc: psycopg2.Error) -> bool:

@@ -16,6 +16,7 @@ from tasks.names import EXPORTS_QUEUE, QUEUE_OF, REMINDERS_QUEUE
 from teamdesk.config import Settings, get_settings, is_redis_url, is_sentinel_url
 from teamdesk.logs import setup_logging
 from worker import lifecycle
+from worker.lost import PoolWatch
 from worker.steps import LivenessStep
 
 RESULT_EXPIRES = timedelta(days=1)
@@ -78,8 +79,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "result_serializer": "json",
         "accept_content": ["json"],
         "event_serializer": "json",
-        # A message is acknowledged after the task returns; a lost worker process sends it
-        # again (Task.retry_on_worker_lost below, bounded by the same attempt budget).
+        # A message is acknowledged after the task returns; a lost pool process is the
+        # run's failed attempt, reported by the worker's main process (worker/lost.py).
         "task_acks_late": True,
         "task_reject_on_worker_lost": False,
         "worker_prefetch_multiplier": 1,
@@ -109,8 +110,9 @@ def create_app(settings: Settings | None = None) -> Celery:
     app = Celery("teamdesk", set_as_current=False)
     app.conf.update(celery_config(settings))
     app.conf.update(beat_config(settings))
-    register(app, settings)
+    register(app)
     app.steps["worker"].add(LivenessStep)
+    app.steps["worker"].add(PoolWatch)
     lifecycle.connect()
     return app
 

@@ -11,19 +11,21 @@ from tasks.execution import TaskFailed, execute
 from tasks.export import run_export
 from tasks.names import EXPORT_TASK, REMINDER_TASK
 from tasks.reminder import run_reminder
-from teamdesk.config import Settings
+from worker.lost import ExecutionRequest
 
 
-def register(app: Celery, settings: Settings) -> None:
+def register(app: Celery) -> None:
     options: dict[str, Any] = {
         "bind": True,
         "shared": False,  # registered on each app explicitly (tests build several)
         "acks_late": True,
-        # A pool process that dies mid-task sends the message again at once (Celery 5.7),
-        # at most MAX_TASK_ATTEMPTS - 1 times; the new delivery takes the lease over.
-        # Unbounded reject-and-requeue would let a task that kills its process loop forever.
-        "retry_on_worker_lost": True,
-        "max_retries": settings.max_task_attempts - 1,
+        # Issues each delivery's execution id in the main process, and makes a pool process
+        # lost mid-task (OOM killer, kill -9) the run's failed attempt within seconds
+        # (worker/lost.py). Celery's own re-send after a lost process
+        # (retry_on_worker_lost) stays off: it waits default_retry_delay (180 s) in a
+        # worker's memory; requeueing (reject_on_worker_lost) would loop forever on a task
+        # that kills its process.
+        "Request": ExecutionRequest,
         # The ledger is the truth (the API, the CLI and the dispatcher read it) and Flower
         # builds its view from events (task-succeeded carries the return value): a success
         # or a retry is not written to the result backend, a Redis round trip per task.

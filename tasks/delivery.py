@@ -1,4 +1,4 @@
-"""What a task message must carry, and what a delivery may take over (docs/design.md,
+"""What a task message must carry, and which execution a delivery is (docs/design.md,
 "Lease").
 
 Only the dispatcher publishes, and every message it sends is ``[task_id, run, stamp]``:
@@ -7,12 +7,11 @@ message that is anything else - sent by hand with ``celery call``, without a sta
 a wrong id or an extra argument - is refused before it touches the ledger: one warning
 line, no traceback, nothing written. Its args are never echoed (they came from outside).
 
-A delivery may take over a RUNNING row only when the execution holding it is known to be
-gone. Celery says so when it re-sends a message after the pool process running it was
-lost (``Task.retry_on_worker_lost``: the re-send counts one more retry and is a new
-message, not a redelivery); a message kombu restores after a broker reconnect, or a
-duplicate, is neither, and its execution may be alive. The ledger's staleness rule covers
-every other case (ledger/lease.py).
+Each delivery's execution id is issued by the worker's main process as it hands the
+message to its pool (worker/lost.py), in the request the pool process receives: should
+that process die, the main process can name the lease it held (ledger/lease.py,
+``report_lost``). A delivery run without a worker (a test calling the task) gets a new
+one at its claim.
 """
 
 from __future__ import annotations
@@ -61,8 +60,16 @@ def parse(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Delivery:
     return Delivery(parsed_id, run, stamp, published)
 
 
-def may_take_over(request: Any) -> bool:
-    """Is this delivery Celery's re-send after the pool process running the message was
-    lost (then the execution holding the row is gone and it may take the row over)?"""
-    delivery_info = getattr(request, "delivery_info", None) or {}
-    return bool(getattr(request, "retries", 0)) and not delivery_info.get("redelivered")
+# The request field that carries the execution id the main process issued.
+EXECUTION_ID_FIELD = "teamdesk_execution_id"
+
+
+def issued_execution_id(request: Any) -> uuid.UUID | None:
+    """The execution id the worker's main process issued for this delivery, if any."""
+    value = getattr(request, EXECUTION_ID_FIELD, None)
+    if not isinstance(value, str):
+        return None
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        return None

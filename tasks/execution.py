@@ -13,7 +13,9 @@ Outcomes (docs/design.md, "Lifecycle"):
   (the dispatcher publishes the next attempt when it is due); on the last attempt
   (``MAX_TASK_ATTEMPTS``, the first included) write FAILED.
 A failure report that matches 0 rows means a newer execution owns the task: return
-quietly, never raise into the queue.
+quietly, never raise into the queue. A claim that fails ends the message as RETRY when
+its cause passes by itself, else as a failed attempt (``_claim_failed``); a pool process
+that dies is its worker's main process's to report (worker/lost.py).
 
 No retry travels through the broker: Celery's countdowns are host clocks (the sender's
 and whichever worker receives the message), and a message parked in a worker's memory
@@ -35,12 +37,13 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 from sqlalchemy.engine import Connection, Engine
 
-from ledger import lease
+from ledger import lease, prepared
 from ledger.errors import LeaseLost, TaskRejected
 from tasks import delivery, queueing
 from teamdesk import hooks
 from teamdesk.config import Settings, get_settings
 from teamdesk.db import DATABASE_ERRORS, get_engine, get_execution_engine
+from teamdesk.failures import database_failure
 from teamdesk.logs import log_event
 from worker.steps import lease_holder
 
@@ -49,6 +52,8 @@ log = logging.getLogger("teamdesk.task")
 MSG_RETRYING = "The task hit a temporary error and will be retried."
 MSG_EXHAUSTED = "The task failed after {n} attempts."
 MSG_CLAIM_FAILED = "The task could not be started: the ledger was unreachable."
+MSG_CLAIM_REFUSED = "The task could not be started ({cause}); it will be tried again."
+MSG_CLAIM_REFUSED_FINAL = "The task could not be started after {n} attempts: {cause}."
 
 
 class TaskFailed(Exception):
@@ -121,10 +126,10 @@ def _deliver(task: Task, message: delivery.Delivery, body: Body) -> dict[str, An
                 lease_holder(),
                 message.published,
                 stale_after_s=settings.stale_after_s,
-                takeover=delivery.may_take_over(task.request),
+                execution_id=delivery.issued_execution_id(task.request),
             )
         except Exception as exc:
-            _claim_failed(task_id, run, stamp, exc)
+            _claim_failed(task, message, exc)
         # After the claim: until it committed the row still said WAITING, and a scan that
         # saw no marker then would publish the run again.
         queueing.message_started(task_id, run, stamp)
@@ -192,22 +197,79 @@ def _skipped(conn: Connection, message: delivery.Delivery) -> dict[str, Any]:
     return _outcome(message.task_id, message.run, "skipped", reason=reason)
 
 
-def _claim_failed(task_id: uuid.UUID, run: int, stamp: str | None, exc: Exception) -> NoReturn:
-    """The claim itself failed (the database went away): nothing was written, the row is
-    WAITING and published, as the dispatcher left it. The message ends (as RETRY) and its
-    queued marker goes with it, so the dispatcher sees the message as lost and publishes
-    the run again once the database answers (a marker outliving its message would keep
-    the run waiting until the marker expires)."""
-    queueing.message_started(task_id, run, stamp)
+def _claim_failed(task: Task, message: delivery.Delivery, exc: Exception) -> NoReturn:
+    """The claim itself failed: nothing was claimed, the row is WAITING and published, as
+    the dispatcher left it. The message ends and its queued marker goes with it.
+
+    A cause that passes by itself (the database went away, a timeout, a conflict; see
+    ``ledger.prepared.is_transient``) costs no attempt: the message ends as RETRY and the
+    dispatcher publishes the run again once the database answers (a marker outliving its
+    message would keep the run waiting until the marker expires). Any other cause - a
+    missing prepared statement, a permission, a schema mismatch, a bug - would fail every
+    delivery the same way, forever: it fails the attempt, with the cause in
+    ``last_error`` (``lease.refuse_claim``), so the run ends FAILED after its attempts."""
+    task_id, run = message.task_id, message.run
+    queueing.message_started(task_id, run, message.stamp)
+    if not prepared.is_transient(exc):
+        _claim_refused(task, message, exc)
     log_event(
         log,
         "task.attempt_failed",
         logging.WARNING,
         error=type(exc).__name__,
+        reason=_cause(exc),
         exhausted=False,
         **_fields(task_id, run, None, stage="claim"),
     )
     raise Retry(MSG_CLAIM_FAILED, exc=TaskFailed(MSG_CLAIM_FAILED)) from None
+
+
+def _cause(exc: Exception) -> str:
+    """Why a database call failed, in the server's words; else the exception's class."""
+    return database_failure(exc) if isinstance(exc, DATABASE_ERRORS) else type(exc).__name__
+
+
+def _claim_refused(task: Task, message: delivery.Delivery, exc: Exception) -> None:
+    """A claim that failed for a lasting cause: its attempt failed (returns only when the
+    ledger could not be told, or the run is no longer this message's: then as a
+    transient failure)."""
+    settings = get_settings()
+    cause = _cause(exc)
+    try:
+        with get_engine().begin() as conn:
+            written = lease.refuse_claim(
+                conn,
+                message.task_id,
+                message.run,
+                message.published,
+                max_attempts=settings.max_task_attempts,
+                base_delay_s=settings.retry_base_delay_s,
+                message=MSG_CLAIM_REFUSED.format(cause=cause),
+                final_message=MSG_CLAIM_REFUSED_FINAL.format(
+                    n=settings.max_task_attempts, cause=cause
+                ),
+            )
+    except Exception:
+        return
+    if written is None:
+        return
+    final = written.status == "FAILED"
+    fields = _fields(message.task_id, message.run, written.attempt, stage="claim")
+    log_event(
+        log,
+        "task.failed" if final else "task.attempt_failed",
+        logging.ERROR if final else logging.WARNING,
+        error=type(exc).__name__,
+        reason=cause,
+        exhausted=final,
+        **({} if final else {"retry_in_s": round(written.retry_in_s, 3)}),
+        **fields,
+    )
+    if final:
+        failure = TaskFailed(MSG_CLAIM_REFUSED_FINAL.format(n=written.attempt, cause=cause))
+        _store_failure(task, failure)
+        raise failure from None
+    raise Retry(MSG_RETRYING, exc=TaskFailed(MSG_RETRYING), when=written.retry_in_s) from None
 
 
 def _lease_lost(

@@ -43,6 +43,7 @@ EVENTS = frozenset(
         "task.lease_lost",
         "task.cancelled",
         "task.stalled",
+        "task.process_lost",
         "dispatcher.failed",
         "dispatcher.recovered",
         "dispatcher.scan",

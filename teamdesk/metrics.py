@@ -184,8 +184,9 @@ def _cancelled(fields: Mapping[str, Any]) -> None:
 
 
 def _failed(fields: Mapping[str, Any]) -> None:
-    # source=queue: Celery's failure callback (a lost child), in the main process; the
-    # execution, if it ran, is gone without an outcome of its own.
+    # source=queue: Celery's failure callback (a time limit, a child killed in a cold
+    # shutdown), in the main process; the execution, if it ran, is gone without an
+    # outcome of its own.
     if fields.get("source") != "queue":
         _finish("failed", fields)
 

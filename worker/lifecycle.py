@@ -53,14 +53,15 @@ from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
 from teamdesk import db, hooks
 from teamdesk.config import get_settings
 from teamdesk.logs import log_event
+from worker import lost, revokes
 from worker import metrics as worker_metrics
-from worker import revokes
 from worker.liveness import renew_interval_s
 from worker.steps import current_liveness
 
 log = logging.getLogger("teamdesk.worker")
 
 HARD_EXIT_AFTER_S = 10.0  # after the cold shutdown was requested, if the process still lives
+LOST_REPORTS_WAIT_S = 5.0  # at the stop, for lost pool processes' reports under way
 
 
 class Drain:
@@ -237,6 +238,7 @@ def _remote_shutdown(state: Any, msg: str = "Got shutdown from remote", **kwargs
 
 
 def _on_shutdown(sender: Any = None, **_: Any) -> None:
+    lost.settle(LOST_REPORTS_WAIT_S)
     _drain.end()
     if sender is not None and _drain.started.is_set():
         # Celery gives a first SIGINT exit code 1 even when the drain ends cleanly; a
@@ -257,10 +259,10 @@ def _on_child_init(**_: Any) -> None:
 def _on_task_failure(
     sender: Any = None, task_id: str | None = None, exception: BaseException | None = None, **_: Any
 ) -> None:
-    """The queue's failure callback only logs (docs/design.md, "Lifecycle"): it has no
-    execution id, so a late callback writing the ledger could erase a newer lease.
-    Failures the execution wrapper classified were logged there already; this reports the
-    rest (a lost worker process, a time limit) so they are not silent."""
+    """The queue's failure callback only logs (docs/design.md, "Lifecycle"). Failures the
+    execution wrapper classified were logged there already, and a lost pool process never
+    comes here (worker/lost.py reports it); this logs the rest (a time limit, a pool
+    process killed in a cold shutdown) so they are not silent."""
 
     hooks.fire("queue.failure_callback", task_id=task_id, exception=exception)
     if isinstance(exception, TaskRejected | TaskFailed):

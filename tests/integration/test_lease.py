@@ -3,6 +3,7 @@ PostgreSQL."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import uuid
 from datetime import datetime
@@ -11,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from harness.factories import World, age_task, insert_task, task_row
-from ledger import dispatch, lease, staging
+from ledger import dispatch, lease, service, staging
 from ledger.errors import LeaseLost
 from teamdesk import db
 
@@ -31,6 +32,14 @@ def claimed(engine: sa.Engine, task_id: uuid.UUID, **kw: object) -> lease.Lease:
     result = claim(engine, task_id, **kw)  # type: ignore[arg-type]
     assert result is not None
     return result.lease
+
+
+def age_run_at(engine: sa.Engine, task_id: uuid.UUID) -> None:
+    """Make a WAITING row due now (its backoff passed)."""
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE background_tasks SET run_at = now() WHERE id = :id"), {"id": task_id}
+        )
 
 
 def set_attempts(engine: sa.Engine, task_id: uuid.UUID, attempts: int) -> None:
@@ -82,7 +91,7 @@ def test_new_claim_replaces_running_lease_and_old_writes_change_nothing(
 ) -> None:
     task_id = insert_task_committed(engine, world)
     old = claimed(engine, task_id, holder="host/a")
-    new = claimed(engine, task_id, holder="host/b", takeover=True)
+    new = claimed(engine, task_id, holder="host/b", stale_after_s=0)
     assert new.execution_id != old.execution_id
     assert (old.attempt, new.attempt) == (1, 1)  # a takeover continues the attempt
     with engine.begin() as conn:
@@ -184,7 +193,7 @@ def test_lease_lost_in_a_transaction_rolls_back_its_side_effects(
 ) -> None:
     task_id = insert_task_committed(engine, world, kind="REMINDER")
     old = claimed(engine, task_id)
-    claimed(engine, task_id, holder="host/b", takeover=True)
+    claimed(engine, task_id, holder="host/b", stale_after_s=0)
     snapshot = task_row(engine, task_id)
     with pytest.raises(LeaseLost), engine.begin() as conn:
         conn.execute(
@@ -256,7 +265,7 @@ def test_audit_trail_records_every_lease_change(engine: sa.Engine, world: World)
 
     task_id = insert_task_committed(engine, world)
     old = claimed(engine, task_id)
-    new = claimed(engine, task_id, holder="host/b", takeover=True)
+    new = claimed(engine, task_id, holder="host/b", stale_after_s=0)
     with pytest.raises(LeaseLost), engine.begin() as conn:
         lease.complete_export(conn, old, "x", "old")
     with engine.begin() as conn:
@@ -339,7 +348,7 @@ def test_a_large_csv_of_a_lost_lease_is_rolled_back(
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         held = lease.claim(conn, task_id, 0)
         assert held is not None
-        newer = claimed(engine, task_id, takeover=True)
+        newer = claimed(engine, task_id, stale_after_s=0)
         with pytest.raises(LeaseLost):
             lease.complete_export(conn, held.lease, bytearray(b"x" * (2 << 20)), "late")
         assert not in_transaction(conn)
@@ -377,8 +386,7 @@ def test_with_prepared_statements_off_nothing_is_prepared(database_url: str, wor
 def test_a_redelivery_never_takes_over_a_live_execution(engine: sa.Engine, world: World) -> None:
     """A delivery of the same publish while its execution writes (kombu restored the
     message after a broker reconnect) claims nothing; once the row is silent for
-    stale_after_s by the database's clock, or with ``takeover`` (Celery's re-send after a
-    lost pool process), it takes the run over and continues the attempt."""
+    stale_after_s by the database's clock it takes the run over and continues the attempt."""
     task_id = insert_task_committed(engine, world)
     stamp = publish(engine, task_id)
     live = claimed(engine, task_id, holder="host/a", stamp=stamp)
@@ -392,10 +400,100 @@ def test_a_redelivery_never_takes_over_a_live_execution(engine: sa.Engine, world
     age_task(engine, task_id, 61)
     stale = claimed(engine, task_id, holder="host/b", stamp=stamp, stale_after_s=60)
     assert stale.attempt == live.attempt == 1
-    resent = claimed(engine, task_id, holder="host/c", stamp=stamp, takeover=True)
     row = task_row(engine, task_id)
-    assert (row["execution_id"], row["lease_holder"]) == (resent.execution_id, "host/c")
-    assert [e for e, _ in audit_events(engine, task_id)] == ["CLAIM", "CLAIM", "CLAIM"]
+    assert (row["execution_id"], row["lease_holder"]) == (stale.execution_id, "host/b")
+    assert [e for e, _ in audit_events(engine, task_id)] == ["CLAIM", "CLAIM"]
+
+
+LOST = {
+    "max_attempts": 3,
+    "base_delay_s": 2.0,
+    "message": "lost ({how})",
+    "final_message": "lost for good",
+}
+
+
+def test_a_claim_takes_the_execution_id_its_worker_issued(engine: sa.Engine, world: World) -> None:
+    task_id = insert_task_committed(engine, world)
+    issued = uuid.uuid4()
+    held = claimed(engine, task_id, holder="host/a", execution_id=issued)
+    assert held.execution_id == issued == task_row(engine, task_id)["execution_id"]
+
+
+def test_a_lost_process_is_a_failed_attempt_of_the_same_run(
+    engine: sa.Engine, world: World
+) -> None:
+    """report_lost: the held execution's attempt failed; WAITING, unpublished, due after
+    the backoff by the database's clock, with the reason; never a recovery."""
+    task_id = insert_task_committed(engine, world)
+    stamp = publish(engine, task_id)
+    held = claimed(engine, task_id, holder="host/a", stamp=stamp)
+    with engine.begin() as conn:
+        written = lease.report_lost(conn, dataclasses.replace(held, attempt=0), **LOST)
+        due_in = conn.execute(
+            sa.text(
+                "SELECT extract(epoch FROM run_at - now()) FROM background_tasks WHERE id = :i"
+            ),
+            {"i": task_id},
+        ).scalar_one()
+    assert written is not None and (written.status, written.attempt) == ("WAITING", 1)
+    assert 1.5 < written.retry_in_s <= 2.0 and 1.5 < float(due_in) <= 2.0
+    row = task_row(engine, task_id)
+    assert (row["status"], row["attempts"], row["recoveries"], row["run"]) == ("WAITING", 1, 0, 0)
+    assert (row["execution_id"], row["lease_holder"], row["dispatched_at"]) == (None, None, None)
+    assert row["last_error"] == "lost ({how})"
+    assert audit_events(engine, task_id)[-1] == ("WAIT", held.execution_id)
+    # The next attempt after the second loss waits twice as long.
+    age_run_at(engine, task_id)
+    again = claimed(engine, task_id, holder="host/a")
+    assert again.attempt == 2
+    with engine.begin() as conn:
+        second = lease.report_lost(conn, again, **LOST)
+    assert second is not None and (second.status, second.attempt) == ("WAITING", 2)
+    assert 3.5 < second.retry_in_s <= 4.0
+
+
+def test_a_lost_process_on_the_last_attempt_fails_the_run(engine: sa.Engine, world: World) -> None:
+    task_id = insert_task_committed(engine, world)
+    set_attempts(engine, task_id, 2)
+    held = claimed(engine, task_id, holder="host/a")
+    assert held.attempt == 3
+    with engine.begin() as conn:
+        written = lease.report_lost(conn, held, **LOST)
+    assert written is not None and (written.status, written.attempt) == ("FAILED", 3)
+    assert written.retry_in_s == 0
+    row = task_row(engine, task_id)
+    assert (row["status"], row["last_error"], row["execution_id"]) == (
+        "FAILED",
+        "lost for good",
+        None,
+    )
+    assert audit_events(engine, task_id)[-1] == ("FAIL", held.execution_id)
+
+
+def test_a_lost_process_that_holds_no_lease_changes_nothing(
+    engine: sa.Engine, world: World
+) -> None:
+    """The lost execution never claimed, or a newer execution or a cancel owns the run:
+    None, nothing written."""
+    task_id = insert_task_committed(engine, world)
+    never = lease.Lease(task_id, 0, uuid.uuid4(), attempt=0)
+    before = task_row(engine, task_id)
+    with engine.begin() as conn:
+        assert lease.report_lost(conn, never, **LOST) is None
+    assert task_row(engine, task_id) == before
+    old = claimed(engine, task_id, holder="host/a")
+    newer = claimed(engine, task_id, holder="host/b", stale_after_s=0)
+    snapshot = task_row(engine, task_id)
+    with engine.begin() as conn:
+        assert lease.report_lost(conn, old, **LOST) is None
+    assert task_row(engine, task_id) == snapshot
+    with engine.begin() as conn:
+        assert service.cancel_run(conn, task_id, 0)
+    cancelled = task_row(engine, task_id)
+    with engine.begin() as conn:
+        assert lease.report_lost(conn, newer, **LOST) is None
+    assert task_row(engine, task_id) == cancelled
 
 
 def test_a_run_scheduled_later_is_never_claimed(engine: sa.Engine, world: World) -> None:

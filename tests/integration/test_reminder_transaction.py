@@ -82,7 +82,7 @@ def test_a_lost_lease_rolls_everything_back_and_ends_the_transaction(
     with execution(engine, task_id) as (conn, ctx):
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as other:
             # Celery's re-send after the pool process was lost takes it over
-            assert lease.claim(other, task_id, 0, takeover=True) is not None
+            assert lease.claim(other, task_id, 0, stale_after_s=0) is not None
         with pytest.raises(LeaseLost):
             run_reminder(ctx)
         assert idle(conn)
@@ -100,7 +100,7 @@ def test_the_completion_statement_writes_no_side_effect_for_a_lost_lease(
     before = side_effects(engine, ticket)
     with execution(engine, task_id) as (conn, ctx):
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as other:
-            newer = lease.claim(other, task_id, 0, takeover=True)
+            newer = lease.claim(other, task_id, 0, stale_after_s=0)
             assert newer is not None
         values = reminder.effect_values(ctx.claim, ticket, world.staff_id)
         conn.exec_driver_sql("BEGIN")

@@ -2,9 +2,9 @@
 commit after a new execution B (or the dispatcher, or a failure) took the run over.
 
 Both executions are real deliveries of the same message id to a real in-process worker
-(threads pool, two slots); B is the message as Celery re-sends it after the pool process
-running A was lost (the one delivery, besides the staleness rule, that may take a live
-row over). Gates order everything; each test ends by delivering the message once more to
+(threads pool, two slots); B is a duplicate delivered once A's row is silent past
+STALE_AFTER_S by the database's clock (the staleness rule: the one way a delivery takes a
+RUNNING row over). Gates order everything; each test ends by delivering the message once more to
 show a completed task gains nothing. A plain duplicate while A runs takes nothing.
 """
 
@@ -102,7 +102,8 @@ def test_export_takeover_old_execution_cannot_commit(
                 lambda: len(events.of_type("task-progress", message)) == a_progress,
                 what="A's progress events",
             )
-            send_message(celery_app, task_id, 0, "EXPORT", after_worker_lost=True)
+            age_task(engine, task_id, 3600)  # A is silent past STALE_AFTER_S
+            send_message(celery_app, task_id, 0, "EXPORT")
             gate_b.wait_reached()
             snapshot = task_row(engine, task_id)
             assert snapshot["status"] == "RUNNING" and snapshot["execution_id"] == claims[1]
@@ -157,7 +158,8 @@ def test_late_error_of_old_execution_changes_nothing(
         try:
             send_message(app, task_id, 0, "EXPORT")
             gate_a.wait_reached()
-            send_message(app, task_id, 0, "EXPORT", after_worker_lost=True)
+            age_task(engine, task_id, 3600)  # A is silent past STALE_AFTER_S
+            send_message(app, task_id, 0, "EXPORT")
             gate_b.wait_reached()
             snapshot = task_row(engine, task_id)
             gate_a.release()
@@ -204,7 +206,8 @@ def test_reminder_takeover_by_new_claim_rolls_old_transaction_back(
         try:
             send_message(celery_app, task_id, 0, "REMINDER")
             gate_a.wait_reached()
-            send_message(celery_app, task_id, 0, "REMINDER", after_worker_lost=True)
+            age_task(engine, task_id, 3600)  # A is silent past STALE_AFTER_S
+            send_message(celery_app, task_id, 0, "REMINDER")
             gate_b.wait_reached()
             snapshot = task_row(engine, task_id)
             gate_a.release()

@@ -26,10 +26,10 @@ from harness.factories import (
     task_row,
 )
 from harness.waiting import wait_for
-from ledger import permissions, service
+from ledger import lease, permissions, prepared, service
 from ledger.filters import MSG_DATE, MSG_STATUS
 from tasks import queueing
-from teamdesk import config, hooks
+from teamdesk import config, db, hooks
 from tests.support.dispatching import running_cluster
 from tests.support.gates import Gate
 from tests.support.queues import marker_present, send_message
@@ -467,3 +467,86 @@ def test_a_claim_that_fails_never_strands_the_run(
     )
     settings = config.get_settings()
     assert not marker_present(redis_client, settings.queue_prefix, task_id, 0)
+
+
+def test_a_claim_failing_for_a_lasting_cause_fails_its_attempt_and_the_run_recovers(
+    engine: sa.Engine,
+    world: World,
+    make_app: Callable[..., Celery],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A claim whose prepared statement is missing on its session (SQLSTATE 26000) is not
+    "the database is unreachable": it would fail the same way at every delivery, forever.
+    It fails the attempt with the cause named, and the connection forgets its prepared
+    set, so the next attempt prepares again and completes."""
+    app = make_app(retry_base_delay_s=0.05, scan_interval_s=0.3)
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 3)
+    task_id = create_export(engine, world)
+    message = queueing.message_id(task_id, 0)
+    # The executions' pool holds one idle connection whose set says the claim is prepared
+    # on its session, which never saw it: what a pooler in transaction mode leaves when it
+    # hands the next transaction another server session.
+    with db.get_execution_engine().connect() as conn:
+        conn.exec_driver_sql("SELECT 1")
+        stale = conn.connection.info.setdefault(db.PREPARED_KEY, set())
+        stale.add(prepared.statement_name(lease.CLAIM))
+    with EventLog(app) as events, running_cluster(app):
+        row = run_to_end(engine, task_id)
+        wait_for(lambda: events.of_type("task-succeeded", message), what="task-succeeded")
+        assert len(events.of_type("task-retried", message)) == 1
+    assert (row["status"], row["attempts"], row["result_summary"]) == ("COMPLETED", 2, "3 rows")
+    assert audit_events(engine, task_id) == ["WAIT", "CLAIM", "COMPLETE"]
+    (refused,) = event_records(caplog, "task.attempt_failed", task_id)
+    assert (field(refused, "stage"), field(refused, "error"), field(refused, "attempt")) == (
+        "claim",
+        "InvalidSqlStatementName",
+        1,
+    )
+    assert str(field(refused, "reason")).startswith('prepared statement "td_prep_')
+    assert event_records(caplog, "task.failed", task_id) == []
+
+
+def test_a_claim_that_fails_the_same_way_every_time_ends_the_run_failed(
+    engine: sa.Engine,
+    world: World,
+    make_app: Callable[..., Celery],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """DATABASE_PREPARED_STATEMENTS=on where every transaction may land on another server
+    session: every claim misses its prepared statement. Before, each delivery ended as
+    "the ledger was unreachable" and the run was published again, forever; now each is a
+    failed attempt and the run ends FAILED after MAX_TASK_ATTEMPTS, saying why."""
+    app = make_app(retry_base_delay_s=0.05, scan_interval_s=0.3)
+    task_id = create_export(engine, world)
+    message = queueing.message_id(task_id, 0)
+    claim_name = prepared.statement_name(lease.CLAIM)
+
+    def another_session(
+        _dbapi: object, record: sa.pool.ConnectionPoolEntry, _proxy: object
+    ) -> None:
+        record.info.setdefault(db.PREPARED_KEY, set()).add(claim_name)
+
+    executions = db.get_execution_engine()
+    sa.event.listen(executions, "checkout", another_session)
+    try:
+        with EventLog(app) as events, running_cluster(app):
+            row = run_to_end(engine, task_id)
+            wait_for(lambda: events.of_type("task-failed", message), what="task-failed")
+            assert len(events.of_type("task-retried", message)) == 2
+    finally:
+        sa.event.remove(executions, "checkout", another_session)
+    assert (row["status"], row["attempts"], row["execution_id"]) == ("FAILED", 3, None)
+    assert row["last_error"] == (
+        f'The task could not be started after 3 attempts: prepared statement "{claim_name}" '
+        "does not exist."
+    )
+    assert audit_events(engine, task_id) == ["WAIT", "WAIT", "FAIL"]
+    assert [field(e, "attempt") for e in event_records(caplog, "task.attempt_failed", task_id)] == [
+        1,
+        2,
+    ]
+    (failed,) = event_records(caplog, "task.failed", task_id)
+    assert (field(failed, "stage"), field(failed, "exhausted")) == ("claim", True)
+    stored = AsyncResult(message, app=app)
+    assert stored.state == "FAILURE" and "after 3 attempts" in str(stored.result)

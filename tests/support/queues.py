@@ -14,8 +14,8 @@ import sqlalchemy as sa
 from celery import Celery
 
 from ledger.dispatch import RunRef
-from tasks.names import EXPORTS_QUEUE, QUEUE_OF, REMINDERS_QUEUE, TASK_OF_KIND
-from tasks.queueing import marker_key, message_id, publish_batch, stamp_text
+from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
+from tasks.queueing import marker_key, publish_batch
 from teamdesk import db
 
 
@@ -55,20 +55,12 @@ def closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def send_message(
-    app: Celery,
-    task_id: uuid.UUID,
-    run: int,
-    kind: str = "EXPORT",
-    *,
-    after_worker_lost: bool = False,
-) -> None:
+def send_message(app: Celery, task_id: uuid.UUID, run: int, kind: str = "EXPORT") -> None:
     """Put one message for ``task_id``/``run`` on its queue with the run's current publish
     stamp, stamping an unpublished row first (the database's clock) as the dispatcher
     would: a first delivery in a test that runs no dispatcher, or a duplicate of the
-    current publish. ``after_worker_lost``: the message as Celery re-sends it after the
-    pool process running it was lost (one retry more), which may take a RUNNING row over.
-    A finished row keeps its columns; its message carries a stamp no publish had."""
+    current publish. A finished row keeps its columns; its message carries a stamp no
+    publish had."""
     with db.get_engine().begin() as conn:
         stamp = conn.execute(
             sa.text(
@@ -78,25 +70,7 @@ def send_message(
             ),
             {"id": task_id},
         ).scalar_one()
-    ref = RunRef(task_id, run, kind, stamp=stamp)
-    if not after_worker_lost:
-        publish_batch(app, [ref])
-        return
-    name = TASK_OF_KIND[kind]
-    args = [str(task_id), run, stamp_text(ref)]
-    message = app.amqp.create_task_message(
-        message_id(task_id, run),
-        name,
-        args,
-        {},
-        retries=1,
-        argsrepr=repr(args),
-        kwargsrepr="{}",
-        create_sent_event=False,
-        ignore_result=True,
-    )
-    with app.producer_or_acquire() as producer:
-        app.amqp.send_task_message(producer, name, message, queue=QUEUE_OF[name])
+    publish_batch(app, [RunRef(task_id, run, kind, stamp=stamp)])
 
 
 def publish_stamped(
