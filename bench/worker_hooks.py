@@ -33,6 +33,7 @@ from bench import FLUSH_EVERY_S, NOOP_TASK
 from ledger.errors import TaskRejected
 from tasks import definitions
 from tasks.execution import TaskFailed
+from worker.lost import ExecutionRequest
 
 TRACING = os.environ.get("BENCH_TRACE") == "1"
 MAX_DURATIONS = 2000
@@ -49,8 +50,7 @@ assert app is not None, "bench.worker_hooks must be loaded by tasks/celery.py (T
     bind=True,
     shared=False,
     acks_late=True,
-    retry_on_worker_lost=True,
-    max_retries=2,
+    Request=ExecutionRequest,
     throws=(TaskRejected, TaskFailed),
 )
 def noop(self: Task, task_id: str, run: int) -> dict[str, Any]:
