@@ -148,3 +148,43 @@ def test_a_run_that_loses_its_process_every_attempt_ends_failed_with_the_reason(
     ]
     assert beat.events("task.stalled") == []
     assert len(set(pids)) == 3
+
+
+def test_a_pool_process_lost_before_its_claim_leaves_the_run_to_be_published_again(
+    engine: sa.Engine, world: World, settings: Settings, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """The process died after it took the message and before its claim committed: its
+    execution holds no lease, so nothing is written (``not_held``); the dispatcher sees
+    that the broker no longer holds the run's message, publishes it again, and the run
+    completes as its first attempt."""
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 10)
+        task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+    gate = RemoteGate(redis_client, settings.queue_prefix, "task.before_claim")
+    env = settings_env(
+        settings,
+        TEAMDESK_TEST_HOOKS="harness.remote_gates",
+        TEAMDESK_TEST_GATES="task.before_claim",
+        TEAMDESK_TEST_GATE_TIMEOUT_S="300",
+    )
+    with cluster(tmp_path) as procs:
+        worker = Proc("w1", worker_argv("w1", concurrency=1), env, tmp_path).start()
+        beat = Proc("beat", celery_argv("beat"), settings_env(settings), tmp_path).start()
+        procs += [worker, beat]
+        worker.wait_event("worker.started")
+        first = gate.wait_reached(timeout=60)
+        before = task_row(engine, task_id)
+        os.kill(first["pid"], signal.SIGKILL)
+        lost = worker.wait_event("task.process_lost")
+        gate.release()  # the next delivery's claim goes through
+        wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="completion")
+    assert (before["status"], before["attempts"]) == ("WAITING", 0)
+    assert (lost["outcome"], lost["pool_pid"], lost["task_id"]) == (
+        "not_held",
+        first["pid"],
+        str(task_id),
+    )
+    done = task_row(engine, task_id)
+    assert (done["attempts"], done["recoveries"], done["result_summary"]) == (1, 0, "10 rows")
+    assert [event for event, _ in audit_trail(engine, task_id)] == ["CLAIM", "COMPLETE"]
+    assert beat.events("task.stalled") == []
