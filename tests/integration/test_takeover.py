@@ -17,11 +17,12 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
-from harness.factories import World, add_ticket, add_tickets, age_task, task_row
+from harness.factories import World, add_ticket, add_tickets, age_task, audit_events, task_row
 from harness.waiting import wait_for
 from ledger import dispatch, service
 from ledger.errors import PermissionLost
 from tasks import queueing
+from tasks.names import EXPORT_TASK, QUEUE_OF
 from teamdesk import hooks
 from tests.support.dispatching import running_cluster
 from tests.support.gates import Gate
@@ -414,3 +415,43 @@ def test_a_duplicate_delivery_while_the_execution_runs_takes_nothing(
     assert not event_records(caplog, "task.lease_lost", task_id)
     skipped = event_records(caplog, "task.skipped", task_id)
     assert [r.reason for r in skipped] == ["the run is held by a live execution"]  # type: ignore[attr-defined]
+
+
+def test_a_message_shaped_like_celerys_resend_takes_nothing_from_a_live_execution(
+    engine: sa.Engine, world: World, celery_app: Celery
+) -> None:
+    """A message with ``retries`` 1 that kombu did not flag redelivered is what Celery's
+    re-send after a lost pool process looked like, and the claim took the row over on that
+    alone; a Sentinel failover can lose the flag on a mere redelivery of a live
+    execution's message. Now only the staleness rule takes a RUNNING row over: the
+    message is skipped and A completes."""
+    task_id = export_task(engine, world)
+    message = queueing.message_id(task_id, 0)
+    gate_a = Gate("A paused")
+    with (
+        EventLog(celery_app) as events,
+        running_worker(celery_app),
+        hooks.installed("export.after_read", gate_a.hook()),
+    ):
+        try:
+            send_message(celery_app, task_id, 0, "EXPORT")
+            gate_a.wait_reached()
+            held = task_row(engine, task_id)
+            stamp = held["dispatched_at"]
+            args = [str(task_id), 0, stamp.isoformat()]
+            resend = celery_app.amqp.create_task_message(
+                message, EXPORT_TASK, args, {}, retries=1, create_sent_event=False
+            )
+            with celery_app.producer_or_acquire() as producer:
+                celery_app.amqp.send_task_message(
+                    producer, EXPORT_TASK, resend, queue=QUEUE_OF[EXPORT_TASK]
+                )
+            wait_for(lambda: outcomes(events, message), what="the re-send to end")
+            assert "'outcome': 'skipped'" in outcomes(events, message)[0]
+            assert task_row(engine, task_id) == held
+        finally:
+            gate_a.release()
+        wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="A to finish")
+    row = task_row(engine, task_id)
+    assert (row["attempts"], row["result_summary"]) == (1, "1200 rows")
+    assert audit_events(engine, task_id) == ["CLAIM", "COMPLETE"]
