@@ -18,15 +18,18 @@ STATUSES = (WAITING, RUNNING, COMPLETED, FAILED, CANCELLED)
 # (from, to) -> the ledger functions that perform it. Nothing else changes `status`.
 ALLOWED_TRANSITIONS: dict[tuple[str, str], tuple[str, ...]] = {
     (WAITING, RUNNING): ("claim",),
-    # A delivery whose execution is known to be gone (the row is stale, or Celery re-sent
-    # the message after the pool process running it was lost) takes the lease over.
+    # A delivery of the current publish whose row is silent past STALE_AFTER_S takes the
+    # lease over.
     (RUNNING, RUNNING): ("claim",),
     (RUNNING, COMPLETED): ("complete_export", "complete_in_transaction"),
-    # Retryable error with attempts left (ready again after the backoff); or the
-    # dispatcher takes a silent run back.
-    (RUNNING, WAITING): ("report_failure", "recover_stale"),
+    # Retryable error, or the execution's pool process was lost, with attempts left (ready
+    # again after the backoff); or the dispatcher takes a silent run back.
+    (RUNNING, WAITING): ("report_failure", "report_lost", "recover_stale"),
     # Rejected, or the last attempt; or recovered too many times.
-    (RUNNING, FAILED): ("report_failure", "recover_stale"),
+    (RUNNING, FAILED): ("report_failure", "report_lost", "recover_stale"),
+    # The claim failed for a lasting cause on the last attempt (with attempts left the
+    # row stays WAITING, its attempt counted).
+    (WAITING, FAILED): ("refuse_claim",),
     (WAITING, CANCELLED): ("cancel", "cancel_run"),
     (RUNNING, CANCELLED): ("cancel", "cancel_run"),
     (FAILED, WAITING): ("retry",),
