@@ -1,5 +1,6 @@
 """The worker bootstep that keeps a worker process's liveness in Redis (see liveness.py),
-and takes messages only while that liveness is registered."""
+checks its database on a thread of its own, and takes messages only while that liveness
+is registered and a check succeeded recently."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from teamdesk.config import get_settings
 from teamdesk.heartbeat import WorkerSlots
 from teamdesk.logs import log_event
 from worker.liveness import (
-    PING_TIMEOUT_S,
+    CHECK_S,
     RENEW_TIMEOUT_S,
     Liveness,
     fork_guard,
@@ -28,8 +29,11 @@ _current: Liveness | None = None
 _holder: str | None = None
 
 WAKE_S = 0.1
-# How long a stop waits for a renewal under way: two Redis calls and a database check.
-STOP_WAIT_S = 2 * RENEW_TIMEOUT_S + PING_TIMEOUT_S + 1.0
+# How long a stop waits for a renewal under way: two Redis calls.
+STOP_WAIT_S = 2 * RENEW_TIMEOUT_S + 1.0
+# How long a stop waits for a database check under way, and the start for the first one:
+# a check within libpq's bounds. A hung one is not waited for longer (see LivenessStep).
+CHECK_WAIT_S = CHECK_S + 1.0
 
 
 def _noop() -> None:
@@ -63,15 +67,18 @@ def _consumes(worker: Any) -> WorkerSlots:
 
 
 class Intake:
-    """Whether this worker takes messages: only while its heartbeat is registered.
+    """Whether this worker takes messages: only while its heartbeat is registered and a
+    database check succeeded recently (``Liveness.may_take_work``).
 
     Every claim records this process's member as the lease holder, and the dispatcher
     takes back a run whose holder it cannot find (docs/design.md, "Heartbeats"). A worker
-    that cannot renew - PostgreSQL refuses new connections while pooled ones still work,
-    Redis refuses writes - would otherwise claim runs only to have each one recovered,
-    until ``MAX_RECOVERIES`` failed it. So a failed renewal stops consumption, a
-    successful one resumes it, each logged once (``worker.consuming_paused`` /
-    ``worker.consuming_resumed``). The in-flight tasks go on; only new messages wait.
+    that cannot renew (Redis refuses writes) would otherwise claim runs only to have each
+    one recovered, until ``MAX_RECOVERIES`` failed it; one that cannot open a connection
+    (PostgreSQL refuses new ones while pooled ones still work; a pooler's queue holds its
+    check) would fail or hang on every claim. So a failed renewal or check (or one that
+    hangs past its bound) stops consumption, both succeeding again resumes it, each logged
+    once (``worker.consuming_paused`` / ``worker.consuming_resumed``). The in-flight tasks
+    go on; only new messages wait.
 
     How, in Celery's terms: what Celery's own ``cancel_consumer`` / ``add_consumer``
     remote-control commands do - ``Consumer.cancel_task_queue`` / ``add_task_queue``,
@@ -93,12 +100,12 @@ class Intake:
         self.resume: tuple[str, ...] = queues
 
     def follow(self, at_once: bool = False) -> None:
-        """After a tick: pause when the heartbeat is not registered, resume once it is.
-        Until the consumer's thread has carried the decision out, every tick asks it
-        again (:meth:`apply` is idempotent): while Celery reconnects to the broker its
-        event loop stands still, decisions pile up, and a callback may be lost with the
-        connection. ``at_once``: the consumer has not started yet (the worker's own
-        thread)."""
+        """After a tick: pause when the heartbeat is not registered or no database check
+        succeeded recently enough, resume once both hold. Until the consumer's thread has
+        carried the decision out, every tick asks it again (:meth:`apply` is idempotent):
+        while Celery reconnects to the broker its event loop stands still, decisions pile
+        up, and a callback may be lost with the connection. ``at_once``: the consumer has
+        not started yet (the worker's own thread)."""
         if self.liveness.stopping:
             return
         paused = not self.liveness.may_take_work
@@ -161,24 +168,39 @@ class Intake:
         self.liveness.offer_now()
 
 
+RENEWALS = "teamdesk-liveness"
+CHECKS = "teamdesk-liveness-database"
+
+
 class Renewals:
-    """Calls ``tick`` every ``interval_s`` on a thread of its own until stopped.
+    """Calls ``tick`` every ``interval_s`` on a thread of its own until stopped (``at_once``:
+    the first call right away). Two of them per worker: the renewals, and the database
+    checks (``name`` CHECKS), so a check that hangs never delays a renewal.
 
     Not on Celery's timer: the timer runs on the event loop, which stands still while the
     consumer retries a lost broker connection (worker/liveness.py). A tick never raises;
     should one, the failure is logged and the next tick comes on time."""
 
-    def __init__(self, tick: Callable[[], None], interval_s: float) -> None:
+    def __init__(
+        self,
+        tick: Callable[[], None],
+        interval_s: float,
+        name: str = RENEWALS,
+        at_once: bool = False,
+    ) -> None:
         self._tick = tick
         self._interval_s = interval_s
+        self._first_s = 0.0 if at_once else interval_s
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="teamdesk-liveness", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stopped.wait(self._interval_s):
+        wait_s = self._first_s
+        while not self._stopped.wait(wait_s):
+            wait_s = self._interval_s
             try:
                 self._tick()
             except Exception as exc:  # a dead renewal thread would look like a dead worker
@@ -186,11 +208,12 @@ class Renewals:
                     error = type(exc).__name__
                     log_event(log, "heartbeat.failed", logging.ERROR, error=error, stage="tick")
 
-    def stop(self, wait_s: float) -> None:
-        """No tick starts after this; one under way is waited for, up to ``wait_s`` (its
-        calls are bounded: RENEW_TIMEOUT_S each, PING_TIMEOUT_S for the database), so
-        nothing of this worker runs on after its stop. Should one outlast that, the
-        heartbeat's tombstone still refuses a renewal that comes after the removal."""
+    def stop(self, wait_s: float = 0.0) -> None:
+        """No tick starts after this; one under way is waited for, up to ``wait_s`` (a
+        renewal's calls are bounded, RENEW_TIMEOUT_S each), so nothing of this worker runs
+        on after its stop. Should one outlast that, the heartbeat's tombstone still
+        refuses a renewal that comes after the removal, and a database check that ends
+        after the stop changes and logs nothing (``Liveness.check_database``)."""
         self._stopped.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(wait_s)
@@ -198,8 +221,8 @@ class Renewals:
 
 class LivenessStep(bootsteps.StartStopStep):
     """Renews the heartbeat member and message visibility on a thread of its own
-    (:class:`Renewals`), and lets the worker take messages only while the member is
-    registered (:class:`Intake`).
+    (:class:`Renewals`), checks the database on another, and lets the worker take messages
+    only while the member is registered and a check succeeded recently (:class:`Intake`).
 
     The member is chosen when the worker is built, before the pool forks, so the pool's
     children record it in every claim (``lease_holder``) and the dispatcher can tell
@@ -221,16 +244,23 @@ class LivenessStep(bootsteps.StartStopStep):
         )
         self.intake = Intake(parent, self.liveness, consumes.queues)
         self.renewals: Renewals | None = None
+        self.checks: Renewals | None = None
         self.wake: Any = None
         _current = self.liveness
         _holder = self.liveness.member  # chosen before the pool forks: children inherit it
 
     def start(self, parent: Any) -> None:
-        # The consumer starts after this step: a worker whose first renewal failed starts
-        # without consuming, and no message reaches it before its member is registered.
+        # The consumer starts after this step: a worker whose first renewal or check failed
+        # starts without consuming, and no message reaches it before its member is
+        # registered. The first check runs beside the first renewal; the start waits for
+        # it within a check's own bounds (CHECK_WAIT_S), so a hung one starts it paused.
+        interval_s = renew_interval_s(self.liveness.settings)
+        self.checks = Renewals(self.liveness.check_database, interval_s, CHECKS, at_once=True)
+        self.checks.start()
         self.liveness.tick()
+        self.liveness.checked.wait(CHECK_WAIT_S)
         self.intake.follow(at_once=True)
-        self.renewals = Renewals(self.tick, renew_interval_s(self.liveness.settings))
+        self.renewals = Renewals(self.tick, interval_s)
         self.renewals.start()
         # The worker's event loop sleeps until its next timer, up to 1 s, and a signal
         # does not cut that sleep short; a no-op timer every WAKE_S makes a SIGTERM start
@@ -256,7 +286,13 @@ class LivenessStep(bootsteps.StartStopStep):
         self._end(draining=True)
 
     def _end(self, draining: bool) -> None:
+        """Stop both threads and remove the member. A database check under way is waited
+        for only after the removal, and only within its own bounds: one hung in DNS or a
+        pooler's queue cannot be cut short (it ends with the process, changing nothing)."""
         global _holder
+        checks, self.checks = self.checks, None
+        if checks is not None:
+            checks.stop()
         if self.renewals is not None:
             self.renewals.stop(STOP_WAIT_S)
             self.renewals = None
@@ -265,6 +301,8 @@ class LivenessStep(bootsteps.StartStopStep):
             self.wake = None
         self.liveness.stop(draining=draining)
         _holder = None
+        if checks is not None:
+            checks.stop(CHECK_WAIT_S)
 
     def shutdown(self, parent: Any) -> None:
         self.stop(parent)

@@ -24,8 +24,15 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _config(directory: Path, port: int, target_port: int, pool_size: int) -> Path:
+def _config(
+    directory: Path,
+    port: int,
+    target_port: int,
+    pool_size: int,
+    query_wait_timeout_s: int | None,
+) -> Path:
     (directory / "users.txt").write_text(f'"{SERVICE_USER}" ""\n')
+    extra = "" if query_wait_timeout_s is None else f"query_wait_timeout = {query_wait_timeout_s}\n"
     ini = directory / "pgbouncer.ini"
     ini.write_text(
         "[databases]\n"
@@ -40,7 +47,7 @@ def _config(directory: Path, port: int, target_port: int, pool_size: int) -> Pat
         "pool_mode = transaction\n"
         f"default_pool_size = {pool_size}\n"
         "max_client_conn = 500\n"
-        "server_reset_query =\n"
+        "server_reset_query =\n" + extra
     )
     directory.chmod(0o755)
     for path in directory.iterdir():
@@ -49,15 +56,19 @@ def _config(directory: Path, port: int, target_port: int, pool_size: int) -> Pat
 
 
 @contextmanager
-def pgbouncer(target_port: int = 5432, pool_size: int = 4) -> Iterator[int]:
+def pgbouncer(
+    target_port: int = 5432, pool_size: int = 4, query_wait_timeout_s: int | None = None
+) -> Iterator[int]:
     """Run PgBouncer until the block ends; yields its port. ``pool_size`` server
     connections per database and user: fewer than the clients, so clients share them.
-    Its files live in a directory of its own the service user can read (pytest's
+    ``query_wait_timeout_s``: how long a client's query may wait in PgBouncer's queue for
+    a server connection before PgBouncer drops it (PgBouncer's default, 120 s, when
+    None). Its files live in a directory of its own the service user can read (pytest's
     ``tmp_path`` is private to root)."""
     binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
     directory = Path(tempfile.mkdtemp(prefix="td-pgbouncer-"))
     port = _free_port()
-    ini = _config(directory, port, target_port, pool_size)
+    ini = _config(directory, port, target_port, pool_size, query_wait_timeout_s)
     command = [binary, str(ini)]
     if os.geteuid() == 0:
         command = ["runuser", "-u", SERVICE_USER, "--", *command]

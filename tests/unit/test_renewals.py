@@ -1,6 +1,7 @@
 """The worker's renewal thread (worker/steps.py, ``Renewals``): its ticks run on a thread of
 their own, and a stop waits for the tick under way, so nothing of a stopped worker
-(a heartbeat renewal, a database check on a database already dropped) runs after it."""
+(a heartbeat renewal) runs after it. The database check has a thread of its own, of the
+same kind, so it never delays a renewal."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import threading
 import pytest
 
 from harness.waiting import wait_for
-from worker.steps import Renewals
+from worker.steps import CHECKS, RENEWALS, Renewals
 
 GATE_TIMEOUT_S = 10.0
 
@@ -83,3 +84,23 @@ def test_a_tick_that_raises_does_not_end_the_renewals(caplog: pytest.LogCaptureF
     assert [(r.levelname, r.stage, r.error) for r in failed] == [  # type: ignore[attr-defined]
         ("ERROR", "tick", "RuntimeError")
     ]
+
+
+def test_the_database_checks_start_at_once_on_a_thread_of_their_own() -> None:
+    """The step's second ``Renewals``: the database check, first right away (the worker's
+    start waits for it), on its own thread, so a check that hangs holds no renewal."""
+    seen: list[str] = []
+    first = threading.Event()
+
+    def check() -> None:
+        seen.append(threading.current_thread().name)
+        first.set()
+
+    checks = Renewals(check, 3600.0, CHECKS, at_once=True)  # the next one an hour on
+    checks.start()
+    try:
+        assert first.wait(GATE_TIMEOUT_S)
+    finally:
+        checks.stop(GATE_TIMEOUT_S)
+    assert not checks._thread.is_alive()
+    assert seen == [CHECKS] and CHECKS != RENEWALS
