@@ -17,6 +17,9 @@ from ledger.roles import AppRoleReport, grant_app_role
 from teamdesk.db import sqlalchemy_url
 
 MIGRATIONS = Path(__file__).with_name("migrations")
+# pg_advisory_xact_lock key of "teamdesk-tasks migrate", held while the revisions run
+# (ledger/migrations/env.py: a transaction-level lock, so it is sound behind PgBouncer).
+MIGRATION_LOCK = 748_201_113
 
 
 def alembic_config(database_url: str) -> Config:

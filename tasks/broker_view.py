@@ -7,7 +7,8 @@ by hand. So the scan also looks at the broker:
 
 - **Redis**: the queue's list (messages waiting) and kombu's ``unacked`` hash (messages
   delivered to a worker and not yet acknowledged), read in one MULTI so no message is
-  between the two. Each message is known by its id and the stamp in its arguments.
+  between the two. Each message is known by its id and the stamp in its arguments (in UTC,
+  as the dispatcher renders it now: tasks/queueing.py, ``canonical_stamp``).
 - **RabbitMQ** (AMQP): a passive ``queue.declare`` gives the number of messages ready in
   the queue, not which ones, and nothing of those delivered. With one message per worker
   process in flight (prefetch 1, acknowledged late), a delivered message is claimed within
@@ -33,6 +34,7 @@ from amqp.exceptions import AMQPError, NotFound
 from celery import Celery
 from kombu.exceptions import KombuError
 
+from tasks.queueing import canonical_stamp
 from teamdesk.config import is_redis_url
 
 LIST_LIMIT = 10_000  # a queue longer than this is not listed: nothing is judged missing
@@ -131,4 +133,4 @@ def _identity(raw: Any) -> tuple[str, str] | None:
         stamp = args[2] if len(args) > 2 else ""
     except (ValueError, KeyError, TypeError, IndexError, binascii.Error):
         return None
-    return str(message_id), str(stamp)
+    return str(message_id), canonical_stamp(str(stamp))  # compared as a timestamp

@@ -241,8 +241,9 @@ def read_csv(ctx: Context, where: str, params: dict[str, Any]) -> CsvStream:
         try:
             cursor.copy_expert(cursor.mogrify(query, params).decode(), stream)
         except psycopg2.errors.QueryCanceled as exc:
-            raise (ExportReadSilent() if watch.fired else ExportReadTimeout()) from exc
+            raise (ExportReadSilent() if watch.disarm() else ExportReadTimeout()) from exc
         finally:
+            watch.disarm()  # the read has returned: no cancel may reach the completion
             stream.close()
     if stream.total is None or stream.total > limit:
         raise TooManyRows(MSG_TOO_MANY.format(limit=limit))

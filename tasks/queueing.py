@@ -28,6 +28,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Sequence
+from datetime import UTC, datetime
 
 import redis
 from celery import Celery, Task
@@ -208,14 +209,28 @@ def marker_matches(runs: Sequence[RunRef], settings: Settings) -> list[bool]:
             pipe.get(marker_key(run.task_id, run.run, settings.queue_prefix))
         values = pipe.execute()
     return [
-        value is not None and value.decode() == stamp_text(run)
+        value is not None and canonical_stamp(value.decode()) == stamp_text(run)
         for run, value in zip(runs, values, strict=True)
     ]
 
 
 def stamp_text(run: RunRef) -> str:
-    """The stamp as a message carries it (and its marker)."""
-    return run.stamp.isoformat() if run.stamp is not None else ""
+    """The stamp as a message carries it (and its marker): always in UTC, whatever the
+    ``TimeZone`` of the session that read it, so one publish has one text in every
+    dispatcher and every scan (the markers' scripts compare it as text)."""
+    return run.stamp.astimezone(UTC).isoformat() if run.stamp is not None else ""
+
+
+def canonical_stamp(text: str) -> str:
+    """A stamp read back (a marker's, a message's) as :func:`stamp_text` renders it, so
+    that it is compared as a timestamp: written with another UTC offset (an earlier
+    release rendered the session's), it is still the same publish. Anything else (an
+    ended record, not a stamp) is returned unchanged."""
+    try:
+        stamp = datetime.fromisoformat(text)
+    except ValueError:
+        return text
+    return stamp.astimezone(UTC).isoformat() if stamp.tzinfo is not None else text
 
 
 def report_progress(task: Task, percent: int, done: int, total: int) -> None:

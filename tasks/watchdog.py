@@ -11,9 +11,14 @@ before the silence could look like a stalled execution.
 
 One daemon thread per process (started on first use; a forked child starts with a fresh
 registry and lock, never one the parent's thread held at the fork) sleeps until the
-earliest deadline. Leaving :func:`watch` waits until a cancel it fired has been sent
-(libpq's cancel returns once the server has it), so once the caller is out no cancel of
-its watch is still on its way to the connection's next statement.
+earliest deadline. A cancel is sent only while its watch is *armed*, under the watch's
+own lock, and the caller disarms it (:meth:`Watch.disarm`, also on leaving
+:func:`watch`) under that lock as soon as its statement returns, before it sends the
+next: a deadline that passes just as the statement ends sends nothing once the caller has
+disarmed, and one being sent makes the disarm wait until it has been sent (libpq's cancel
+returns once the server has it, and a server ignores a cancel that finds its session
+idle). So no cancel of a watch is still on its way when the caller's next statement (an
+export's completion) goes out.
 
 Deadlines are this host's monotonic clock: a timeout of one process's own wait, like a
 socket timeout, not a threshold other hosts compare against.
@@ -28,6 +33,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, Protocol
 
+from teamdesk import hooks
+
 
 class Cancellable(Protocol):
     def cancel(self) -> None: ...
@@ -36,17 +43,25 @@ class Cancellable(Protocol):
 class Watch:
     """One watched statement: its connection and when it must have reported by."""
 
-    __slots__ = ("conn", "deadline", "fired", "limit_s", "sent")
+    __slots__ = ("armed", "conn", "deadline", "fired", "limit_s", "lock")
 
     def __init__(self, conn: Cancellable, limit_s: float) -> None:
         self.conn, self.limit_s = conn, limit_s
         self.deadline = time.monotonic() + limit_s
-        self.fired = False  # the deadline passed: a cancel is (being) sent
-        self.sent = False  # ... and it has been sent
+        self.armed = True  # the statement runs: a cancel may be sent
+        self.fired = False  # a cancel was sent (the deadline passed while it ran)
+        self.lock = threading.Lock()  # held while a cancel is sent, and to disarm
 
     def touch(self) -> None:
         """The statement reported (its row was written): the silence starts again."""
         self.deadline = time.monotonic() + self.limit_s
+
+    def disarm(self) -> bool:
+        """The statement has returned: no cancel is sent from now on, and one being sent
+        has been sent when this returns. Whether one was sent (``fired``)."""
+        with self.lock:
+            self.armed = False
+            return self.fired
 
 
 _cond = threading.Condition()
@@ -65,20 +80,27 @@ def _run() -> None:
             now = time.monotonic()
             for expired in [w for w in _watches if w.deadline <= now]:
                 _watches.discard(expired)
-                expired.fired = True
-                # Sent without the lock (a cancel may wait on the network), but its watch
-                # cannot end before it is sent: see watch().
+                # Sent without the registry's lock (a cancel may wait on the network):
+                # other watches of the process go on meanwhile.
                 cond.release()
                 try:
-                    with suppress(Exception):  # a lost connection fails its read anyway
-                        expired.conn.cancel()
+                    _cancel(expired)
                 finally:
                     cond.acquire()
-                expired.sent = True
-                cond.notify_all()
             wait = max(min((w.deadline for w in _watches), default=now + 3600) - now, 0.01)
             _wake_at = now + wait
             cond.wait(timeout=wait)
+
+
+def _cancel(expired: Watch) -> None:
+    """Cancel the watch's statement if it still runs (its watch armed)."""
+    hooks.fire("watchdog.before_cancel", watch=expired)
+    with expired.lock:
+        if not expired.armed:
+            return  # the statement returned meanwhile: its connection may run the next
+        expired.fired = True
+        with suppress(Exception):  # a lost connection fails its read anyway
+            expired.conn.cancel()
 
 
 def _forget_in_child() -> None:
@@ -99,7 +121,8 @@ def _ensure_thread() -> None:
 @contextmanager
 def watch(conn: Any, limit_s: float) -> Iterator[Watch]:
     """Cancel ``conn``'s statement (a DB-API connection with ``cancel()``, psycopg2's)
-    when ``limit_s`` pass without :meth:`Watch.touch`; ``Watch.fired`` says it did."""
+    when ``limit_s`` pass without :meth:`Watch.touch`; ``Watch.fired`` says it did. The
+    caller disarms the watch as soon as the statement returns (leaving disarms it too)."""
     entry = Watch(conn, limit_s)
     with _cond:
         _ensure_thread()
@@ -109,7 +132,6 @@ def watch(conn: Any, limit_s: float) -> Iterator[Watch]:
     try:
         yield entry
     finally:
+        entry.disarm()
         with _cond:
             _watches.discard(entry)
-            while entry.fired and not entry.sent:
-                _cond.wait()

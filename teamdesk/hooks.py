@@ -33,6 +33,7 @@ POINTS = frozenset(
         "heartbeat.before_renewal",  # checked it is not stopping; the Lua call not yet sent
         "dispatcher.before_publish",  # runs stamped and committed; their messages not yet sent
         "dispatcher.before_markers",  # messages sent; their queued markers not yet set
+        "watchdog.before_cancel",  # a watch's deadline passed; its cancel not yet decided
     }
 )
 

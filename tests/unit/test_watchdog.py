@@ -30,7 +30,7 @@ def test_a_silent_statement_is_cancelled_and_the_watch_ends_after_the_cancel() -
     def statement() -> None:
         with watchdog.watch(conn, 0.01) as watch:
             assert conn.called.wait(10), "the watchdog never cancelled"
-        assert watch.fired and watch.sent
+        assert watch.fired
         left.set()
 
     runner = threading.Thread(target=statement)
