@@ -74,6 +74,13 @@ class TaskMetrics:
             ["kind"],
             registry=registry,
         )
+        self.processes_lost = Counter(
+            "teamdesk_pool_processes_lost",
+            "Pool processes lost while running a task (the OOM killer, a crash, kill -9), by "
+            "what the worker wrote: retry, failed, not_held, unreported.",
+            ["outcome"],
+            registry=registry,
+        )
         self.heartbeat_failures = Counter(
             "teamdesk_heartbeat_renewals_failed",
             "Heartbeat renewals or removals that raised, by stage.",
@@ -201,6 +208,9 @@ _ON_EVENT = {
     "task.attempt_failed": lambda fields: _finish("retried", fields),
     "task.failed": _failed,
     "worker.stopping": lambda fields: task_metrics().draining.set(1),
+    "task.process_lost": lambda fields: (
+        task_metrics().processes_lost.labels(str(fields.get("outcome"))).inc()
+    ),
 }
 
 

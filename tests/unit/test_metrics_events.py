@@ -86,3 +86,13 @@ def test_metrics_port_and_host_are_read_and_checked() -> None:
     for bad in ("70000", "-1", "x"):
         with pytest.raises(ConfigError, match="METRICS_PORT"):
             load_settings({"METRICS_PORT": bad})
+
+
+
+def test_a_lost_pool_process_is_counted_by_what_the_worker_wrote(
+    registry: CollectorRegistry,
+) -> None:
+    for outcome in ("retry", "retry", "failed"):
+        log_event(log, "task.process_lost", logging.DEBUG, outcome=outcome, task_id="x")
+    assert value(registry, "teamdesk_pool_processes_lost_total", outcome="retry") == 2
+    assert value(registry, "teamdesk_pool_processes_lost_total", outcome="failed") == 1
