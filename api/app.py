@@ -35,6 +35,7 @@ from api.resources import Resources
 from teamdesk import metrics
 from teamdesk.config import Settings
 from teamdesk.logs import setup_logging
+from teamdesk.version import version
 
 SERVICE = "api"
 # uvicorn's own loggers: routed to the root logger so their lines are JSON too.
@@ -81,7 +82,7 @@ def create_api(settings: Settings | None = None, *, configure_logging: bool = Tr
     # in the fastapi-offline package), never from a public CDN.
     app = FastAPIOffline(
         title="TeamDesk tasks API",
-        version="1.0",
+        version=version(),
         description="Health probes and background tasks (exports, reminders) of TeamDesk. "
         "Task routes need `Authorization: Bearer <token>`.",
         lifespan=lifespan,

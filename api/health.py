@@ -5,13 +5,14 @@ Both answer within :data:`CHECK_DEADLINE_S`: the check runs in a daemon thread a
 request stops waiting at the deadline (see :mod:`api.bounded`). Concurrent requests share
 one check in flight, and /api/health answers a pass again for up to
 :data:`~api.resources.HEALTH_CACHE_S`; a failure is never reused. Answers never carry
-addresses or error text, and say ``Cache-Control: no-store``.
+addresses or error text, and say ``Cache-Control: no-store``; /api/health's also say the
+running version (teamdesk/version.py), so a rollout can be watched.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from fastapi import APIRouter
@@ -24,6 +25,7 @@ from api.resources import Resources
 from api.schemas import HealthOut, WorkersOut
 from dispatcher.roles import read_roles
 from teamdesk.heartbeat import live_count
+from teamdesk.version import version
 
 CHECK_DEADLINE_S = 2.0
 NO_STORE = {"Cache-Control": "no-store"}
@@ -52,9 +54,9 @@ def cluster_roles(res: Resources) -> dict[str, Any]:
     response_model=HealthOut,
     summary="Whether the API can reach PostgreSQL",
     description="`SELECT 1` on the database within about 2 s: 200 `ok`, else 503 "
-    "`unavailable`. Does not test Redis, workers or logins. Concurrent requests share one "
-    "check, and a pass is reused for up to 1 s (a failure never is); the answer says "
-    "`Cache-Control: no-store`.",
+    "`unavailable`; both say the API's running `version`. Does not test Redis, workers or "
+    "logins. Concurrent requests share one check, and a pass is reused for up to 1 s (a "
+    "failure never is); the answer says `Cache-Control: no-store`.",
     responses={503: {"model": HealthOut, "description": "the database did not answer"}},
 )
 async def health(res: ResourcesDep) -> JSONResponse:
@@ -62,8 +64,13 @@ async def health(res: ResourcesDep) -> JSONResponse:
         await res.database_check.run(lambda: select_one(res), CHECK_DEADLINE_S)
     except CheckFailed as exc:
         _log_failure("database", exc)
-        return JSONResponse({"status": "unavailable"}, status_code=503, headers=NO_STORE)
-    return JSONResponse({"status": "ok"}, headers=NO_STORE)
+        return JSONResponse(health_body("unavailable"), status_code=503, headers=NO_STORE)
+    return JSONResponse(health_body("ok"), headers=NO_STORE)
+
+
+def health_body(status: Literal["ok", "unavailable"]) -> dict[str, str]:
+    """``{"status", "version"}``: which build answered, even when it is unavailable."""
+    return {"status": status, "version": version()}
 
 
 @router.get(

@@ -163,6 +163,11 @@ class ErrorOut(BaseModel):
 
 class HealthOut(BaseModel):
     status: Literal["ok", "unavailable"]
+    version: str = Field(
+        description="the API's running version: semantic (`1.0.0`), or `unknown` when it "
+        "cannot be read (teamdesk/version.py); in both answers",
+        examples=["1.0.0"],
+    )
 
 
 class WorkersOut(BaseModel):

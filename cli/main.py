@@ -5,6 +5,8 @@
 retry, cancel, token, ``watch``). Parsing imports only the standard library and the light
 foundation, so ``--help`` and the ``health`` probe stay fast and never load Celery; each
 handler imports what it needs when it runs (see ``cli/commands/__init__.py``).
+``--version`` prints the running version (teamdesk/version.py) before any configuration
+is read.
 """
 
 from __future__ import annotations
@@ -152,6 +154,22 @@ def cmd_scan(args: argparse.Namespace) -> int:
     return scan_command(settings_or_exit(), as_json=args.json)
 
 
+class _PrintVersion(argparse.Action):
+    """``--version``: print ``teamdesk-tasks X.Y.Z`` on stdout and exit 0, like argparse's
+    own version action, but the version is read only when asked for (importing
+    importlib.metadata costs ~25 ms that no other command should pay)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        kwargs.update(nargs=0, default=argparse.SUPPRESS)
+        super().__init__(option_strings, argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from teamdesk.version import version
+
+        print(f"{parser.prog} {version()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="teamdesk-tasks",
@@ -159,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Configuration comes from the environment (DATABASE_URL, REDIS_URL, ...).",
         epilog="Every command has --help. Task commands exit 0 when done, 1 when refused "
         "or failed, 2 on invalid arguments or input.",
+    )
+    parser.add_argument(
+        "--version", action=_PrintVersion, help="print the version (teamdesk-tasks X.Y.Z) and exit"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     migrate = sub.add_parser(

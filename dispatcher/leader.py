@@ -26,6 +26,7 @@ from redis.exceptions import LockError
 
 from teamdesk.config import Settings
 from teamdesk.logs import log_event
+from teamdesk.version import version
 
 log = logging.getLogger("teamdesk.dispatcher")
 
@@ -78,12 +79,12 @@ class Leadership:
             self._confirmed_until = started + self.ttl_s
             if not was_leading:
                 self._said_standby = False
-                log_event(log, "dispatcher.leader", role="leader", ttl_s=self.ttl_s)
+                self._announce("leader")
         elif was_leading:
             self._stand_down("lost")
         elif not self._said_standby:
             self._said_standby = True
-            log_event(log, "dispatcher.leader", role="standby", ttl_s=self.ttl_s)
+            self._announce("standby")
         return held
 
     def release(self) -> None:
@@ -105,6 +106,11 @@ class Leadership:
             return True
         except LockError:
             return self._acquire()
+
+    def _announce(self, role: str) -> None:
+        """Taking the lock or standing by: a beat's first line, whichever it does, so it
+        also says the running version."""
+        log_event(log, "dispatcher.leader", role=role, ttl_s=self.ttl_s, version=version())
 
     def _stand_down(self, role: str, **fields: object) -> None:
         self._confirmed_until = None

@@ -108,9 +108,10 @@ def execute(
             # pooler handed the transaction another server session): forget the set, so
             # the next statement on this connection prepares again.
             conn.connection.info.pop(PREPARED_KEY, None)
-        elif isinstance(exc, psycopg2.OperationalError | psycopg2.InterfaceError):
-            if connection_lost(dbapi, exc):
-                conn.invalidate()  # the server connection is gone: the pool must not reuse it
+        elif isinstance(
+            exc, psycopg2.OperationalError | psycopg2.InterfaceError
+        ) and connection_lost(dbapi, exc):
+            conn.invalidate()  # the server connection is gone: the pool must not reuse it
         raise
     return cursor
 

@@ -53,6 +53,7 @@ from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
 from teamdesk import db, hooks
 from teamdesk.config import get_settings
 from teamdesk.logs import log_event
+from teamdesk.version import version
 from worker import lost, revokes
 from worker import metrics as worker_metrics
 from worker.liveness import renew_interval_s
@@ -214,6 +215,7 @@ def _on_ready(sender: Any = None, **_: Any) -> None:
         pool=str(pool_name).rsplit(".", 1)[-1],
         concurrency=getattr(controller, "concurrency", None),
         queues=queues,
+        version=version(),
     )
 
 

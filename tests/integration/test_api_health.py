@@ -1,12 +1,12 @@
 """The API's health routes in-process against real PostgreSQL and Redis.
 
-``/api/health`` (``no-store``; 503 without details and within budget when the database
-port is closed or never answers; Redis not needed), ``/api/workers/health`` saying which
-roles are live and which are missing, and the bounded checks behind both (a deadline per
-check, a cap on the checks in flight). Concurrent probes share one check: 100 at once all
-answer 200 against a healthy database, and all answer 503 in time against a frozen one
-(a proxy that accepts and never answers) with the checks started bounded; a pass is
-reused only while younger than HEALTH_CACHE_S.
+``/api/health`` (``no-store``; the running version in both answers; 503 without details
+and within budget when the database port is closed or never answers; Redis not needed),
+``/api/workers/health`` saying which roles are live and which are missing, and the bounded
+checks behind both (a deadline per check, a cap on the checks in flight). Concurrent
+probes share one check: 100 at once all answer 200 against a healthy database, and all
+answer 503 in time against a frozen one (a proxy that accepts and never answers) with the
+checks started bounded; a pass is reused only while younger than HEALTH_CACHE_S.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import asyncio
 import functools
 import threading
 import time
+import tomllib
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -27,10 +29,14 @@ from api.resources import HEALTH_CACHE_S, Resources
 from dispatcher.leader import Leadership, leader_key
 from teamdesk.config import Settings
 from teamdesk.heartbeat import Heartbeat, WorkerSlots
+from teamdesk.version import version
 from tests.support.api_helpers import api_client, closed_port, silent_listener
 from tests.support.freezable_proxy import freezable_proxy
 
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 HEALTH_BUDGET_S = 3.0
+OK = {"status": "ok", "version": version()}
+UNAVAILABLE = {"status": "unavailable", "version": version()}
 CONCURRENT_PROBES = 100
 JOIN_TIMEOUT_S = 30.0  # only detects a request that never came back
 
@@ -72,7 +78,7 @@ def tally(answers: list[tuple[int, float]]) -> dict[int, int]:
 def test_health_ok_says_no_store(client: TestClient) -> None:
     response = client.get("/api/health")
     assert response.status_code == 200
-    assert response.json() == {"status": "ok"}
+    assert response.json() == OK
     assert response.headers["Cache-Control"] == "no-store"
 
 
@@ -83,7 +89,7 @@ def _assert_unavailable_without_details(settings: Settings, port: int) -> None:
         response = client.get("/api/health")
         elapsed = time.monotonic() - started
     assert response.status_code == 503
-    assert response.json() == {"status": "unavailable"}
+    assert response.json() == UNAVAILABLE
     assert response.headers["Cache-Control"] == "no-store"
     for leak in ("127.0.0.1", str(port), "postgres", "Error", "connect"):
         assert leak not in response.text
@@ -102,7 +108,25 @@ def test_health_503_within_budget_when_the_database_never_answers(settings: Sett
 def test_health_does_not_need_redis(settings: Settings) -> None:
     no_redis = settings.with_overrides(redis_url=f"redis://127.0.0.1:{closed_port()}/0")
     with api_client(no_redis) as client:
-        assert client.get("/api/health").json() == {"status": "ok"}
+        assert client.get("/api/health").json() == OK
+
+
+def test_health_says_the_version_pyproject_gives(client: TestClient) -> None:
+    """The version in the answers (OK, UNAVAILABLE above) is the one being released, so a
+    rollout can be watched from the probe."""
+    released = tomllib.loads(PYPROJECT.read_text())["project"]["version"]
+    assert client.get("/api/health").json() == {"status": "ok", "version": released}
+
+
+def test_the_openapi_document_shows_the_version_in_both_answers(client: TestClient) -> None:
+    document = client.get("/openapi.json").json()
+    answers = document["paths"]["/api/health"]["get"]["responses"]
+    for status in ("200", "503"):
+        ref = answers[status]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == "#/components/schemas/HealthOut", status
+    schema = document["components"]["schemas"]["HealthOut"]
+    assert schema["required"] == ["status", "version"]
+    assert schema["properties"]["version"]["type"] == "string"
 
 
 # --- concurrent probes: one shared check ------------------------------------------------
@@ -133,7 +157,7 @@ def test_a_frozen_database_answers_concurrent_probes_503_in_time_with_checks_bou
             proxy.thaw()
             # Every probe gave up on the frozen check, so the next one checks afresh.
             response = client.get("/api/health")
-            assert (response.status_code, response.json()) == (200, {"status": "ok"})
+            assert (response.status_code, response.json()) == (200, OK)
 
 
 def test_a_pass_is_reused_only_while_younger_than_health_cache_s(client: TestClient) -> None:

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from ledger import prepared
 
 
-def error_of(engine: sa.Engine, sql: str) -> BaseException:
+def error_of(engine: sa.Engine, sql: str) -> sa.exc.DBAPIError:
     with pytest.raises(sa.exc.DBAPIError) as caught, engine.begin() as conn:
         conn.exec_driver_sql(sql)
     return caught.value
@@ -29,6 +29,7 @@ def error_of(engine: sa.Engine, sql: str) -> BaseException:
 )
 def test_a_schema_mismatch_is_lasting(engine: sa.Engine, case: str) -> None:
     exc = error_of(engine, case)
+    assert exc.orig is not None
     assert not prepared.is_transient(exc) and not prepared.is_transient(exc.orig)
 
 

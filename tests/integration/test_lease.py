@@ -405,12 +405,16 @@ def test_a_redelivery_never_takes_over_a_live_execution(engine: sa.Engine, world
     assert [e for e, _ in audit_events(engine, task_id)] == ["CLAIM", "CLAIM"]
 
 
-LOST = {
-    "max_attempts": 3,
-    "base_delay_s": 2.0,
-    "message": "lost ({how})",
-    "final_message": "lost for good",
-}
+def lost(conn: sa.Connection, held: lease.Lease) -> lease.FailedAttempt | None:
+    """report_lost with 3 attempts, a 2 s backoff base and two short messages."""
+    return lease.report_lost(
+        conn,
+        held,
+        max_attempts=3,
+        base_delay_s=2.0,
+        message="lost ({how})",
+        final_message="lost for good",
+    )
 
 
 def test_a_claim_takes_the_execution_id_its_worker_issued(engine: sa.Engine, world: World) -> None:
@@ -429,7 +433,7 @@ def test_a_lost_process_is_a_failed_attempt_of_the_same_run(
     stamp = publish(engine, task_id)
     held = claimed(engine, task_id, holder="host/a", stamp=stamp)
     with engine.begin() as conn:
-        written = lease.report_lost(conn, dataclasses.replace(held, attempt=0), **LOST)
+        written = lost(conn, dataclasses.replace(held, attempt=0))
         due_in = conn.execute(
             sa.text(
                 "SELECT extract(epoch FROM run_at - now()) FROM background_tasks WHERE id = :i"
@@ -448,7 +452,7 @@ def test_a_lost_process_is_a_failed_attempt_of_the_same_run(
     again = claimed(engine, task_id, holder="host/a")
     assert again.attempt == 2
     with engine.begin() as conn:
-        second = lease.report_lost(conn, again, **LOST)
+        second = lost(conn, again)
     assert second is not None and (second.status, second.attempt) == ("WAITING", 2)
     assert 3.5 < second.retry_in_s <= 4.0
 
@@ -459,7 +463,7 @@ def test_a_lost_process_on_the_last_attempt_fails_the_run(engine: sa.Engine, wor
     held = claimed(engine, task_id, holder="host/a")
     assert held.attempt == 3
     with engine.begin() as conn:
-        written = lease.report_lost(conn, held, **LOST)
+        written = lost(conn, held)
     assert written is not None and (written.status, written.attempt) == ("FAILED", 3)
     assert written.retry_in_s == 0
     row = task_row(engine, task_id)
@@ -480,19 +484,19 @@ def test_a_lost_process_that_holds_no_lease_changes_nothing(
     never = lease.Lease(task_id, 0, uuid.uuid4(), attempt=0)
     before = task_row(engine, task_id)
     with engine.begin() as conn:
-        assert lease.report_lost(conn, never, **LOST) is None
+        assert lost(conn, never) is None
     assert task_row(engine, task_id) == before
     old = claimed(engine, task_id, holder="host/a")
     newer = claimed(engine, task_id, holder="host/b", stale_after_s=0)
     snapshot = task_row(engine, task_id)
     with engine.begin() as conn:
-        assert lease.report_lost(conn, old, **LOST) is None
+        assert lost(conn, old) is None
     assert task_row(engine, task_id) == snapshot
     with engine.begin() as conn:
         assert service.cancel_run(conn, task_id, 0)
     cancelled = task_row(engine, task_id)
     with engine.begin() as conn:
-        assert lease.report_lost(conn, newer, **LOST) is None
+        assert lost(conn, newer) is None
     assert task_row(engine, task_id) == cancelled
 
 
