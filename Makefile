@@ -65,7 +65,7 @@ bench: install services ## side-by-side performance ratios (~15 min): bench/RESU
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	$(PY) -m bench.run
 
-soak: install ## chaos run (~10 min), own PostgreSQL + Redis under Sentinel, 15 fault kinds (SEED=1 TASKS=3000 FAULTS=150; SOAK_ARGS="--short --keep ...")
+soak: install ## chaos run (~10 min), own PostgreSQL + Redis under Sentinel, 16 fault kinds (SEED=1 TASKS=3000 FAULTS=160; SOAK_ARGS="--short --keep ...")
 	bash scripts/ensure_debian.sh faketime faketime
 	$(PY) -m soak.run $(if $(SEED),--seed $(SEED)) $(if $(TASKS),--tasks $(TASKS)) $(if $(FAULTS),--faults $(FAULTS)) $(SOAK_ARGS)
 

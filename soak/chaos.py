@@ -1,6 +1,7 @@
 """What every fault works with: the schedule, its records and the cluster it acts on
-(soak/faults.py lists the kinds; soak/outages.py, soak/probes.py and soak/tools.py hold
-the Redis, PostgreSQL, hook, faketime and Celery-command-line faults). The soak's Redis is
+(soak/faults.py lists the kinds; soak/outages.py, soak/probes.py, soak/tools.py and
+soak/poolkill.py hold the Redis, PostgreSQL, hook, faketime, Celery-command-line and
+pool-process faults). The soak's Redis is
 a Sentinel group (soak/sentinel.py): every Redis fault acts on its current master."""
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ KINDS = (
     "kill",
     "term",
     "stop",
+    "poolkill",
     "pgkill",
     "redis",
     "flush",
@@ -125,10 +127,34 @@ class Purge:
 
 
 @dataclass
+class PoolKill:
+    """A ``poolkill`` fault (soak/poolkill.py): the pool process it SIGKILLed, the execution
+    that process ran (the ledger showed it holding the run, the process stopped, just
+    before the kill) and what the soak saw after it. The checks judge it from the workers'
+    logs and the audit trail (soak/checks.py)."""
+
+    task_id: uuid.UUID
+    run: int
+    case: str
+    execution: str  # the killed execution's id (the row's execution_id at the kill)
+    attempt: int  # the row's attempts at the kill: the attempt that was lost
+    process: str  # the worker's incarnation ("w2.3")
+    pid: int  # the pool process killed
+    main_pid: int  # its worker's main process, which must report the loss
+    at: float  # the SIGKILL, database clock
+    seen: str = ""  # what the fault saw of the report (for faults.txt)
+    # The row right after the report, when it had not moved on yet: what differed from
+    # the lost-process rule (last_error, backoff), or None.
+    row_problem: str | None = None
+
+
+@dataclass
 class Timings:
     heartbeat_ttl_s: float
     stale_after_s: float
     task_wait_s: float = 120.0  # a fault's own task, to reach its hook point (options.py)
+    max_attempts: int = 3  # MAX_TASK_ATTEMPTS
+    retry_base_delay_s: float = 1.0  # RETRY_BASE_DELAY_S
 
 
 @dataclass
@@ -148,7 +174,13 @@ class Chaos:
     supply: dict[str, list[TaskPlan]] = field(default_factory=dict)
     term_exit_codes: list[int | None] = field(default_factory=list)
     revokes: list[Revoke] = field(default_factory=list)
+    # Runs a revoke fault picked (before its command is recorded in ``revokes``): two
+    # revoke faults that pick at once never pick the same run, and ``poolkill`` leaves
+    # them alone.
+    revoke_picked: set[uuid.UUID] = field(default_factory=set)
+    revoke_lock: threading.Lock = field(default_factory=threading.Lock)
     purges: list[Purge] = field(default_factory=list)
+    pool_kills: list[PoolKill] = field(default_factory=list)
     # A service the soak could not bring back whole (a Redis group that did not re-form):
     # the run fails as an unfinished recovery.
     unrecovered: list[str] = field(default_factory=list)

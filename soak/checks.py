@@ -17,10 +17,27 @@ whose message ``purge`` took must be going again (re-published, claimed or ended
 
 A run that ends FAILED after its last attempt where each failed attempt (its CLAIM ..
 WAIT/FAIL in the audit trail) spans a fault that cut the workers' database connections or
-refused new ones (``pgkill``, ``pgrestart``, ``pgsqueeze``) did what the attempt budget is
-for: it is counted, not a violation. Any other failed end of a case that expects COMPLETED
-is (a run FAILED with "stopped responding too many times" included: its recoveries were
-false ones).
+refused new ones (``pgkill``, ``pgrestart``, ``pgsqueeze``), or lost its pool process
+(its WAIT/FAIL is its worker's ``task.process_lost`` report), did what the attempt budget
+is for: it is counted, not a violation - provided its ``last_error`` is the one its last
+attempt calls for (the lost-process reason naming that pid and signal when that attempt
+lost its process, else "failed after N attempts"). Any other failed end of a case that
+expects COMPLETED is (a run FAILED with "stopped responding too many times" included: its
+recoveries were false ones). The ``poolkill`` fault never kills one run's process more
+than ``MAX_TASK_ATTEMPTS - 1`` times, so only a mix of faults can use a budget up.
+
+The lost-process rule (``poolkill``, soak/poolkill.py): each pool process the soak killed
+while it ran an execution holding its run must be reported by its worker's main process
+(``task.process_lost``, logged with the main process's pid, naming that execution and
+``signal 9 (SIGKILL)``): ``retry`` or ``failed`` with the WAIT or FAIL audit row by that
+execution directly after its CLAIM, within ``LOST_REPORT_GOAL_S`` of the kill, the
+attempt it names the one that was lost; ``not_held`` only when the execution's own write
+(or a cancel) came first; ``unreported`` only while a database fault kept new
+connections away. Never a RECOVER or a takeover of that execution instead (a report
+delayed by a fault that stalled the worker's event loop or the database is excused and
+counted). Violations: ``process-lost-unreported``, ``process-lost-report``,
+``process-lost-slow``, ``process-lost-recovered``, ``process-lost-row`` (the row right
+after a retry report did not give the reason or the backoff).
 """
 
 from __future__ import annotations
@@ -36,13 +53,15 @@ from harness.csv_reference import expected_csv
 from ledger import audit
 from ledger.dispatch import MSG_TOO_MANY_RECOVERIES
 from soak import leases
-from soak.chaos import Purge, Revoke
+from soak.chaos import PoolKill, Purge, Revoke
 from soak.cluster import Incarnation
 from soak.leases import LeaseJudge
+from soak.logscan import ProcessLost
 from soak.tools import PURGE_GOAL_S, PURGE_WATCH_S
 from soak.workload import TaskPlan
 from tasks.execution import MSG_EXHAUSTED
 from tasks.reminder import EVENT_TYPE
+from worker.lost import MSG_LOST_FINAL
 
 TASKS = sa.text("""
     SELECT id, kind, status, run, attempts, progress, recoveries, last_error, result_csv,
@@ -67,7 +86,8 @@ AUDIT_TRAIL = sa.text("""
 AUDIT_COUNTS = sa.text("SELECT event, count(*) AS n FROM task_audit GROUP BY event")
 # Each failed attempt of a run: from its execution's CLAIM to its WAIT or FAIL.
 FAILED_ATTEMPTS = sa.text("""
-    SELECT extract(epoch FROM c.at) AS claimed, extract(epoch FROM e.at) AS ended
+    SELECT extract(epoch FROM c.at) AS claimed, extract(epoch FROM e.at) AS ended,
+           e.event, CAST(e.execution_id AS text) AS execution
       FROM task_audit e
       JOIN task_audit c ON c.task_id = e.task_id AND c.execution_id = e.execution_id
                        AND c.event = 'CLAIM'
@@ -85,6 +105,25 @@ DATABASE_FAULTS = ("pgkill", "pgrestart", "pgsqueeze")
 # next liveness tick (0.75 s) resumes intake. A purge's clock stops meanwhile.
 INTAKE_FAULTS = {"failover": 6.0, "redis": 6.0, "pgsqueeze": 1.0, "pgrestart": 1.0}
 REVOKED_ENDS = (("CANCELLED", 0), ("COMPLETED", 0))
+# A run's audit trail (the lost-process rule): each row's time on the database's clock.
+RUN_TRAIL = sa.text("""
+    SELECT id, event, CAST(execution_id AS text) AS execution, extract(epoch FROM at) AS at
+      FROM task_audit WHERE task_id = :task_id AND run = :run ORDER BY id
+""")
+# The lost-process rule: a killed pool process's attempt is written within this of the
+# kill. The worker's main process looks at its pool every 0.5 s (worker/lost.py,
+# POOL_LOOK_S) and writes at once; it gives up after half of STALE_AFTER_S (3 s) of a
+# database that does not answer. 3 s is that same bound: the staleness rule (6 s of
+# silence) must never be the one to take a lost process's run back.
+LOST_REPORT_GOAL_S = 3.0
+# Faults that may hold a report up, each with the time it takes to recover after it: a
+# database refusing new connections (the report's connection is new each time; past half
+# of STALE_AFTER_S it is "unreported") and a Redis outage (the worker's main process
+# watches its pool on its event loop, which does not run while its consumer reconnects:
+# retries 2, 4, 6 s apart).
+LOST_DELAY_FAULTS = {"pgrestart": 1.0, "pgsqueeze": 1.0, "redis": 6.0, "failover": 6.0}
+LOST_UNREPORTED_FAULTS = {"pgrestart": 1.0, "pgsqueeze": 1.0}
+OWN_ENDS = ("COMPLETE", "WAIT", "FAIL")
 
 
 @dataclass(frozen=True)
@@ -126,6 +165,7 @@ class Verifier:
         judge: LeaseJudge,
         revokes: list[Revoke] | None = None,
         purges: list[Purge] | None = None,
+        pool_kills: list[PoolKill] | None = None,
     ) -> None:
         self.engine, self.plans = engine, plans
         self.reminder_teams = reminder_teams
@@ -133,13 +173,17 @@ class Verifier:
         self.judge = judge
         self.revokes = {r.task_id: r for r in revokes or []}
         self.purges = purges or []
+        self.pool_kills = pool_kills or []
         self.violations: list[Violation] = []
         self.rows: dict[uuid.UUID, Any] = {}
         self.verdicts: list[leases.Verdict] = []
         self.claims: list[leases.ClaimVerdict] = []
         self.revoked_ends: Counter[str] = Counter()
         self.purge_latency_s: list[float] = []
-        self.excused: list[str] = []  # runs whose attempts database faults used up
+        self.excused: list[str] = []  # runs whose attempts faults used up
+        self.lost_outcomes: Counter[str] = Counter()  # poolkill: what each report said
+        self.lost_latency_s: list[float] = []  # poolkill: kill -> WAIT/FAIL audit row
+        self.lost_notes: list[str] = []  # poolkill: reports a fault held up (excused)
 
     def add(
         self, what: str, plan: TaskPlan | None, detail: str, task_id: uuid.UUID | None = None
@@ -162,6 +206,7 @@ class Verifier:
         self._tasks()
         self._revoked()
         self._purged()
+        self._pool_kills()
         self._reminders()
         if fingerprint(self.engine, export_teams) != tickets_before:
             self.add("tickets-changed", None, "the exported teams' tickets changed during the soak")
@@ -343,23 +388,215 @@ class Verifier:
             return 0.0
         return self.judge.timeline.covered_s(INTAKE_FAULTS, resumed_at - after_s, resumed_at)
 
+    def _lost_reports(self, task_id: uuid.UUID) -> dict[str, ProcessLost]:
+        """The task's executions whose lost pool process was written as a failed attempt
+        (``task.process_lost`` retry or failed), by execution id prefix."""
+        return {
+            lost.execution: lost
+            for lost in self.judge.logs.lost
+            if lost.task_id == str(task_id) and lost.outcome in ("retry", "failed")
+        }
+
     def _exhausted_by_faults(self, plan: TaskPlan, row: Any, expected: str) -> bool:
         """A run FAILED on its last attempt where every failed attempt spans a database
-        fault: the attempt budget did its job (counted in the report, not a violation)."""
-        exhausted = MSG_EXHAUSTED.format(n=self.max_attempts)
-        if (row.status, row.last_error, expected) != ("FAILED", exhausted, "COMPLETED"):
+        fault or lost its pool process, and ``last_error`` is the one its last attempt
+        calls for: the attempt budget did its job (counted in the report, not a
+        violation)."""
+        if (row.status, expected) != ("FAILED", "COMPLETED"):
             return False
         with self.engine.connect() as conn:
             spans = list(conn.execute(FAILED_ATTEMPTS, {"task_id": row.id, "run": row.run}))
-        faults = [(e.start, e.end) for e in self.judge.timeline.events if e.kind in DATABASE_FAULTS]
-        explained = all(
-            any(start <= float(s.ended) and end >= float(s.claimed) for start, end in faults)
-            for s in spans
+        final = [s for s in spans if s.event == "FAIL"]
+        if not spans or len(final) != 1:
+            return False
+        lost = self._lost_reports(row.id)
+        last = lost.get(str(final[0].execution)[:8])
+        want = (
+            MSG_EXHAUSTED.format(n=self.max_attempts)
+            if last is None
+            else MSG_LOST_FINAL.format(n=self.max_attempts, how=f"pid {last.pool_pid}, {last.exit}")
         )
-        if spans and explained:
-            self.excused.append(f"{plan.describe()}: {len(spans)} attempts, each cut by a fault")
+        if row.last_error != want:
+            return False
+        faults = [(e.start, e.end) for e in self.judge.timeline.events if e.kind in DATABASE_FAULTS]
+        cut = [
+            s
+            for s in spans
+            if any(start <= float(s.ended) and end >= float(s.claimed) for start, end in faults)
+        ]
+        lost_spans = [s for s in spans if str(s.execution)[:8] in lost]
+        # Every attempt lost its process: nothing in the soak does that (poolkill kills one
+        # run's process at most MAX_TASK_ATTEMPTS - 1 times), so it is not excused.
+        mixed = any(s not in lost_spans for s in spans)
+        if mixed and all(s in cut or s in lost_spans for s in spans):
+            self.excused.append(
+                f"{plan.describe()}: {len(spans)} attempts, {len(cut)} cut by a database "
+                f"fault, {len(lost_spans)} lost their pool process"
+            )
             return True
         return False
+
+    def _pool_kills(self) -> None:
+        """Each pool process the ``poolkill`` fault killed was the run's failed attempt,
+        reported by its worker's main process; never a recovery (the module's docstring)."""
+        self._unmatched_reports()
+        if not self.pool_kills:
+            return
+        with self.engine.connect() as conn:
+            for killed in self.pool_kills:
+                trail = list(
+                    conn.execute(RUN_TRAIL, {"task_id": killed.task_id, "run": killed.run})
+                )
+                self._pool_kill(killed, trail)
+
+    def _pool_kill(self, killed: PoolKill, trail: list[Any]) -> None:
+        plan = self._plan_of(killed.task_id)
+        origin = self.judge.timeline.origin
+        what = (
+            f"pool pid {killed.pid} of {killed.process} SIGKILLed at {killed.at - origin:.1f}s "
+            f"running execution {killed.execution[:8]} (attempt {killed.attempt})"
+        )
+        claims = [
+            n for n, r in enumerate(trail) if r.event == "CLAIM" and r.execution == killed.execution
+        ]
+        after = trail[claims[-1] + 1] if claims and claims[-1] + 1 < len(trail) else None
+        shown = (
+            f"next audit row {after.event} by {str(after.execution)[:8]} "
+            f"{float(after.at) - killed.at:+.1f}s after the kill"
+            if after is not None
+            else (
+                "no audit row after its CLAIM" if claims else "its CLAIM is not in the audit trail"
+            )
+        )
+        reports = [
+            lost
+            for lost in self.judge.logs.lost
+            if (lost.process, lost.pool_pid) == (killed.process, killed.pid)
+        ]
+        report = reports[0] if reports else None
+        self.lost_outcomes[report.outcome if report else "none"] += 1
+        if killed.row_problem is not None:
+            self.add(
+                "process-lost-row", plan, f"{what}: the row after the report: {killed.row_problem}"
+            )
+        if report is None:
+            self.add(
+                "process-lost-unreported",
+                plan,
+                f"{what}: no task.process_lost from its worker's main process; {shown}",
+            )
+            return
+        said = f"reported {report.outcome} {report.at - killed.at:+.1f}s after the kill"
+        wrong = []
+        if report.execution != killed.execution[:8]:
+            wrong.append(f"named execution {report.execution}")
+        if (report.task_id, report.run) != (str(killed.task_id), killed.run):
+            wrong.append(f"named run {report.task_id}-{report.run}")
+        if report.exit != "signal 9 (SIGKILL)":
+            wrong.append(f"exit {report.exit!r}")
+        if report.pid in (0, killed.pid):
+            wrong.append(f"logged by pid {report.pid}, not its worker's main process")
+        if len(reports) > 1:
+            wrong.append(f"{len(reports)} reports")
+        delayed = self._held_up(LOST_DELAY_FAULTS, killed.at, report.at)
+        if report.outcome in ("retry", "failed"):
+            event = "WAIT" if report.outcome == "retry" else "FAIL"
+            if after is None or (after.event, after.execution) != (event, killed.execution):
+                wrong.append(f"but {shown} (expected {event} by it)")
+            elif report.attempt != killed.attempt:
+                wrong.append(f"attempt {report.attempt}, the lost one was {killed.attempt}")
+            else:
+                late_s = float(after.at) - killed.at
+                self.lost_latency_s.append(late_s)
+                if late_s > LOST_REPORT_GOAL_S:
+                    if delayed:
+                        self.lost_notes.append(
+                            f"{what}: {event} after {late_s:.1f}s, held up by {delayed}"
+                        )
+                    else:
+                        self.add(
+                            "process-lost-slow",
+                            plan,
+                            f"{what}: its {event} came {late_s:.1f}s after the kill (goal "
+                            f"{LOST_REPORT_GOAL_S:g}s), no fault holding it up",
+                        )
+        elif report.outcome == "unreported":
+            excuse = self._held_up(LOST_UNREPORTED_FAULTS, killed.at, report.at)
+            if excuse:
+                self.lost_notes.append(f"{what}: unreported, held up by {excuse}; {shown}")
+            else:
+                self.add(
+                    "process-lost-unreported",
+                    plan,
+                    f"{what}: {said}, no database fault keeping it away; {shown}",
+                )
+        elif report.outcome == "not_held":
+            own = after is not None and (
+                (after.event in OWN_ENDS and after.execution == killed.execution)
+                or after.event == "CANCEL"
+            )
+            if not own and not (after is not None and after.event in ("RECOVER", "CLAIM")):
+                wrong.append(f"not_held, but {shown}")
+        else:
+            wrong.append(f"outcome {report.outcome!r}")
+        if after is not None and (
+            after.event == "RECOVER"
+            or (after.event == "CLAIM" and after.execution != killed.execution)
+        ):
+            if delayed and report.outcome == "unreported":
+                pass  # noted above with its excuse
+            elif delayed and report.outcome == "not_held":
+                self.lost_notes.append(
+                    f"{what}: taken back by {after.event}, report held up by {delayed}; {said}"
+                )
+            else:
+                self.add(
+                    "process-lost-recovered",
+                    plan,
+                    f"{what}: {said}; {shown}: the lost process's run was taken back, not "
+                    "written as its failed attempt",
+                )
+        if wrong:
+            self.add("process-lost-report", plan, f"{what}: {said}: {'; '.join(wrong)}")
+
+    def _unmatched_reports(self) -> None:
+        """A lost-process report for a pool process the soak did not kill: a violation when
+        ``celery control terminate`` killed it (Celery caused that loss: the revoke owns
+        the run, the worker must not write it as a failed attempt), else a note (a pool
+        process may die of its own accord)."""
+        killed = {(k.process, k.pid) for k in self.pool_kills}
+        for lost in self.judge.logs.lost:
+            if (lost.process, lost.pool_pid) in killed:
+                continue
+            message = f"{lost.task_id}-{lost.run}"
+            terminated = [
+                at
+                for at, process, named in self.judge.logs.terminations
+                if (process, named) == (lost.process, message) and at <= lost.at
+            ]
+            said = (
+                f"{lost.process} reported pool pid {lost.pool_pid} lost ({lost.exit}) running "
+                f"execution {lost.execution}: {lost.outcome}"
+            )
+            if terminated and lost.outcome in ("retry", "failed"):
+                self.add(
+                    "process-lost-report",
+                    self._plan_of(uuid.UUID(lost.task_id)),
+                    f"{said}, {lost.at - max(terminated):.1f}s after control terminate killed it",
+                )
+            else:
+                self.lost_notes.append(f"not killed by the soak: {said}")
+
+    def _held_up(self, kinds: dict[str, float], start: float, end: float) -> str:
+        """The faults of ``kinds`` (plus each one's recovery time) that overlap
+        [start, end], named for the report ("" when none)."""
+        timeline = self.judge.timeline
+        found = [
+            f"{e.kind} {e.start - timeline.origin:.1f}s..{e.end - timeline.origin:.1f}s"
+            for e in timeline.events
+            if e.kind in kinds and e.start <= end and e.end + kinds[e.kind] >= start
+        ]
+        return ", ".join(found)
 
     def _case(self, plan: TaskPlan, row: Any) -> None:
         if plan.case == "invalid" and (row.attempts, row.last_error) != (1, plan.error):

@@ -7,6 +7,9 @@ the details):
 - ``term``      SIGTERM a worker's main process (a deploy); wait for its exit, restart it.
 - ``stop``      SIGSTOP a worker (the whole group, or only its main process) for longer
                 than ``HEARTBEAT_TTL_S``, sometimes longer than ``STALE_AFTER_S``; SIGCONT.
+- ``poolkill``  SIGKILL of one pool process of a live worker while it runs a task (the OOM
+                killer): its worker's main process must make that the run's failed
+                attempt within about a second (soak/poolkill.py).
 - ``pgkill``    ``pg_terminate_backend`` on the workers' PostgreSQL connections.
 - ``redis``     SIGTERM or SIGKILL the soak's Redis master, then start it again (empty)
                 on the same port, sooner than the sentinels would fail it over.
@@ -31,7 +34,8 @@ the details):
                 COMPLETED, never stays WAITING or RUNNING.
 
 soak/outages.py holds the Redis and PostgreSQL faults, soak/probes.py the three that work
-with the hooks or faketime, soak/tools.py the two that use Celery's command line. A fault
+with the hooks or faketime, soak/tools.py the two that use Celery's command line,
+soak/poolkill.py the one that kills a pool process. A fault
 that needs a worker takes one the cluster is not already faulting; its recovery runs in a
 thread so the schedule keeps its times. Every signal and exit is also written to the
 timeline (soak/timeline.py) that the lease invariants read.
@@ -47,7 +51,7 @@ import time
 from contextlib import suppress
 from dataclasses import dataclass, field
 
-from soak import outages, probes, tools
+from soak import outages, poolkill, probes, tools
 from soak.chaos import FREE_WORKER_WAIT_S, KINDS, Chaos, Fault, Planned, Record
 from soak.timeline import FROZEN, GROUP, MAIN_ONLY, Window
 
@@ -158,6 +162,7 @@ FAULTS: dict[str, Fault] = {
     "kill": kill,
     "term": term,
     "stop": stop,
+    "poolkill": poolkill.poolkill,
     "pgkill": outages.pgkill,
     "redis": outages.redis_restart,
     "flush": outages.flush,

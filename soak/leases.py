@@ -19,12 +19,12 @@ worker (SIGTERM) is alive: its leases must survive the drain.
 The holder of each execution and its end come from the workers' logs (soak/logscan.py),
 the process states from the timeline (soak/timeline.py).
 
-**No CLAIM over a live, unfrozen holder** (``claim-over-live-holder``). A claim may take a
+**No CLAIM over a live, unfrozen holder** (``claim-over-live-holder``). A claim takes a
 RUNNING row over only when the row is stale by the database's clock (its last write older
-than ``STALE_AFTER_S`` at the claim) or its execution is known to be gone (Celery's re-send
-after the pool process running it was lost). So every takeover (a CLAIM directly after
-another execution's CLAIM, as above) is judged again, more strictly on the holder and with
-the row's staleness:
+than ``STALE_AFTER_S`` at the claim): nothing else may take a row over any more (Celery's
+re-send after a lost pool process, which took the row over at once, is gone: the worker's
+main process reports the loss, below). So every takeover (a CLAIM directly after another
+execution's CLAIM, as above) is judged again, on the row's staleness first:
 
 - *stale*: the row's last write before the claim is older than ``STALE_AFTER_S``, measured
   as the claim itself measured it. The audit trail does not record progress writes, so the
@@ -34,9 +34,13 @@ the row's staleness:
   it): the row's ``updated_at`` before the claim and the claim's ``now()`` (the new
   ``updated_at``), the very values the claim's staleness guard compared, in the claim's own
   transaction (a crash that loses the claim loses the record with it);
+- *fresh*: the recorded silence is not over ``STALE_AFTER_S``: a violation whatever the
+  holder's state (the claim's guard let through a row it had to refuse). Only when the
+  silence was not recorded does the holder's state decide, as below;
 - *dead*: the holder's process was dead at the claim: its worker killed, exited, in a cold
-  shutdown, or its pool process killed by ``celery control terminate`` or by its own worker
-  (logged by the worker, soak/logscan.py);
+  shutdown, or its pool process killed by ``celery control terminate``, by its own worker
+  (logged by the worker, soak/logscan.py) or by the ``poolkill`` fault (the timeline's
+  ``dead`` window on that pool process, and its main process's ``task.process_lost``);
 - *frozen*: the process running the execution was stopped at the claim: its worker's whole
   process group (``stop``), or that pool process (``txfreeze``). No grace after the
   SIGCONT: the claim does not read heartbeats. A ``stop`` of the worker's main process
@@ -46,6 +50,18 @@ the row's staleness:
 - otherwise the holder was alive, unfrozen and writing within ``STALE_AFTER_S``: a
   violation, even when its execution had already ended (then it ended without telling the
   ledger, and the row is not stale yet: the claim rule must wait for that).
+
+A pool process lost under a live worker (the ``poolkill`` fault, the OOM killer) is no
+revocation at all: its worker's main process writes the lost attempt under that very
+execution's lease (``ledger.lease.report_lost``), so the trail shows CLAIM, then WAIT or
+FAIL by the same execution - a write by the lease holder, like the execution's own
+failure report - and the next CLAIM follows that WAIT, not a CLAIM: not a takeover.
+Only when the report could not be written (``task.process_lost`` ``unreported``: the
+database away for half of ``STALE_AFTER_S``) does the staleness rule take the run back;
+that RECOVER is judged like any other: the execution ended (its ``task.process_lost``
+line, or billiard's exit line), and the timeline has the pool process ``dead`` from the
+kill (soak/timeline.py). That the loss was written, in time and never as a recovery, is
+the lost-process rule of soak/checks.py.
 
 A takeover whose holder cannot be named from the logs (no ``task.started`` and no receipt)
 is counted as not judged (``unknown``), not as a violation. So is one without its
@@ -60,7 +76,7 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from soak.logscan import TERMINATED, Execution, Logs, killed
+from soak.logscan import PROCESS_LOST, TERMINATED, Execution, Logs, killed
 from soak.timeline import DEAD, DRAINING, FROZEN, MAIN_ONLY, Timeline
 
 REVOCATIONS = sa.text("""
@@ -172,13 +188,14 @@ class ClaimVerdict:
     """A takeover judged by the rule "no CLAIM over a live, unfrozen holder"."""
 
     revocation: Revocation
-    reason: str  # stale, dead, terminated, cold, frozen, unknown - or live (a violation)
+    # stale, dead, terminated, cold, frozen, unknown - or live, fresh (violations)
+    reason: str
     why: str
     silent_s: float | None  # the row's silence at the claim (None: not recorded)
 
     @property
     def justified(self) -> bool:
-        return self.reason != "live"
+        return self.reason not in ("live", "fresh")
 
 
 def silences(conn: sa.Connection) -> dict[tuple[uuid.UUID, uuid.UUID], float]:
@@ -253,6 +270,9 @@ class LeaseJudge:
             stale = "yes" if silent_s > self.stale_after_s else None
         if stale == "yes":
             return ClaimVerdict(rev, "stale", silence, silent_s)
+        if silent_s is not None:
+            why = f"{silence}, STALE_AFTER_S {self.stale_after_s:g}: only a stale row is taken over"
+            return ClaimVerdict(rev, "fresh", why, silent_s)
         execution = self.logs.executions.get((str(rev.task_id), str(rev.revoked)[:8]))
         process, pid = (execution.process, execution.pid) if execution else (None, None)
         if execution is None and rev.claimed is not None:
@@ -261,8 +281,12 @@ class LeaseJudge:
             assert execution.ended_at is not None
             if execution.ended_at <= rev.at:
                 ago = rev.at - execution.ended_at
-                how = "control terminate" if execution.end == TERMINATED else "its worker"
-                why = f"its pool process was killed by {how} {ago:.1f}s before"
+                if execution.end == TERMINATED:
+                    why = f"its pool process was killed by control terminate {ago:.1f}s before"
+                elif str(execution.end).startswith(PROCESS_LOST):
+                    why = f"its pool process was lost ({execution.end}) {ago:.1f}s before"
+                else:
+                    why = f"its pool process was killed by its worker {ago:.1f}s before"
                 return ClaimVerdict(rev, "terminated", f"{why}; {silence}", silent_s)
         if process is None:
             why = f"holder not named by the logs; {silence}"

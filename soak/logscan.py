@@ -27,6 +27,15 @@ broker during a Redis failover), and billiard then prints, without a time, ``Pro
 incarnation in that pid, started and not ended by then, ends there (``POOL_EXITED``), at
 the time of the next timed line of the file (the process was dead by then at the latest).
 
+Nor does one whose pool process the ``poolkill`` fault SIGKILLed (or the OOM killer
+would): its worker's main process sees the process gone and logs ``task.process_lost``
+(task, run, execution, ``pool_pid``, ``exit``, ``outcome``: ``retry``, ``failed``,
+``not_held`` or ``unreported``) with its own pid. That line ends the execution it names
+(``PROCESS_LOST``) unless billiard's exit line ended it earlier, and every such line is
+kept (``Logs.lost``) for the checks of the lost-process rule (soak/checks.py).
+:class:`LogTail` reads one incarnation's log as it grows, for the fault itself: which
+execution each pool process runs now, and the main process's reports.
+
 Log times are the process's own clock: an incarnation started under ``faketime`` is read
 back by its offset. The result is on the database's clock (the soak's host, whose clock
 is PostgreSQL's, plus the offset measured at the start).
@@ -36,9 +45,11 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from soak.cluster import Incarnation
@@ -61,11 +72,47 @@ TERMINATED = "terminated"  # an execution's end: its pool process killed by cont
 TERMINATE_SLACK_S = 1.0
 POOL_EXITED = "pool process exited"  # an execution's end: its pool process died (billiard)
 POOL_EXIT = re.compile(r"^Process '[^']*' pid:(\d+) exited with '([^']*)'")
+LOST_EVENT = "task.process_lost"
+PROCESS_LOST = "process lost"  # an execution's end: its main process reported its pool process lost
 
 
 def killed(execution: Execution) -> bool:
     """Whether the execution ended because its process was killed (not by its own end)."""
-    return execution.end == TERMINATED or str(execution.end).startswith(POOL_EXITED)
+    end = str(execution.end)
+    return end == TERMINATED or end.startswith((POOL_EXITED, PROCESS_LOST))
+
+
+@dataclass(frozen=True)
+class ProcessLost:
+    """One ``task.process_lost`` line: a worker's main process saw a pool process die while
+    it ran an execution (worker/lost.py) and says what it wrote to the ledger."""
+
+    at: float  # database clock
+    process: str  # the incarnation ("w2.3")
+    pid: int  # the process that logged it (the worker's main process)
+    task_id: str
+    run: int
+    execution: str  # first 8 characters
+    pool_pid: int | None
+    exit: str  # "signal 9 (SIGKILL)"
+    outcome: str  # retry, failed, not_held, unreported
+    attempt: int | None  # retry and failed: the attempt that was lost
+
+    @classmethod
+    def of(cls, record: dict[str, Any], process: str, at: float) -> ProcessLost:
+        pool_pid, attempt = record.get("pool_pid"), record.get("attempt")
+        return cls(
+            at,
+            process,
+            int(record.get("pid") or 0),
+            str(record.get("task_id")),
+            int(record.get("run", -1)),
+            str(record.get("execution")),
+            None if pool_pid is None else int(pool_pid),
+            str(record.get("exit")),
+            str(record.get("outcome")),
+            None if attempt is None else int(attempt),
+        )
 
 
 @dataclass
@@ -92,6 +139,8 @@ class Logs:
     terminations: list[tuple[float, str, str]] = field(default_factory=list)
     # (when at the latest, incarnation, pid, status) of every pool process billiard saw exit
     pool_exits: list[tuple[float, str, int, str]] = field(default_factory=list)
+    # every task.process_lost line (a worker's main process reporting a lost pool process)
+    lost: list[ProcessLost] = field(default_factory=list)
 
     def received_by(self, message: str, claimed_at: float) -> str | None:
         """The incarnation that received ``message`` last before ``claimed_at``."""
@@ -127,6 +176,7 @@ def scan(incarnations: list[Incarnation], offset_s: float) -> Logs:
         logs.pool_exits += pool_exits(inc, offset_s)
     _terminate(logs)
     _pool_exited(logs)
+    _process_lost(logs)
     return logs
 
 
@@ -167,6 +217,17 @@ def _pool_exited(logs: Logs) -> None:
                 and (found.ended_at is None or found.ended_at > at)
             ):
                 found.ended_at, found.end = at, f"{POOL_EXITED} ({status})"
+
+
+def _process_lost(logs: Logs) -> None:
+    """End each execution its main process reported lost (unless it ended earlier:
+    billiard's exit line, at the time of the next timed line, may come first)."""
+    for lost in logs.lost:
+        found = logs.executions.get((lost.task_id, lost.execution))
+        if found is None or found.process != lost.process:
+            continue
+        if found.ended_at is None or found.ended_at > lost.at:
+            found.ended_at, found.end = lost.at, f"{PROCESS_LOST} ({lost.outcome})"
 
 
 def _ended_unnamed(logs: Logs, inc: Incarnation, record: dict[str, Any], at: float) -> None:
@@ -216,6 +277,9 @@ def _read(logs: Logs, inc: Incarnation, record: dict[str, Any], offset_s: float)
         words = str(record["message"]).split()
         if len(words) >= 2:
             logs.terminations.append((real_time(record, inc, offset_s), inc.name, words[1]))
+    elif event == LOST_EVENT and "task_id" in record:
+        logs.lost.append(ProcessLost.of(record, inc.name, real_time(record, inc, offset_s)))
+        return
     execution = record.get("execution")
     if not execution and event in END_EVENTS and "task_id" in record and "pid" in record:
         _ended_unnamed(logs, inc, record, real_time(record, inc, offset_s))
@@ -231,3 +295,46 @@ def _read(logs: Logs, inc: Incarnation, record: dict[str, Any], offset_s: float)
         found = logs.executions[key]
         if found.ended_at is None:
             found.ended_at, found.end = at, str(event)
+
+
+class LogTail:
+    """One incarnation's log, read on as it grows (the ``poolkill`` fault): the execution
+    each pool process runs now (``task.started`` and not yet a closing event from that
+    pid) and the main process's ``task.process_lost`` records by pool pid."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+        self.running: dict[int, tuple[str, str]] = {}  # pool pid -> (task id, execution)
+        self.lost: dict[int, dict[str, Any]] = {}  # pool pid -> its task.process_lost record
+        self.lock = threading.Lock()
+
+    def read(self) -> None:
+        with self.lock:
+            try:
+                with self.path.open("rb") as log:
+                    log.seek(self.offset)
+                    data = log.read()
+            except OSError:
+                return
+            self.offset += len(data)
+            lines = (self.partial + data).split(b"\n")
+            self.partial = lines.pop()
+            for line in lines:
+                self._line(line)
+
+    def _line(self, line: bytes) -> None:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(record, dict):
+            return
+        event, pid = record.get("event"), record.get("pid")
+        if event == "task.started" and pid is not None and record.get("execution"):
+            self.running[int(pid)] = (str(record.get("task_id")), str(record["execution"]))
+        elif event in END_EVENTS and pid is not None:
+            self.running.pop(int(pid), None)
+        elif event == LOST_EVENT and record.get("pool_pid") is not None:
+            self.lost[int(record["pool_pid"])] = record

@@ -16,8 +16,8 @@ DEFAULT_FAULTS, SHORT_FAULTS = DEFAULT_PER_KIND * len(KINDS), SHORT_PER_KIND * l
 # its density (10 in 440 s) and the tasks their arrival rate; the mean gap shrinks instead.
 # So does --kinds: 10 (2) faults of each chosen kind over the same window.
 DEFAULT_WINDOW_S, SHORT_WINDOW_S = 440.0, 66.0
-DEFAULT_FAULT_GAP_S = DEFAULT_WINDOW_S / DEFAULT_FAULTS  # 2.9 s with 15 kinds
-SHORT_FAULT_GAP_S = SHORT_WINDOW_S / SHORT_FAULTS  # 2.2 s
+DEFAULT_FAULT_GAP_S = DEFAULT_WINDOW_S / DEFAULT_FAULTS  # 2.75 s with 16 kinds
+SHORT_FAULT_GAP_S = SHORT_WINDOW_S / SHORT_FAULTS  # 2.06 s
 DEFAULT_QUIESCE_S, SHORT_QUIESCE_S = 180.0, 120.0
 
 EXPORT_MAX_ROWS = 300  # below a whole export team (400 tickets): "too many rows" cases

@@ -27,6 +27,7 @@ LOGGED_EVENTS = (
     "task.revoked",
     "task.refused",
     "task.attempt_failed",
+    "task.process_lost",
     "worker.shutdown_timeout",
     "dispatcher.failed",
 )
@@ -117,6 +118,27 @@ class Report:
         self.say(
             f"soak: purges {len(verifier.purges)}: {purged} messages purged, {runs} runs "
             f"seen waiting just before, {shown} (goal {tools.PURGE_GOAL_S:.0f}s)"
+        )
+
+    def pool_kills(self, verifier: checks.Verifier) -> None:
+        """What the worker's main process said of each pool process the soak killed, and
+        how soon the lost attempt was written."""
+        kills = verifier.pool_kills
+        for note in verifier.lost_notes[:10]:
+            self.say(f"soak: note: lost pool process: {note}")
+        if not kills:
+            return
+        latency = sorted(verifier.lost_latency_s)
+        shown = (
+            f"written after median {latency[len(latency) // 2]:.2f}s, max {latency[-1]:.2f}s"
+            if latency
+            else "none written"
+        )
+        runs = Counter((k.task_id, k.run) for k in kills)
+        self.say(
+            f"soak: pool processes killed {len(kills)} ({sum(1 for n in runs.values() if n > 1)} "
+            f"runs twice): reported {dict(sorted(verifier.lost_outcomes.items()))}, {shown} "
+            f"(goal {checks.LOST_REPORT_GOAL_S:g}s)"
         )
 
     def violations(self, found: list[checks.Violation], verifier: checks.Verifier) -> list[str]:

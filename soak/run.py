@@ -13,7 +13,8 @@
 4. During the chaos window: tasks are created at their planned times, the soak's users
    cancel and retry, and faults land at seeded random times (soak/faults.py).
    Two of the fault kinds are Celery's own command line (``purge``, ``revoke``:
-   soak/tools.py).
+   soak/tools.py); one kills a pool process under a live worker (``poolkill``:
+   soak/poolkill.py).
 5. Wait (bounded) until nothing is WAITING or RUNNING, then check from PostgreSQL, the
    timeline of faults and the workers' logs (soak/checks.py, soak/leases.py) and print
    ``soak: N tasks, F faults, V violations``.
@@ -163,6 +164,7 @@ class Soak:
         report.counts(prepared.plans, injector.records, chaos, operator)
         report.leases(verifier)
         report.tools(verifier)
+        report.pool_kills(verifier)
         unprinted = report.violations(verifier.violations, verifier)
         self.say(
             f"soak: chaos {chaos_done - started:.0f} s, quiet after {waited:.0f} s more, "
@@ -194,6 +196,7 @@ class Soak:
             LeaseJudge(logs, self.timeline, grace_s, self.settings.stale_after_s),
             chaos.revokes,
             chaos.purges,
+            chaos.pool_kills,
         )
         verifier.run(
             prepared.tickets_before, [t.id for t in prepared.world.export_teams], incarnations
@@ -214,7 +217,7 @@ class Soak:
             opts.tasks,
             long=kinds["longterm"],
             frozen=kinds["txfreeze"],
-            spare=kinds["revoke"],
+            spare=kinds["revoke"] + kinds["poolkill"],
             max_rows=EXPORT_MAX_ROWS,
             batch_size=EXPORT_BATCH_SIZE,
         )
@@ -248,7 +251,13 @@ class Soak:
             self.gate,
             self.timeline,
             self.rng,
-            Timings(settings.heartbeat_ttl_s, settings.stale_after_s, self.opts.task_wait_s),
+            Timings(
+                settings.heartbeat_ttl_s,
+                settings.stale_after_s,
+                self.opts.task_wait_s,
+                settings.max_task_attempts,
+                settings.retry_base_delay_s,
+            ),
             self.workdir / "beacons",
         )
         chaos.plans = prepared.plans

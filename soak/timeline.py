@@ -5,15 +5,20 @@ the execution's holder was alive and running at that moment. The soak is the onl
 knows: it sends every SIGKILL, SIGSTOP and SIGTERM and watches every exit. Each of those
 opens a *window* on the process it hit:
 
-- ``dead``      from a SIGKILL, a cold shutdown or an exit on; never closes;
+- ``dead``      from a SIGKILL (of a worker, or of one pool child: ``poolkill``), a cold
+                shutdown or an exit on; never closes;
 - ``frozen``    SIGSTOP .. SIGCONT (a whole worker, its main process only, or one pool child
-                inside a reminder transaction);
+                inside a reminder transaction, or the pool child ``poolkill`` checks);
 - ``draining``  SIGTERM .. exit: the process is alive and its leases must stay alive.
 
 Processes are named by incarnation (``w2.3``: the third start of worker w2); a window on
 one pool child also names the child's pid (``w2.3/4711``). A ``stop`` window on a worker
 notes whether the whole process group was stopped (``group``: its pool processes too) or
 its main process only (``main``: its pool processes went on running their executions).
+
+The ``poolkill`` fault SIGKILLs one pool child of a live worker: a ``dead`` window on
+``w2.3/4711`` from the kill on (after a ``frozen`` moment of a few milliseconds: it stops
+the child before it checks that the child still runs the execution it aims at).
 
 One death the soak does not cause itself: ``celery control terminate`` (the ``revoke``
 fault) makes the worker kill the pool process running the run it names. The worker logs

@@ -332,11 +332,15 @@ def _send_revoke(
 
 
 def _revocable(chaos: Chaos) -> list[workload.TaskPlan]:
-    revoked = {r.task_id for r in chaos.revokes}
+    with chaos.revoke_lock:
+        revoked = {r.task_id for r in chaos.revokes} | chaos.revoke_picked
     return [
         p
         for p in chaos.plans
-        if p.case in REVOCABLE_CASES and p.task_id is not None and p.task_id not in revoked
+        if p.case in REVOCABLE_CASES
+        and p.task_id is not None
+        and p.task_id not in revoked
+        and not (p.case == "spare" and p.mark == "slow")  # a terminate's or a poolkill's own
     ]
 
 
@@ -366,9 +370,11 @@ def _pick(
         running.sort(key=lambda r: rows_of.get(r.id, 0), reverse=True)
         waiting.sort(key=lambda r: r.dispatched_at, reverse=True)
         first, second = (running, waiting) if prefer_running else (waiting, running)
-        chosen = first or second
-        if chosen:
-            return chosen[0].id, int(chosen[0].run), str(chosen[0].status)
+        with chaos.revoke_lock:  # two revoke faults may pick at once: each its own run
+            chosen = [r for r in first or second if r.id not in chaos.revoke_picked]
+            if chosen:
+                chaos.revoke_picked.add(chosen[0].id)
+                return chosen[0].id, int(chosen[0].run), str(chosen[0].status)
         if time.monotonic() >= deadline:
             return None
         time.sleep(PICK_POLL_S)

@@ -1,11 +1,12 @@
 """The short soak (``python -m soak.run --short``) as part of ``make test``: 200 tasks and
-two faults of each of the 15 kinds (soak/chaos.py ``KINDS``: worker SIGKILL / SIGTERM /
-SIGSTOP, pg_terminate_backend, a Redis restart, FLUSHALL and a memory squeeze, a Sentinel
-failover, clock skew under faketime, a reminder frozen inside its transaction, SIGTERM
-during a long export, restarts of the soak's own PostgreSQL, every free PostgreSQL
-connection held, ``celery purge``, ``celery control revoke`` / ``terminate``) against real
-worker and beat subprocesses, the soak's own PostgreSQL server and its own Redis under
-Sentinel; every invariant is checked (see soak/README.md)."""
+two faults of each of the 16 kinds (soak/chaos.py ``KINDS``: worker SIGKILL / SIGTERM /
+SIGSTOP, SIGKILL of a pool process running a task, pg_terminate_backend, a Redis restart,
+FLUSHALL and a memory squeeze, a Sentinel failover, clock skew under faketime, a reminder
+frozen inside its transaction, SIGTERM during a long export, restarts of the soak's own
+PostgreSQL, every free PostgreSQL connection held, ``celery purge``, ``celery control
+revoke`` / ``terminate``) against real worker and beat subprocesses, the soak's own
+PostgreSQL server and its own Redis under Sentinel; every invariant is checked (see
+soak/README.md)."""
 
 from __future__ import annotations
 
