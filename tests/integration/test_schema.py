@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import pytest
 import sqlalchemy as sa
@@ -13,8 +14,40 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
 from harness import databases
+from ledger.migrate import MIGRATIONS
 from ledger.models import metadata
 from teamdesk.db import make_engine
+
+
+def _previous_release_indexes() -> dict[str, str]:
+    """The indexes only the previous release reads, kept for it by migration 0011 and
+    absent from the models, which describe what head reads (docs/decisions.md, "Expand and
+    contract: the previous release keeps working")."""
+    path = MIGRATIONS / "versions" / "0011_previous_release_index.py"
+    spec = importlib.util.spec_from_file_location("previous_release_index", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return dict(module.PREVIOUS_RELEASE_INDEXES)
+
+
+PREVIOUS_RELEASE_INDEXES = _previous_release_indexes()
+PREVIOUS_RELEASE_REVISION = "0007"  # the schema of harness/previous_release.txt's commit
+
+
+def head_diff(conn: sa.Connection) -> list[object]:
+    """The migrated schema's differences from the models, but for the previous release's
+    indexes (each checked by test_previous_release_indexes_are_kept_as_it_defined_them)."""
+    return [
+        d
+        for d in compare_metadata(MigrationContext.configure(conn), metadata)
+        if not (
+            isinstance(d, tuple)
+            and d[0] == "remove_index"
+            and d[1].name in PREVIOUS_RELEASE_INDEXES
+        )
+    ]
+
 
 SPEC_COLUMNS = {
     "background_tasks": {
@@ -105,7 +138,7 @@ def test_migrate_creates_spec_tables_and_is_idempotent(empty_db: str) -> None:
 
 def test_migrated_schema_equals_models(engine: sa.Engine) -> None:
     with engine.connect() as conn:
-        diff = compare_metadata(MigrationContext.configure(conn), metadata)
+        diff = head_diff(conn)
     assert diff == []
 
 
@@ -201,51 +234,113 @@ def test_migrate_run_again_rebuilds_what_an_interrupted_build_left_invalid(
     upgrade(empty_db, "0007")
     engine = make_engine(empty_db)
     try:
-        with engine.begin() as conn:
-            team = conn.execute(
-                sa.text("INSERT INTO teams (name) VALUES ('t') RETURNING id")
-            ).scalar_one()
-            owner = conn.execute(
-                sa.text("INSERT INTO users (email, name) VALUES ('u@x', 'u') RETURNING id")
-            ).scalar_one()
-            conn.execute(
-                sa.text(
-                    "INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters)"
-                    " SELECT 'EXPORT', :t, :o, 'TEAM', '{}' FROM generate_series(1, 2)"
-                ),
-                {"t": team, "o": owner},
-            )
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            for name in INTERRUPTED_BUILDS:
-                with pytest.raises(sa.exc.IntegrityError):
-                    conn.execute(
-                        sa.text(
-                            f"CREATE UNIQUE INDEX CONCURRENTLY {name} ON background_tasks (kind)"
-                        )
-                    )
+        add_two_exports(engine)
+        interrupt_builds(engine, INTERRUPTED_BUILDS)
         assert invalid_indexes(engine) == set(INTERRUPTED_BUILDS)
 
         done = migrate(empty_db)
         assert done.returncode == 0, done.stderr
         assert invalid_indexes(engine) == set()
-        with engine.connect() as conn:
-            rows = conn.execute(
-                sa.text(
-                    "SELECT indexname, indexdef FROM pg_indexes"
-                    " WHERE tablename = 'background_tasks'"
-                )
-            ).all()
-        defined: dict[str, str] = {str(name): str(text) for name, text in rows}
+        defined = index_definitions(engine)
         assert "ix_background_tasks_ready_0008" not in defined
         assert "(kind, scheduled, team_id, run_at, id)" in defined["ix_background_tasks_ready"]
         assert "(run_at) WHERE scheduled" in defined["ix_background_tasks_scheduled"]
         assert "(team_id, created_at)" in defined["ix_background_tasks_team_exports"]
-        assert "ix_background_tasks_due" not in defined
+        assert "(run_at) WHERE" in defined["ix_background_tasks_due"]  # migration 0011
         with engine.connect() as conn:
-            diff = compare_metadata(MigrationContext.configure(conn), metadata)
+            diff = head_diff(conn)
         assert diff == []
     finally:
         engine.dispose()
+
+
+def test_previous_release_indexes_are_kept_as_it_defined_them(empty_db: str) -> None:
+    """0008 dropped ``ix_background_tasks_due``, which the previous release's dispatcher
+    reads by name; 0011 builds it again exactly as that release's schema (0007) had it,
+    and a build of it that was interrupted is rebuilt by the next migrate."""
+    from ledger.migrate import upgrade
+
+    upgrade(empty_db, PREVIOUS_RELEASE_REVISION)
+    engine = make_engine(empty_db)
+    try:
+        as_released = index_definitions(engine)
+        upgrade(empty_db, "0010")
+        with engine.begin() as conn:  # as 0008 left them (it dropped the index)
+            for name in PREVIOUS_RELEASE_INDEXES:
+                conn.execute(sa.text(f"DROP INDEX IF EXISTS {name}"))
+        add_two_exports(engine)
+        interrupt_builds(engine, PREVIOUS_RELEASE_INDEXES)
+        assert invalid_indexes(engine) == set(PREVIOUS_RELEASE_INDEXES)
+
+        done = migrate(empty_db)
+        assert done.returncode == 0, done.stderr
+        assert invalid_indexes(engine) == set()
+        kept = index_definitions(engine)
+        for name in PREVIOUS_RELEASE_INDEXES:
+            assert kept[name] == as_released[name]
+    finally:
+        engine.dispose()
+
+
+def test_no_revision_leaves_out_what_the_previous_release_reads(empty_db: str) -> None:
+    """Each revision after the previous release's schema keeps what that release reads.
+    One migrate applies revision after revision beside its running processes, so an index
+    dropped and brought back by a later revision of the same run is missing in between:
+    on a large ledger for as long as the concurrent builds in between take."""
+    from alembic.script import ScriptDirectory
+
+    from ledger.migrate import alembic_config, upgrade
+
+    upgrade(empty_db, PREVIOUS_RELEASE_REVISION)
+    script = ScriptDirectory.from_config(alembic_config(empty_db))
+    later = [r.revision for r in script.walk_revisions(PREVIOUS_RELEASE_REVISION, "head")]
+    engine = make_engine(empty_db)
+    try:
+        for revision in reversed(later):
+            upgrade(empty_db, revision)
+            missing = set(PREVIOUS_RELEASE_INDEXES) - set(index_definitions(engine))
+            assert not missing, f"after revision {revision}: {sorted(missing)}"
+    finally:
+        engine.dispose()
+
+
+def add_two_exports(engine: sa.Engine) -> None:
+    """Two rows alike, so a unique index over their ``kind`` cannot be built."""
+    with engine.begin() as conn:
+        team = conn.execute(
+            sa.text("INSERT INTO teams (name) VALUES ('t') RETURNING id")
+        ).scalar_one()
+        owner = conn.execute(
+            sa.text("INSERT INTO users (email, name) VALUES ('u@x', 'u') RETURNING id")
+        ).scalar_one()
+        conn.execute(
+            sa.text(
+                "INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters)"
+                " SELECT 'EXPORT', :t, :o, 'TEAM', '{}' FROM generate_series(1, 2)"
+            ),
+            {"t": team, "o": owner},
+        )
+
+
+def interrupt_builds(engine: sa.Engine, names: Iterable[str]) -> None:
+    """Leave each index of ``names`` as an interrupted concurrent build does (see
+    :data:`INTERRUPTED_BUILDS`); needs :func:`add_two_exports`' rows."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        for name in names:
+            with pytest.raises(sa.exc.IntegrityError):
+                conn.execute(
+                    sa.text(f"CREATE UNIQUE INDEX CONCURRENTLY {name} ON background_tasks (kind)")
+                )
+
+
+def index_definitions(engine: sa.Engine) -> dict[str, str]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'background_tasks'"
+            )
+        ).all()
+    return {str(name): str(text) for name, text in rows}
 
 
 def invalid_indexes(engine: sa.Engine) -> set[str]:

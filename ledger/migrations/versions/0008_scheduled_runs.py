@@ -17,8 +17,11 @@ passing it over: with 100,000 teams holding a reminder for tomorrow, one fill wa
   round-robin walks the ``scheduled = false`` range only, and the quota's count
   (ledger/quota.py) still reads each team's unpublished rows from it, in two ranges.
   Same predicate, so no row enters an index it was not in before.
-- ``ix_background_tasks_scheduled`` (run_at) over scheduled rows replaces
-  ``ix_background_tasks_due``: the promotion's range scan and the next due time.
+- ``ix_background_tasks_scheduled`` (run_at) over scheduled rows takes over
+  ``ix_background_tasks_due``'s work: the promotion's range scan and the next due time.
+  ``ix_background_tasks_due`` itself stays: the previous release reads it by name, and a
+  release drops nothing the one before it reads (migration 0011, docs/decisions.md,
+  "Expand and contract: the previous release keeps working").
 
 The indexes are built ``CONCURRENTLY`` (no lock that blocks writes on a large ledger); the
 new ready index is built beside the old one and takes its name once it is valid. A run
@@ -86,11 +89,13 @@ def upgrade() -> None:
         )
         op.execute("DROP INDEX CONCURRENTLY IF EXISTS ix_background_tasks_ready")
         op.execute("ALTER INDEX ix_background_tasks_ready_0008 RENAME TO ix_background_tasks_ready")
-        op.execute("DROP INDEX CONCURRENTLY IF EXISTS ix_background_tasks_due")
 
 
 def downgrade() -> None:
-    op.execute(f"CREATE INDEX ix_background_tasks_due ON background_tasks (run_at) WHERE {READY}")
+    op.execute(
+        "CREATE INDEX IF NOT EXISTS ix_background_tasks_due"
+        f" ON background_tasks (run_at) WHERE {READY}"
+    )
     op.execute("DROP INDEX ix_background_tasks_ready")
     op.execute(
         "CREATE INDEX ix_background_tasks_ready"
