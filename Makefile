@@ -29,13 +29,22 @@ constraints: | $(PY) ## regenerate constraints.txt from pyproject.toml (pip-comp
 services: $(STAMP) ## check that PostgreSQL and Redis answer
 	$(PY) scripts/check_services.py
 
-test: install services ## install, check services, run the whole test suite
+# pytest-xdist processes for the parallel runs: the tests mostly wait on servers and
+# subprocesses, so more than the 2 cores pay (docs/decisions.md, "A test suite a person
+# can wait for").
+TEST_JOBS ?= 4
+
+test: install services ## install, check services, run the whole test suite (parallel, then the timed tests alone)
 	TEAMDESK_CHECK_RABBITMQ=1 $(PY) scripts/check_services.py
 	bash scripts/ensure_chromium.sh
 	bash scripts/ensure_debian.sh faketime faketime
 	bash scripts/ensure_debian.sh prometheus prometheus
 	bash scripts/ensure_debian.sh pgbouncer pgbouncer
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_JOBS) -m "not alone"
+	$(PY) -m pytest -m alone
+
+check: lint services ## the edit-test loop: lint, then the unit and integration tests in parallel (no process tests)
+	$(PY) -m pytest -n $(TEST_JOBS) tests/unit tests/integration
 
 lint: install ## ruff, mypy, the import contracts (lint-imports), the alert rules (promtool)
 	$(VENV)/bin/ruff check .
@@ -69,4 +78,4 @@ soak: install ## chaos run (~10 min), own PostgreSQL + Redis under Sentinel, 16 
 	bash scripts/ensure_debian.sh faketime faketime
 	$(PY) -m soak.run $(if $(SEED),--seed $(SEED)) $(if $(TASKS),--tasks $(TASKS)) $(if $(FAULTS),--faults $(FAULTS)) $(SOAK_ARGS)
 
-.PHONY: help install constraints services test lint format migrate run soak bench
+.PHONY: help install constraints services test check lint format migrate run soak bench

@@ -33,6 +33,21 @@ def _answers(url: str, default_port: int) -> bool:
         return False
 
 
+# The longest tests, started first so that a parallel run (pytest-xdist, ``make test``)
+# does not end waiting for one of them alone: module names, longest first.
+LONGEST_FIRST = ("test_soak_short", "test_upgrade", "test_autoscaling_backlog")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the longest tests first (a stable sort: the rest keep their order)."""
+
+    def rank(item: pytest.Item) -> int:
+        module = item.path.stem
+        return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)
+
+
 @pytest.fixture(scope="session")
 def services() -> None:
     """PostgreSQL and Redis answer; else the session stops with one line saying what to

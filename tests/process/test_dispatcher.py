@@ -139,6 +139,7 @@ def test_workers_split_by_queue_and_one_beat_run_everything_and_a_missing_role_i
     assert events_of(engine, waiting) == ["CLAIM", "COMPLETE"]
 
 
+@pytest.mark.alone  # the takeover within the lock's TTL + 2 s
 def test_a_standby_beat_takes_over_from_a_killed_leader_and_at_once_from_a_stopped_one(
     engine: sa.Engine,
     seeded: World,

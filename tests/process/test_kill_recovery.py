@@ -22,7 +22,7 @@ from ledger import service
 from teamdesk.config import Settings
 from teamdesk.heartbeat import live_members
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # its bound: TTL + 2 scans
 
 
 def test_sigkilled_worker_is_taken_over_fast(

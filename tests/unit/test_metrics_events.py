@@ -88,7 +88,6 @@ def test_metrics_port_and_host_are_read_and_checked() -> None:
             load_settings({"METRICS_PORT": bad})
 
 
-
 def test_a_lost_pool_process_is_counted_by_what_the_worker_wrote(
     registry: CollectorRegistry,
 ) -> None:
