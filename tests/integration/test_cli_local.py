@@ -44,7 +44,10 @@ def test_demo_seed_creates_the_team_once_and_issues_fresh_tokens(
     seeded = json.loads(first.out)
     team_id = uuid.UUID(seeded["team_id"])
     assert seeded["created"] is True and seeded["tickets"] == demo.DEFAULT_TICKETS
-    assert took < 2.0
+    # Seconds, not a benchmark: about 1 s alone; the margin holds on a busy 2-core
+    # machine running the suite in parallel (docs/decisions.md, "A test suite a person
+    # can wait for").
+    assert took < 6.0
 
     roles = {u["email"]: u["role"] for u in seeded["users"]}
     assert roles == {demo.STAFF_EMAIL: "STAFF", demo.CUSTOMER_EMAIL: "CUSTOMER"}
