@@ -454,7 +454,7 @@ class FailedAttempt:
 
 
 def report_lost(
-    conn: Connection,
+    dbapi: Any,
     lease: Lease,
     *,
     max_attempts: int,
@@ -465,7 +465,11 @@ def report_lost(
     """The execution holding ``lease`` lost its process: its attempt failed (WAITING after
     the backoff, or FAILED on the last attempt, with ``message`` or ``final_message``).
     ``lease.attempt`` is not read: the row's own count decides. None when that execution
-    holds no lease (it never claimed, or a newer execution or a cancel owns the run)."""
+    holds no lease (it never claimed, or a newer execution or a cancel owns the run).
+
+    On ``dbapi``, a psycopg2 connection in autocommit (the worker's main process keeps no
+    SQLAlchemy engine for this: worker/lost.py), unprepared and bounded by
+    ``STATEMENT_TIMEOUT_MS`` in the same implicit transaction: a rare path."""
     params = {
         **lease.params(),
         "max_attempts": max_attempts,
@@ -473,7 +477,9 @@ def report_lost(
         "message": message,
         "final_message": final_message,
     }
-    row = _execute(conn, REPORT_LOST, params).fetchone()
+    with dbapi.cursor() as cursor:
+        cursor.execute(prepared.bounded(REPORT_LOST, STATEMENT_TIMEOUT_MS), params)
+        row = cursor.fetchone()
     if row is None:
         return None
     return FailedAttempt(status=row[0], attempt=int(row[1]), retry_in_s=float(row[2]))

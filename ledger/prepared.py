@@ -136,8 +136,8 @@ def is_transient(exc: BaseException) -> bool:
     if not isinstance(orig, psycopg2.Error):
         return False
     code = orig.pgcode
-    if not code:  # no SQLSTATE: the connection failed or was lost
-        return isinstance(orig, psycopg2.OperationalError | psycopg2.InterfaceError)
+    if not code:  # no SQLSTATE: the connection failed or was lost (as connection_lost says)
+        return True
     return code.startswith(_TRANSIENT_CLASSES) or code in _TRANSIENT_CODES
 
 

@@ -7,7 +7,7 @@ The main process issues each delivery's execution id as it hands the message to 
 the pool process receives, which claims with it (tasks/delivery.py). When billiard
 reports that process gone (``WorkerLostError``, at once: the pool watches its children),
 the main process acknowledges the message and hands the lease it knows to
-:class:`FailedAttempts`, whose thread writes ``ledger.lease.report_lost``: the attempt
+:class:`LostReports`, whose thread writes ``ledger.lease.report_lost``: the attempt
 failed, WAITING after the backoff or FAILED on the last attempt, with a ``last_error``
 that names the process and how it ended. The write is the lease's own guarded statement,
 so it changes nothing when that execution never claimed, or a newer execution or a
@@ -17,12 +17,15 @@ staleness rule, and a lost process is never a recovery.
 
 The write runs on a thread of its own, never on the event loop: PostgreSQL may be away
 (then it is tried again for up to half of ``STALE_AFTER_S``, as a failure report is;
-past that the staleness rule takes the run back). Its connection comes from an engine of
-its own without a pool, and each try holds the fork guard (worker/liveness.py): billiard
-forks the replacement pool process at that very moment, and a child forked while the
-thread held a lock - a module's import lock on its first connection, found by
-tests/process/test_pool_process_lost.py - waited on it forever. A fork waits for a try
-(bounded: ``CONNECT_TIMEOUT_S``, the lease's statement timeout) instead. A cold
+past that the staleness rule takes the run back). billiard forks the replacement pool
+process at that very moment, and a child forked while the thread held a lock the child
+then takes waits on it forever: with an SQLAlchemy engine, a module's import lock on the
+first connection (found by tests/process/test_pool_process_lost.py). So each try is one
+psycopg2 connection of its own (imported at start, nothing imported on the way), one
+unprepared statement bounded by the lease's statement timeout, closed after it; the
+fork guard (worker/liveness.py) is held only around the log line and its metric. Holding
+it across the round trip made a slow database hold up the heartbeat renewal's logging
+and the main thread's fork, for as long as the statement took. A cold
 shutdown's killed children are not reported (the process is going away; the heartbeat's
 expiry hands their runs to the dispatcher, docs/design.md "Shutdown").
 """
@@ -38,19 +41,17 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import sqlalchemy as sa
+import psycopg2
 from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import WorkerLostError
 from celery import bootsteps
 from celery.worker import state
 from celery.worker.request import Request
-from sqlalchemy.engine import Engine
-from sqlalchemy.pool import NullPool
 
 from ledger import lease
 from tasks import delivery
 from teamdesk.config import Settings, get_settings
-from teamdesk.db import DATABASE_ERRORS, KEEPALIVES, PREPARE_KEY, sqlalchemy_url
+from teamdesk.db import KEEPALIVES, libpq_url
 from teamdesk.logs import log_event
 from worker.liveness import fork_guard
 
@@ -102,7 +103,10 @@ class ExecutionRequest(Request):
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
     ) -> None:
-        lost = self._lost_execution(exc_info.exception)
+        try:
+            lost = self._lost_execution(exc_info.exception)
+        except Exception:  # never keep Celery's own failure handling from running
+            lost = None
         if lost is None:
             super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
             return
@@ -117,10 +121,15 @@ class ExecutionRequest(Request):
     def _lost_execution(self, exc: BaseException) -> LostExecution | None:
         """The execution this request's lost pool process held, or None when the failure
         is not a lost process (or one Celery itself caused: a terminate, a revoke, a cold
-        shutdown), or the message named no run."""
+        shutdown), or the message named no run. Not during a stop either: a SIGTERM sent
+        to the whole process group (systemd's default ``KillMode=control-group``,
+        ``kill -TERM -<pgid>``) ends the pool's processes too, and their runs are not
+        failed attempts; the heartbeat's expiry hands them to the dispatcher."""
         if isinstance(exc, ExceptionWithTraceback):
             exc = exc.exc
-        if state.should_terminate or self._already_revoked or self._already_cancelled:
+        if state.should_terminate or state.should_stop is not None:
+            return None
+        if self._already_revoked or self._already_cancelled:
             return None
         if isinstance(exc, SystemExit | KeyboardInterrupt):
             exc = self._worker_lost_info(exc).exception
@@ -164,13 +173,12 @@ class PoolWatch(bootsteps.StartStopStep):
             self.entry = None
 
 
-class FailedAttempts:
+class LostReports:
     """The thread that writes lost executions to the ledger, one at a time."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._queue: queue.SimpleQueue[LostExecution] = queue.SimpleQueue()
-        self._engine: Engine | None = None
         self._pending = 0
         self._settled = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="teamdesk-lost", daemon=True)
@@ -216,26 +224,37 @@ class FailedAttempts:
         pause = RETRY_FIRST_S
         while True:
             try:
-                # Under the fork guard: billiard forks a replacement pool process right
-                # after a loss, and a child forked while this thread holds any lock - a
-                # module's import lock, the engine's - would wait on it forever.
-                with fork_guard, self.engine().begin() as conn:
-                    written = lease.report_lost(
-                        conn,
-                        lost.held,
-                        max_attempts=settings.max_task_attempts,
-                        base_delay_s=settings.retry_base_delay_s,
-                        message=MSG_LOST.format(how=how),
-                        final_message=MSG_LOST_FINAL.format(n=settings.max_task_attempts, how=how),
-                    )
+                written = self._write(lost, how)
                 break
-            except DATABASE_ERRORS:
+            except psycopg2.OperationalError:
                 if time.monotonic() + pause > deadline:
                     raise
             time.sleep(pause)  # the database is away; the attempt is over either way
             pause = min(pause * 2, RETRY_MAX_S)
         self._log(lost, written)
         return written
+
+    def _write(self, lost: LostExecution, how: str) -> lease.FailedAttempt | None:
+        """One try, on a connection of its own, closed after it."""
+        settings = self.settings
+        conn = psycopg2.connect(
+            libpq_url(settings.database_url),
+            connect_timeout=CONNECT_TIMEOUT_S,
+            application_name="teamdesk-worker-lost",
+            **KEEPALIVES,
+        )
+        try:
+            conn.autocommit = True
+            return lease.report_lost(
+                conn,
+                lost.held,
+                max_attempts=settings.max_task_attempts,
+                base_delay_s=settings.retry_base_delay_s,
+                message=MSG_LOST.format(how=how),
+                final_message=MSG_LOST_FINAL.format(n=settings.max_task_attempts, how=how),
+            )
+        finally:
+            conn.close()
 
     def _log(self, lost: LostExecution, written: lease.FailedAttempt | None) -> None:
         fields = lost.fields()
@@ -262,38 +281,17 @@ class FailedAttempts:
                     **fields,
                 )
 
-    def engine(self) -> Engine:
-        """This thread's engine: no pool (nothing idle is kept, nothing crosses a fork)."""
-        if self._engine is None:
-            prepare = self.settings.database_prepared_statements
-            engine = sa.create_engine(
-                sqlalchemy_url(self.settings.database_url),
-                poolclass=NullPool,
-                connect_args={
-                    **KEEPALIVES,
-                    "connect_timeout": CONNECT_TIMEOUT_S,
-                    "application_name": "teamdesk-worker-lost",
-                },
-            )
 
-            @sa.event.listens_for(engine, "connect")
-            def _mark(_dbapi: object, record: Any) -> None:
-                record.info[PREPARE_KEY] = prepare
-
-            self._engine = engine
-        return self._engine
-
-
-_reports: FailedAttempts | None = None
+_reports: LostReports | None = None
 _reports_lock = threading.Lock()
 
 
-def reports() -> FailedAttempts:
+def reports() -> LostReports:
     """This worker process's reporter, started on first use."""
     global _reports
     with _reports_lock:
         if _reports is None:
-            _reports = FailedAttempts(get_settings())
+            _reports = LostReports(get_settings())
         return _reports
 
 

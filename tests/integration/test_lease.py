@@ -406,9 +406,10 @@ def test_a_redelivery_never_takes_over_a_live_execution(engine: sa.Engine, world
 
 
 def lost(conn: sa.Connection, held: lease.Lease) -> lease.FailedAttempt | None:
-    """report_lost with 3 attempts, a 2 s backoff base and two short messages."""
+    """report_lost (on ``conn``'s driver connection, in its transaction) with 3 attempts, a
+    2 s backoff base and two short messages."""
     return lease.report_lost(
-        conn,
+        conn.connection.dbapi_connection,
         held,
         max_attempts=3,
         base_delay_s=2.0,

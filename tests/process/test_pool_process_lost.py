@@ -188,3 +188,28 @@ def test_a_pool_process_lost_before_its_claim_leaves_the_run_to_be_published_aga
     assert (done["attempts"], done["recoveries"], done["result_summary"]) == (1, 0, "10 rows")
     assert [event for event, _ in audit_trail(engine, task_id)] == ["CLAIM", "COMPLETE"]
     assert beat.events("task.stalled") == []
+
+
+def test_a_sigterm_to_the_whole_process_group_fails_no_attempt(
+    engine: sa.Engine, world: World, settings: Settings, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """systemd's default stop (``KillMode=control-group``) or ``kill -TERM -<pgid>`` ends
+    the pool's processes along with the worker's warm stop. Their runs are interrupted by
+    the stop, not lost: no ``task.process_lost``, no attempt counted; the heartbeat's
+    expiry hands the run to the dispatcher."""
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 1200)
+        task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+    gate = RemoteGate(redis_client, settings.queue_prefix, GATE)
+    with cluster(tmp_path) as procs:
+        worker, _beat = start_cluster(procs, settings, tmp_path)
+        gate.wait_reached(timeout=60)
+        os.killpg(worker.pid, signal.SIGTERM)
+        worker.wait(timeout=60)
+        stopped = worker.wait_event("worker.stopped")
+    row = task_row(engine, task_id)
+    assert worker.events("task.process_lost") == []
+    assert stopped["exit_code"] in (0, 1)
+    assert (row["status"], row["attempts"], row["recoveries"]) == ("RUNNING", 1, 0)
+    assert row["last_error"] is None
+    assert [event for event, _ in audit_trail(engine, task_id)] == ["CLAIM"]
