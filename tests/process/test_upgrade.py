@@ -83,7 +83,11 @@ class Side:
     make: Callable[[str, list[str]], Proc]
 
     def beat(self) -> Proc:
-        return self.make(f"{self.label}-beat", celery_argv("beat"))
+        proc = self.make(f"{self.label}-beat", celery_argv("beat"))
+        # Every scan logs dispatcher.scan, at debug when it had nothing of note: the test
+        # waits for scans by their lines.
+        proc.env = {**proc.env, "LOG_LEVEL": "debug"}
+        return proc
 
     def worker(self, name: str, queues: str) -> Proc:
         # Its own node name, as a pod of its own has: w1 and its replacement overlap.
@@ -161,7 +165,7 @@ def roll(
     load: rollout.Load,
     settings: Settings,
     tmp_path: Path,
-    between: Callable[[], None],
+    between: Callable[[Proc], None],
 ) -> list[Proc]:
     """Run ``before``'s beat and workers, call ``between`` (a migrate) while they work,
     then replace the workers and the beat with ``after``'s, one at a time; once every task
@@ -178,7 +182,7 @@ def roll(
         try:
             load.start()
             wait_done(workers, 10, running)
-            between()
+            between(beat)
             wait_done(workers, 10, running)
             for old, (name, queues) in zip(workers, WORKERS, strict=True):
                 new = after.worker(name, queues)
@@ -246,16 +250,17 @@ def test_rolling_replacement_under_load(
         creator = rollout.sql_creator if direction == "upgrade" else rollout.head_creator
         load = rollout.Load(engine, seeded, creator(seeded.world))
 
-        def head_migrates_beside_them() -> None:
+        def head_migrates_beside_them(beat: Proc) -> None:
+            scans = len(beat.events("dispatcher.scan"))
             took = migrate(head_migrate, database, ROOT)
             print(f"head migrate beside {release.label}'s processes: {took:.1f} s")
             load.creator = rollout.head_creator(seeded.world)
-            # Two scans at least (each reads the ledger's statistics): 0.9's beat died at
+            # Two scans after it (each reads the ledger's statistics): 0.9's beat died at
             # its first after 0008 had dropped the index it names.
-            time.sleep(2 * settings.scan_interval_s + 1)
+            beat.wait_event("dispatcher.scan", timeout=60, count=scans + 2)
 
         before, after = (old, head) if direction == "upgrade" else (head, old)
-        between = head_migrates_beside_them if direction == "upgrade" else (lambda: None)
+        between = head_migrates_beside_them if direction == "upgrade" else (lambda _beat: None)
         procs = roll(before, after, load, settings, tmp_path, between)
         faults = rollout.ledger_faults(engine, load)
     finally:
