@@ -16,7 +16,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from psycopg2.extensions import AsIs
 from sqlalchemy.engine import Connection
@@ -539,18 +539,26 @@ def was_cancelled(conn: Connection, held: Lease) -> bool:
     return bool(row is not None and row[0])
 
 
-def skip_reason(conn: Connection, task_id: uuid.UUID, run: int, stamp: datetime | None) -> str:
-    """Why :func:`claim` returned None for this message, in words (read after it)."""
+class Skip(NamedTuple):
+    """Why a claim took nothing: in words, and whether the message's own run was
+    cancelled (the message then ends as REVOKED, not as a success)."""
+
+    reason: str
+    cancelled: bool = False
+
+
+def skip_reason(conn: Connection, task_id: uuid.UUID, run: int, stamp: datetime | None) -> Skip:
+    """Why :func:`claim` returned None for this message (read after it)."""
     row = _execute(conn, SKIP_REASON, {"task_id": str(task_id)}).fetchone()
     if row is None:
-        return "the task does not exist"
+        return Skip("the task does not exist")
     current_run, status, dispatched_at, early = row
     if current_run != run:
-        return "the message is for another run"
+        return Skip("the message is for another run")
     if status not in ("WAITING", "RUNNING"):
-        return f"the run has ended ({status})"
+        return Skip(f"the run has ended ({status})", cancelled=status == "CANCELLED")
     if stamp is not None and dispatched_at != stamp:
-        return "the message is not the run's current publish"
+        return Skip("the message is not the run's current publish")
     if status == "RUNNING":
-        return "the run is held by a live execution"
-    return "the run is not due yet" if early else "the run is not claimable"
+        return Skip("the run is held by a live execution")
+    return Skip("the run is not due yet" if early else "the run is not claimable")

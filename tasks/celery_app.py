@@ -17,6 +17,7 @@ from teamdesk.config import Settings, get_settings, is_redis_url, is_sentinel_ur
 from teamdesk.logs import setup_logging
 from worker import lifecycle
 from worker.lost import PoolWatch
+from worker.revokes import RevokeWatch
 from worker.steps import LivenessStep
 
 RESULT_EXPIRES = timedelta(days=1)
@@ -113,6 +114,7 @@ def create_app(settings: Settings | None = None) -> Celery:
     register(app)
     app.steps["worker"].add(LivenessStep)
     app.steps["worker"].add(PoolWatch)
+    app.steps["worker"].add(RevokeWatch)
     lifecycle.connect()
     return app
 

@@ -134,7 +134,7 @@ def _deliver(task: Task, message: delivery.Delivery, body: Body) -> dict[str, An
         # saw no marker then would publish the run again.
         queueing.message_started(task_id, run, stamp)
         if claimed is None:
-            return _skipped(conn, message)
+            return _skipped(task, conn, message)
         held = claimed.lease
         fields = _fields(task_id, run, held.attempt, execution=str(held.execution_id)[:8])
         log_event(log, "task.started", kind=claimed.kind, **fields)
@@ -187,14 +187,19 @@ def _server_gone(conn: Connection) -> bool:
     return dbapi is not None and bool(getattr(dbapi, "closed", False))
 
 
-def _skipped(conn: Connection, message: delivery.Delivery) -> dict[str, Any]:
-    """The claim took nothing: say why (one read; a lost connection says so instead)."""
+def _skipped(task: Task, conn: Connection, message: delivery.Delivery) -> dict[str, Any]:
+    """The claim took nothing: say why (one read; a lost connection says so instead). A
+    message whose run was cancelled while it waited in the queue ends REVOKED, as the
+    cancel of a running one does, not as a success that skipped."""
     try:
-        reason = lease.skip_reason(conn, message.task_id, message.run, message.published)
+        skip = lease.skip_reason(conn, message.task_id, message.run, message.published)
     except Exception as exc:
-        reason = f"not claimable (the reason could not be read: {type(exc).__name__})"
-    log_event(log, "task.skipped", **_fields(message.task_id, message.run, None, reason=reason))
-    return _outcome(message.task_id, message.run, "skipped", reason=reason)
+        skip = lease.Skip(f"not claimable (the reason could not be read: {type(exc).__name__})")
+    fields = _fields(message.task_id, message.run, None, reason=skip.reason)
+    log_event(log, "task.skipped", **fields)
+    if skip.cancelled:
+        _end_revoked(task)
+    return _outcome(message.task_id, message.run, "skipped", reason=skip.reason)
 
 
 def _claim_failed(task: Task, message: delivery.Delivery, exc: Exception) -> NoReturn:
@@ -288,10 +293,20 @@ def _lease_lost(
         log_event(log, "task.lease_lost", **fields)
         return _outcome(held.task_id, held.run, "lease_lost")
     log_event(log, "task.cancelled", **fields)
-    if not task.request.called_directly:
-        with suppress(Exception):  # best effort: the ledger already says CANCELLED
-            task.send_event("task-revoked", terminated=False, signum=None, expired=False)
-            task.backend.mark_as_revoked(task.request.id, "cancelled", request=task.request)
+    _end_revoked(task)
+    return _outcome(held.task_id, held.run, "cancelled")  # called directly (no queue)
+
+
+def _end_revoked(task: Task) -> None:
+    """End the queue message as the cancel it is: REVOKED in the result backend and in
+    Flower (a ``task-revoked`` event, and no ``task-succeeded``: Celery's ``Ignore``
+    acknowledges the message and reports nothing more). Called directly (no message),
+    it returns."""
+    if task.request.called_directly:
+        return
+    with suppress(Exception):  # best effort: the ledger already says CANCELLED
+        task.send_event("task-revoked", terminated=False, signum=None, expired=False)
+        task.backend.mark_as_revoked(task.request.id, "cancelled", request=task.request)
     raise Ignore()
 
 

@@ -36,7 +36,7 @@ from kombu.exceptions import KombuError
 from kombu.transport.redis import BatchPublishError
 
 from ledger.dispatch import RunRef
-from tasks.names import QUEUE_OF, QUEUE_OF_KIND, TASK_OF_KIND
+from tasks.names import PROGRESS_EVENT, QUEUE_OF, QUEUE_OF_KIND, TASK_OF_KIND
 from teamdesk.config import Settings, get_settings, is_redis_url
 from teamdesk.redis_client import redis_client
 
@@ -234,15 +234,17 @@ def canonical_stamp(text: str) -> str:
 
 
 def report_progress(task: Task, percent: int, done: int, total: int) -> None:
-    """Progress for Flower, as a ``task-progress`` event: Flower builds its view from events
-    and shows the event's ``result`` field (custom fields and ``update_state`` meta are not
-    shown). The result backend is not written: the ledger is where programs read progress
-    (the API and the CLI), and a backend write would cost a read and a write per batch."""
+    """Progress for Flower, as a :data:`PROGRESS_EVENT` event: Flower builds its view from
+    events and shows the event's ``result`` field (custom fields and ``update_state`` meta
+    are not shown), beside the state the task's own events give (STARTED while it runs;
+    the event's name keeps it from ever changing the state: tasks/names.py). The result
+    backend is not written: the ledger is where programs read progress (the API and the
+    CLI), and a backend write would cost a read and a write per batch."""
     if task.request.called_directly:
         return
     try:
         task.send_event(
-            "task-progress",
+            PROGRESS_EVENT,
             result=f"{percent}% ({done}/{total} rows)",
             percent=percent,
             done=done,

@@ -137,6 +137,21 @@ class _RecoverableAsWarning(logging.Filter):
         return True
 
 
+# Celery's line for a task that raised ``Ignore`` (celery.app.trace.LOG_IGNORED): ours do
+# so for a cancelled run, already logged as ``task.cancelled`` or ``task.skipped``. Celery
+# passes the exception's traceback in the record's ``data``; a cancel is not an error, so
+# the line keeps its message and drops the traceback.
+CELERY_IGNORED = "Task %(name)s[%(id)s] %(description)s"
+
+
+class _IgnoredWithoutTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        data = getattr(record, "data", None)
+        if record.msg == CELERY_IGNORED and isinstance(data, dict):
+            record.data = {k: v for k, v in data.items() if k != "traceback"}
+        return True
+
+
 class _JsonHandler(logging.StreamHandler):
     """Ours, so a second setup replaces it and leaves other handlers (pytest's) alone."""
 
@@ -151,6 +166,7 @@ def setup_logging(service: str, level: str = "info", stream: Any = None) -> None
     handler = _JsonHandler(stream or sys.stderr)
     handler.setFormatter(TeamdeskJsonFormatter(service))
     handler.addFilter(_RecoverableAsWarning())
+    handler.addFilter(_IgnoredWithoutTraceback())
     root.addHandler(handler)
     root.setLevel(LEVELS[level])
     logging.captureWarnings(True)  # Python warnings become JSON lines too

@@ -8,6 +8,13 @@ hear of it: the run would stay WAITING and published (or RUNNING), be published 
 its message was judged lost, and be discarded again for as long as the workers remember the
 revoke.
 
+Celery does nothing more for a plain revoke of a message that is running: the worker
+only remembers the id (``celery.worker.state.revoked``), and the task completes. Here it
+stops: :class:`RevokeWatch` looks every ``REVOKE_LOOK_S`` for an active request whose id
+is revoked, and cancels its run as below. The running execution loses its lease, finds
+that out at its next ledger write (an export's next progress batch) and ends as a cancel
+does: ``task.cancelled``, REVOKED in the result backend and in Flower.
+
 So a revoke means what an operator expects: the run named by the message is CANCELLED
 in the ledger (the fenced cancel of ``ledger.service.cancel_run``: only while WAITING or
 RUNNING, only that run), its window and team slots are free at once, and a terminated
@@ -45,7 +52,8 @@ import uuid
 from typing import Any
 
 import psycopg2
-from celery import signals
+from celery import bootsteps, signals
+from celery.worker import state as worker_state
 from psycopg2 import extensions
 from sqlalchemy.dialects.postgresql import psycopg2 as pg_dialect
 
@@ -63,6 +71,8 @@ CONNECT_TIMEOUT_S = 2
 STATEMENT_TIMEOUT_S = 5.0
 ANSWER_MARGIN_S = 1.0
 APPLICATION_NAME = "teamdesk"
+# How often the worker's main process looks for running requests revoked since.
+REVOKE_LOOK_S = 0.5
 _connected = False
 
 
@@ -81,21 +91,77 @@ class NoAnswer(Exception):
     """PostgreSQL did not answer within the event loop's bound."""
 
 
-def _on_revoked(request: Any = None, terminated: bool = False, **_: Any) -> None:
-    """Celery's ``task_revoked`` (the worker's main process, its own thread)."""
+def _message(request: Any) -> delivery.Delivery | None:
+    """The run a request's message names; None for a message not the dispatcher's."""
     try:
-        message = delivery.parse(tuple(request.args or ()), dict(request.kwargs or {}))
+        return delivery.parse(tuple(request.args or ()), dict(request.kwargs or {}))
     except (delivery.MessageRefused, AttributeError, TypeError):
-        return  # not one of the dispatcher's messages: no run to cancel
+        return None
+
+
+def _on_revoked(
+    sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
+) -> None:
+    """Celery's ``task_revoked`` (the worker's main process, its own thread)."""
+    message = _message(request)
+    if message is None:
+        return
+    if terminated:
+        _store_terminated(sender, request)
     cancel_revoked(message, bool(terminated))
 
 
-def cancel_revoked(message: delivery.Delivery, terminated: bool) -> None:
-    """Cancel the run a revoked message named; never raises."""
+def _store_terminated(task: Any, request: Any) -> None:
+    """REVOKED in the result backend for a terminated message, as for every other cancel
+    (Celery stores it only for tasks that keep results; ours are ``ignore_result``).
+    Best effort, one Redis write bounded by its socket timeout: the ledger is the truth."""
+    try:
+        task.backend.mark_as_revoked(request.id, "terminated", request=request)
+    except Exception as exc:
+        log.warning("revoke not stored in the result backend: %s", type(exc).__name__)
+
+
+class RevokeWatch(bootsteps.StartStopStep):
+    """Cancels the run of every active request whose message id has been revoked (a plain
+    ``revoke``: Celery only remembers the id), once per request, every ``REVOKE_LOOK_S``
+    on the worker's timer (the event loop's, with prefork). A terminated request is no
+    longer active: ``task_revoked`` has cancelled its run already."""
+
+    requires = {"celery.worker.components:Timer"}
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.entry: Any = None
+        self.cancelled: set[str] = set()
+
+    def start(self, parent: Any) -> None:
+        self.entry = parent.timer.call_repeatedly(REVOKE_LOOK_S, self.look, priority=0)
+
+    def stop(self, parent: Any) -> None:
+        if self.entry is not None:
+            self.entry.cancel()
+            self.entry = None
+
+    def look(self) -> None:
+        active = list(worker_state.active_requests)
+        self.cancelled.intersection_update(request.id for request in active)
+        for request in active:
+            if request.id in self.cancelled or request.id not in worker_state.revoked:
+                continue
+            self.cancelled.add(request.id)
+            message = _message(request)
+            if message is not None:
+                cancel_revoked(message, terminated=False, running=True)
+
+
+def cancel_revoked(message: delivery.Delivery, terminated: bool, running: bool = False) -> None:
+    """Cancel the run a revoked message named; never raises. ``running``: the message was
+    being executed (a plain revoke of an active request), not discarded or terminated."""
     fields: dict[str, Any] = {
         "task_id": str(message.task_id),
         "run": message.run,
         "terminated": terminated,
+        "running": running or terminated,
     }
     # The message is gone either way: its marker must not hold the run back.
     queueing.message_started(message.task_id, message.run, message.stamp)

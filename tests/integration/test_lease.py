@@ -395,7 +395,7 @@ def test_a_redelivery_never_takes_over_a_live_execution(engine: sa.Engine, world
     assert task_row(engine, task_id) == before
     with engine.connect() as conn:
         reason = lease.skip_reason(conn, task_id, 0, stamp)
-    assert reason == "the run is held by a live execution"
+    assert reason == lease.Skip("the run is held by a live execution", cancelled=False)
 
     age_task(engine, task_id, 61)
     stale = claimed(engine, task_id, holder="host/b", stamp=stamp, stale_after_s=60)
@@ -516,9 +516,9 @@ def test_a_run_scheduled_later_is_never_claimed(engine: sa.Engine, world: World)
     assert claim(engine, task_id, stamp=stamp) is None
     assert task_row(engine, task_id) == before
     with engine.connect() as conn:
-        assert lease.skip_reason(conn, task_id, 0, stamp) == "the run is not due yet"
-        assert lease.skip_reason(conn, task_id, 0, None) == "the run is not due yet"
-        assert lease.skip_reason(conn, task_id, 1, stamp) == "the message is for another run"
+        assert lease.skip_reason(conn, task_id, 0, stamp).reason == "the run is not due yet"
+        assert lease.skip_reason(conn, task_id, 0, None).reason == "the run is not due yet"
+        assert lease.skip_reason(conn, task_id, 1, stamp).reason == "the message is for another run"
 
 
 def publish(engine: sa.Engine, task_id: uuid.UUID) -> datetime:

@@ -18,6 +18,7 @@ from harness.factories import World, add_tickets, task_row
 from harness.waiting import wait_for
 from ledger import service
 from tasks import queueing
+from tasks.names import PROGRESS_EVENT
 from teamdesk import config, hooks
 from teamdesk.heartbeat import Heartbeat
 from tests.support.celery_tools import rabbit_vhost as throwaway_vhost
@@ -54,7 +55,7 @@ def test_worker_on_rabbitmq_completes_an_export(
     with EventLog(app) as events, running_cluster(app):
         wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="COMPLETED")
         wait_for(lambda: events.of_type("task-succeeded", message), what="task-succeeded")
-        progress = [e["result"] for e in events.of_type("task-progress", message)]
+        progress = [e["result"] for e in events.of_type(PROGRESS_EVENT, message)]
     row = task_row(engine, task_id)
     assert row["result_csv"] == expected_csv(engine, world.team_id, world.staff_id, "TEAM", {})
     assert (row["attempts"], row["progress"], row["result_summary"]) == (1, 100, "250 rows")

@@ -22,7 +22,7 @@ from harness.waiting import wait_for
 from ledger import dispatch, service
 from ledger.errors import PermissionLost
 from tasks import queueing
-from tasks.names import EXPORT_TASK, QUEUE_OF
+from tasks.names import EXPORT_TASK, PROGRESS_EVENT, QUEUE_OF
 from teamdesk import hooks
 from tests.support.dispatching import running_cluster
 from tests.support.gates import Gate
@@ -100,7 +100,7 @@ def test_export_takeover_old_execution_cannot_commit(
             # batch's progress goes to the ledger only).
             a_progress = 0 if pause_at == "export.after_read" else 2
             wait_for(
-                lambda: len(events.of_type("task-progress", message)) == a_progress,
+                lambda: len(events.of_type(PROGRESS_EVENT, message)) == a_progress,
                 what="A's progress events",
             )
             age_task(engine, task_id, 3600)  # A is silent past STALE_AFTER_S
@@ -114,7 +114,7 @@ def test_export_takeover_old_execution_cannot_commit(
             wait_for(lambda: outcomes(events, message), what="A to return")
             assert "'outcome': 'lease_lost'" in outcomes(events, message)[0]
             assert task_row(engine, task_id) == snapshot
-            assert len(events.of_type("task-progress", message)) == a_progress
+            assert len(events.of_type(PROGRESS_EVENT, message)) == a_progress
         finally:
             gate_a.release()
             gate_b.release()
@@ -124,7 +124,7 @@ def test_export_takeover_old_execution_cannot_commit(
         assert "Renamed before B read" in row["result_csv"]
         assert ',"Ticket 1",' not in row["result_csv"]
         assert row["result_summary"] == "1200 rows"
-        b_progress = [e["percent"] for e in events.of_type("task-progress", message)]
+        b_progress = [e["percent"] for e in events.of_type(PROGRESS_EVENT, message)]
         assert 100 not in b_progress
         assert b_progress[a_progress:] == [41, 83]
         assert len(event_records(caplog, "task.lease_lost", task_id)) == 1

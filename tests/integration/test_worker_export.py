@@ -15,6 +15,7 @@ from harness.factories import World, add_tickets, task_row
 from harness.waiting import wait_for
 from ledger import service
 from tasks import queueing
+from tasks.names import PROGRESS_EVENT
 from teamdesk import config
 from tests.support.dispatching import running_cluster
 from tests.support.queues import marker_present
@@ -31,7 +32,7 @@ def test_export_completes_and_progress_reaches_flower(
         wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="COMPLETED")
         message = queueing.message_id(task_id, 0)
         wait_for(lambda: events.of_type("task-succeeded", message), what="task-succeeded")
-        progress = events.of_type("task-progress", message)
+        progress = events.of_type(PROGRESS_EVENT, message)
     row = task_row(engine, task_id)
     assert (row["status"], row["progress"], row["attempts"], row["run"]) == ("COMPLETED", 100, 1, 0)
     assert row["result_summary"] == "1200 rows" and row["execution_id"] is None

@@ -8,8 +8,9 @@ progress event Flower can have is the previous batch's. At four stops the test r
 ``tests/support/browser.py``) and reads the page's Status and Result fields:
 
 - batch 1 parked: STARTED, no percent yet;
-- then PROGRESS ``20% (1000/5000 rows)``, ``50% (2500/5000 rows)``, ``90% (4500/5000 rows)``
-  — the percent shown moves up;
+- then still STARTED, with the result ``20% (1000/5000 rows)``, ``50% (2500/5000 rows)``,
+  ``90% (4500/5000 rows)`` — the percent shown moves up (progress events never change
+  the state: tasks/names.py, ``PROGRESS_EVENT``);
 - after the last release: SUCCESS with the result ``5000 rows``.
 
 At 50% it also takes a 1280x900 screenshot (``flower-progress.png`` in the test's tmp
@@ -195,11 +196,11 @@ def test_flower_task_page_shows_export_progress_in_a_browser(
     # Before any progress event: started, no percent.
     assert pages[1].field("Status") == "STARTED", pages[1]
     assert shown_percent(pages[1]) is None, pages[1]
-    # Then the progress text, in the PROGRESS state, and it moves up.
+    # Then the progress text, the state still STARTED, and it moves up.
     progress = {batch: pages[batch] for batch in RENDER_AT if batch > 1}
     for batch, page in progress.items():
         done = (batch - 1) * BATCH
-        assert page.field("Status") == "PROGRESS", page
+        assert page.field("Status") == "STARTED", page
         assert page.field("Result") == f"{done * 100 // ROWS}% ({done}/{ROWS} rows)", page
     percents = [shown_percent(page) or 0 for page in progress.values()]
     assert percents == [20, 50, 90]

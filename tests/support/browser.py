@@ -60,7 +60,7 @@ def skip_reason(env: dict[str, str] | None = None) -> str | None:
         return None
     return (
         f"{SKIP_ENV}=1: Chromium not used, Flower's task page not rendered "
-        "(tests/process/test_flower_progress.py still checks the percent through Flower's API)"
+        "(tests/process/test_flower_cancelled.py still checks what Flower's API shows)"
     )
 
 

@@ -19,7 +19,7 @@ def test_the_browser_test_runs_unless_skip_is_exactly_1(value: str | None) -> No
 def test_skip_1_gives_a_reason_naming_the_variable_and_what_still_checks_progress() -> None:
     assert skip_reason({SKIP_ENV: "1"}) == (
         "TEAMDESK_SKIP_BROWSER=1: Chromium not used, Flower's task page not rendered "
-        "(tests/process/test_flower_progress.py still checks the percent through Flower's API)"
+        "(tests/process/test_flower_cancelled.py still checks what Flower's API shows)"
     )
 
 
