@@ -3,7 +3,10 @@
 Before starting anything: create the database named in DATABASE_URL when it is missing
 (through the server's ``postgres`` maintenance database), migrate, seed the demo team
 (once; a fresh token for the demo staff user every time, the earlier ones revoked),
-check Redis, and print the Flower and API addresses with a ready-to-paste ``curl``. Then
+check Redis, and print the Flower and API addresses with a ready-to-paste ``curl``. The
+Flower password is FLOWER_PASSWORD, or else the checkout's own: made once and kept in
+:data:`STATE_DIR` (git-ignored, the file 0600), so a bookmark or a saved login survives the
+next ``make run``. Then
 run the ``Procfile``'s processes in the foreground with honcho's manager, each output
 line prefixed with the process name.
 
@@ -44,6 +47,9 @@ from teamdesk.failures import database_failure, redis_failure
 from teamdesk.redis_client import redis_client
 
 PROCFILE = Path(__file__).with_name("Procfile")  # the processes ``make run`` starts
+# The checkout's local state (git-ignored): what one ``make run`` keeps for the next.
+STATE_DIR = Path(__file__).resolve().parent.parent / ".localrun"
+FLOWER_PASSWORD_FILE = "flower_password"
 REDIS_CHECK_TIMEOUT_S = 3.0
 DEFAULT_REDIS_PORT = 6379
 KILL_GRACE_S = 15.0  # past the workers' own drain budget (75 s) and hard-exit guard (10 s)
@@ -66,6 +72,7 @@ class LocalOptions:
     procfile: Path
     tickets: int
     slow_exports_s: float = 0.0  # demo only: tasks/demo_pause.py
+    password_file: Path | None = None  # where the kept password is (None: from the env)
 
 
 def read_procfile(path: Path) -> dict[str, str]:
@@ -231,10 +238,11 @@ def banner(
     api = f"http://127.0.0.1:{options.api_port}"
     token = team.staff.token
     auth = f'-H "Authorization: Bearer {token}"'
+    kept = f"kept in {options.password_file}; " if options.password_file else ""
     password = (
         "(from FLOWER_PASSWORD)"
         if options.password_from_env
-        else f"{options.flower_password}   (set FLOWER_PASSWORD to choose one)"
+        else f"{options.flower_password}   ({kept}set FLOWER_PASSWORD to choose one)"
     )
     state = "created" if team.created else "already seeded"
     return "\n".join(
@@ -354,19 +362,67 @@ def _port_from_env(name: str, default: int) -> int:
 
 
 def options_from(args: Any) -> LocalOptions:
-    """The options of ``run-local``; flags win over TEAMDESK_API_PORT / _FLOWER_PORT."""
+    """The options of ``run-local``; flags win over TEAMDESK_API_PORT / _FLOWER_PORT, and
+    FLOWER_PASSWORD over the checkout's kept password (:func:`kept_flower_password`)."""
     from_env = os.environ.get("FLOWER_PASSWORD", "")
     if "," in from_env:
         raise RunError("FLOWER_PASSWORD must not contain ','")
+    state_dir = STATE_DIR
+    password_file = None if from_env else state_dir / FLOWER_PASSWORD_FILE
     return LocalOptions(
         api_port=args.api_port or _port_from_env(API_PORT_ENV, 8000),
         flower_port=args.flower_port or _port_from_env(FLOWER_PORT_ENV, 5555),
-        flower_password=from_env or secrets.token_urlsafe(12),
+        flower_password=from_env or kept_flower_password(state_dir),
         password_from_env=bool(from_env),
+        password_file=password_file,
         procfile=Path(args.procfile) if args.procfile else PROCFILE,
         tickets=args.tickets,
         slow_exports_s=_slow_exports(args),
     )
+
+
+def kept_flower_password(state_dir: Path) -> str:
+    """The checkout's Flower password: the one in ``state_dir/flower_password``, or a new
+    random one written there first (the directory 0700, the file 0600). The file appears
+    whole or not at all (written aside, then linked in), so two runs starting at once
+    agree on one password."""
+    path = state_dir / FLOWER_PASSWORD_FILE
+    try:
+        kept = _read_password(path)
+        if kept:
+            return kept
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        password = secrets.token_urlsafe(12)  # URL-safe: never a ',' (FLOWER_BASIC_AUTH)
+        aside = state_dir / f".{FLOWER_PASSWORD_FILE}.{os.getpid()}"
+        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            os.fchmod(out.fileno(), 0o600)  # whatever the umask
+            out.write(password + "\n")
+        try:
+            os.link(aside, path)
+        except FileExistsError:  # another run kept its own first: use that one
+            password = _read_password(path) or password
+        finally:
+            aside.unlink(missing_ok=True)
+        return password
+    except OSError as exc:
+        raise RunError(
+            f"cannot keep the Flower password in {path} ({exc.strerror or exc}); "
+            "set FLOWER_PASSWORD to choose one"
+        ) from None
+
+
+def _read_password(path: Path) -> str:
+    """The kept password ('' when there is none yet); a file others may read is made 0600."""
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return ""
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o600)
+    if "," in text or any(c.isspace() for c in text):
+        raise RunError(f"{path} must hold one password, without ',' or spaces")
+    return text
 
 
 def _slow_exports(args: Any) -> float:
