@@ -21,7 +21,6 @@ from tasks.names import QUEUE_OF_KIND, TASK_QUEUES
 MSG_NO_DISPATCHER = "no dispatcher is running (start one: celery -A tasks beat)"
 MSG_NO_WORKER = "no worker consumes {queue}"
 MSG_NO_REDIS = "Redis does not answer: nothing can be published or run"
-MSG_NO_DATABASE = "PostgreSQL does not answer"
 # A ready task that has not started after this long gets a waiting_reason: the dispatcher
 # publishes within milliseconds and a free worker claims at once.
 EXPLAIN_AFTER_S = 5

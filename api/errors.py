@@ -11,8 +11,9 @@
   task or team, since it names nothing the caller can see;
 - an unauthenticated request to a task route answers 401 even when its path or body is
   also invalid (the token is checked first);
-- a body that is not JSON at all (not UTF-8, nested too deep) is 422 like malformed JSON
-  (FastAPI alone would answer 400);
+- a body sent as JSON that does not parse (malformed, not UTF-8, nested too deep) is 422
+  "not valid JSON" (FastAPI alone would answer 400 for the last two); valid JSON that is
+  not an object is 422 "must be a JSON object";
 - the database unreachable or too slow: 503. Logs carry the error class only, never
   SQL parameters (which hold request bodies).
 """
@@ -53,6 +54,7 @@ MSG_TEAM_NOT_FOUND = "Team not found."
 MSG_TASK_NOT_FOUND = NotFound().message
 MSG_UNAVAILABLE = "the service is temporarily unavailable; try again shortly"
 MSG_BODY_JSON = "the request body must be a JSON object"
+MSG_BODY_NOT_JSON = "the request body is not valid JSON"
 MSG_CONTENT_TYPE = "send the request body as JSON, with Content-Type: application/json"
 MSG_INVALID = "the request is invalid; see /docs for the expected form"
 MSG_LIMIT = f"limit must be a whole number from 1 to {MAX_LIST_LIMIT}"
@@ -143,7 +145,7 @@ async def http_error(request: Request, exc: Exception) -> Response:
     deep): that is invalid input like any malformed JSON, so 422 (after authentication)."""
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 400 and exc.__cause__ is not None:
-        return await _unless_unauthenticated(request, error(422, MSG_BODY_JSON))
+        return await _unless_unauthenticated(request, error(422, MSG_BODY_NOT_JSON))
     if exc.status_code == 401:
         return await _authentication_failed(request, exc)
     return await http_exception_handler(request, exc)
@@ -185,7 +187,9 @@ def validation_answer(errors: Sequence[Any], route_path: str) -> tuple[int, str]
 
 
 def _field_message(kind: str, loc: tuple[Any, ...], route_path: str) -> str:
-    if loc[:1] == ("body",) and (len(loc) == 1 or kind == "json_invalid"):
+    if loc[:1] == ("body",) and kind == "json_invalid":
+        return MSG_BODY_NOT_JSON
+    if loc[:1] == ("body",) and len(loc) == 1:
         return MSG_BODY_JSON
     if kind == "extra_forbidden" and loc[:1] == ("body",):
         allowed = BODY_FIELDS.get(route_path)

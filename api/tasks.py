@@ -42,6 +42,11 @@ from teamdesk.db import autocommit
 
 MSG_NOT_AN_EXPORT = "only export tasks have a CSV"
 MSG_NOT_COMPLETED = "the export is not complete yet; its CSV is not available"
+# An export that ended without completing never will (a retry is a new run): no "yet".
+MSG_NO_CSV = {
+    "FAILED": "the export failed; it has no CSV",
+    "CANCELLED": "the export was cancelled; it has no CSV",
+}
 MSG_EXPIRED = "the export's CSV has expired (it is kept 24 hours); create a new export"
 
 EXPORTS_PATH = "/teams/{team_id}/exports"
@@ -249,7 +254,7 @@ def download_csv(
     if task["kind"] != "EXPORT":
         raise InvalidState(MSG_NOT_AN_EXPORT)
     if task["status"] != "COMPLETED":
-        raise InvalidState(MSG_NOT_COMPLETED)
+        raise InvalidState(MSG_NO_CSV.get(task["status"], MSG_NOT_COMPLETED))
     if csv is None:
         raise HTTPException(410, MSG_EXPIRED)
     return Response(

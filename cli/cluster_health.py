@@ -10,26 +10,30 @@ clock and capped) says which missing worker is already holding tasks up, and
 
 Prints one JSON line on stdout and, for each problem, one sentence on stderr (the texts
 of api/cluster.py, which /api/workers/health and task views use too); exit 0 or 1.
-Bounded: Redis 1 s per operation, PostgreSQL 2 s to connect and 2 s per statement. The
-output never holds addresses or driver messages. The per-host probe (plain ``health``,
-worker/probe.py) is the container liveness check; this one looks at the whole cluster.
+Bounded: Redis 1 s per operation, PostgreSQL 2 s to connect and 2 s per statement. When
+PostgreSQL cannot be used the problem names the cause as ``status`` does
+(teamdesk/failures.py: ``database "x" does not exist``, ``connection refused at
+host:port``), never a password. The per-host probe (plain ``health``, worker/probe.py) is
+the container liveness check; this one looks at the whole cluster.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 import redis
 import sqlalchemy as sa
 
-from api.cluster import MSG_NO_DATABASE, MSG_NO_REDIS, problems
+from api.cluster import MSG_NO_REDIS, problems
 from dispatcher.roles import Roles, read_roles
 from ledger.waiting import READY_COUNT_CAP, ready_by_kind, top_ready_teams
 from tasks.names import QUEUE_OF_KIND
 from teamdesk.config import Settings
 from teamdesk.db import bound_transactions, sqlalchemy_url
+from teamdesk.failures import database_unusable
 from teamdesk.redis_client import redis_client
 
 REDIS_TIMEOUT_S = 1.0
@@ -50,10 +54,19 @@ def read_cluster_roles(settings: Settings) -> Roles | None:
 Busiest = dict[str, list[dict[str, Any]]]
 
 
-def read_waiting(database_url: str) -> tuple[dict[str, int], Busiest] | None:
+@dataclass(frozen=True)
+class Waiting:
+    """What PostgreSQL said about the ready runs, or why it could not be asked."""
+
+    counts: dict[str, int] | None = None  # per task queue
+    busiest: Busiest | None = None
+    problem: str | None = None  # the sentence naming the cause, when PostgreSQL failed
+
+
+def read_waiting(database_url: str) -> Waiting:
     """Ready, unpublished runs per task queue, and per queue the teams with the most of
     them (counted while the queue's ready runs are under the count's cap; a queue at the
-    cap names none); None when PostgreSQL does not answer."""
+    cap names none); or, when PostgreSQL cannot be used, why."""
     engine = bound_transactions(
         sa.create_engine(
             sqlalchemy_url(database_url),
@@ -69,31 +82,33 @@ def read_waiting(database_url: str) -> tuple[dict[str, int], Busiest] | None:
         with engine.connect() as conn:
             by_kind = ready_by_kind(conn)
             top = top_ready_teams(conn, [k for k, n in by_kind.items() if n < READY_COUNT_CAP])
-    except sa.exc.SQLAlchemyError:
-        return None
+    except sa.exc.SQLAlchemyError as exc:
+        return Waiting(problem=database_unusable(exc))
     finally:
         engine.dispose()
     busiest = {
         QUEUE_OF_KIND[kind]: [{"team_id": str(team), "ready": n} for team, n in teams]
         for kind, teams in top.items()
     }
-    return {QUEUE_OF_KIND[kind]: count for kind, count in by_kind.items()}, busiest
+    return Waiting({QUEUE_OF_KIND[kind]: count for kind, count in by_kind.items()}, busiest)
 
 
-def cluster_report(
-    roles: Roles | None, read: tuple[dict[str, int], Busiest] | None
-) -> dict[str, Any]:
-    waiting, busiest = read if read is not None else (None, None)
+def cluster_report(roles: Roles | None, waiting: Waiting) -> dict[str, Any]:
     found = ([] if roles is not None else [MSG_NO_REDIS]) + (
-        [] if waiting is not None else [MSG_NO_DATABASE]
+        [waiting.problem] if waiting.problem else []
     )
-    fields: dict[str, Any] = {"redis": roles is not None, "database": waiting is not None}
+    fields: dict[str, Any] = {"redis": roles is not None, "database": waiting.problem is None}
     if roles is None:
         fields.update(dispatcher=None, consumers=None, missing=None)
     else:
         fields.update(roles.as_dict())
-        found += problems(roles, waiting, READY_COUNT_CAP)
-    return {**fields, "waiting": waiting, "busiest_teams": busiest, "problems": found}
+        found += problems(roles, waiting.counts, READY_COUNT_CAP)
+    return {
+        **fields,
+        "waiting": waiting.counts,
+        "busiest_teams": waiting.busiest,
+        "problems": found,
+    }
 
 
 def is_able(report: dict[str, Any]) -> bool:

@@ -3,7 +3,9 @@
 
 Prints one line saying what the scan did (or one JSON object with ``--json``) and exits
 0; exits 1 with one clear line on stderr when PostgreSQL or Redis (or the broker) cannot
-be reached. The line names the service and the error class, never an address.
+be reached. PostgreSQL's line names the cause as every command does (teamdesk/failures.py:
+``database "x" does not exist``, ``connection refused at host:port``, never a password);
+Redis's names the error class.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from dispatcher.errors import ScanUnavailable
 from dispatcher.scan import run_once
 from tasks.celery_app import create_app
 from teamdesk.config import Settings
+from teamdesk.failures import DATABASE_HINT, database_unusable
 
 _HINTS = {
-    "PostgreSQL": "check DATABASE_URL and that PostgreSQL is running",
+    "PostgreSQL": DATABASE_HINT,
     "Redis": "check REDIS_URL / BROKER_URL and that Redis is running",
 }
 
@@ -35,7 +38,7 @@ def scan_command(
     try:
         counts = run_once(app, settings=settings)
     except ScanUnavailable as exc:
-        return _unreachable(err, exc.service, exc.error)
+        return _unavailable(err, exc)
     finally:
         app.close()
     print(json.dumps(counts.as_dict()) if as_json else counts.summary(), file=out)
@@ -46,4 +49,12 @@ def scan_command(
 
 def _unreachable(err: TextIO, service: str, error: str) -> int:
     print(f"teamdesk-tasks scan: cannot reach {service} ({error}); {_HINTS[service]}", file=err)
+    return 1
+
+
+def _unavailable(err: TextIO, exc: ScanUnavailable) -> int:
+    """The scan's PostgreSQL error, with its cause (the driver's error it was raised from)."""
+    if exc.service != "PostgreSQL" or exc.__cause__ is None:
+        return _unreachable(err, exc.service, exc.error)
+    print(f"teamdesk-tasks scan: {database_unusable(exc.__cause__)}", file=err)
     return 1

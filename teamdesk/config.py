@@ -14,7 +14,7 @@ import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 from urllib.parse import quote, unquote, urlsplit
 
 LOG_LEVELS = ("fatal", "error", "warn", "info", "debug", "trace", "silent")
@@ -51,6 +51,42 @@ DURABLE_PROGRESS_FRACTION = 4
 
 class ConfigError(Exception):
     """A configuration variable has a value the process cannot run with."""
+
+
+class Span(NamedTuple):
+    """The values a duration setting accepts, both ends included."""
+
+    low: float
+    high: float
+    unit: str  # "seconds" or "days", as the variable's name says
+
+    def __str__(self) -> str:
+        return f"from {self.low:g} to {self.high:g} {self.unit}"
+
+
+# Every duration setting's range: a value outside it stops the process at start.
+DURATIONS: dict[str, Span] = {
+    # 0: retry at once; later attempts wait twice as long each, so an hour is plenty.
+    "RETRY_BASE_DELAY_S": Span(0.0, 3600.0, "seconds"),
+    # Below a second a database round trip or a pause already looks like a stalled run; a
+    # run silent for a day is dead whatever it does.
+    "STALE_AFTER_S": Span(1.0, 86_400.0, "seconds"),
+    # The loop wakes on notifications anyway: more than 10 scans a second only loads the
+    # database; past 5 minutes a lost message or a stalled run waits too long.
+    "SCAN_INTERVAL_S": Span(0.1, 300.0, "seconds"),
+    # Renewed every quarter of it, at most every 0.1 s (worker/liveness.py); past 10
+    # minutes a dead worker's runs wait that long for the heartbeat rule.
+    "HEARTBEAT_TTL_S": Span(1.0, 600.0, "seconds"),
+    # 0: a cold stop at once; an hour covers the longest export read (below).
+    "SHUTDOWN_TIMEOUT_S": Span(0.0, 3600.0, "seconds"),
+    # At most the Redis broker's visibility timeout (tasks/celery_app.py, an hour): an
+    # export unacknowledged longer has its message delivered again.
+    "EXPORT_READ_BUDGET_S": Span(1.0, 3600.0, "seconds"),
+    # One day is the purge function's own floor. Ten years: longer is an archive's job, and
+    # a far larger value puts the cut-off outside PostgreSQL's dates (every purge fails).
+    "TASK_RETENTION_DAYS": Span(1.0, 3650.0, "days"),
+    "AUDIT_RETENTION_DAYS": Span(1.0, 3650.0, "days"),
+}
 
 
 @dataclass(frozen=True)
@@ -122,9 +158,8 @@ class Settings:
 T = TypeVar("T", int, float)
 
 
-def _number(
-    env: Mapping[str, str], name: str, default: T, cast: Callable[[str], T], minimum: T
-) -> T:
+def _finite(env: Mapping[str, str], name: str, default: T, cast: Callable[[str], T]) -> T:
+    """The variable as a finite number of ``cast``'s kind, or ``default`` when unset."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -135,8 +170,24 @@ def _number(
         raise ConfigError(f"{name} must be {kind}, got {raw!r}") from None
     if value != value or value in (float("inf"), float("-inf")):  # NaN / inf
         raise ConfigError(f"{name} must be {kind}, got {raw!r}")
+    return value
+
+
+def _number(
+    env: Mapping[str, str], name: str, default: T, cast: Callable[[str], T], minimum: T
+) -> T:
+    value = _finite(env, name, default, cast)
     if value < minimum:
-        raise ConfigError(f"{name} must be at least {minimum}, got {raw!r}")
+        raise ConfigError(f"{name} must be at least {minimum}, got {env.get(name)!r}")
+    return value
+
+
+def _duration(env: Mapping[str, str], name: str, default: float) -> float:
+    """A duration setting, within its range in :data:`DURATIONS`."""
+    value = _finite(env, name, default, float)
+    span = DURATIONS[name]
+    if not span.low <= value <= span.high:
+        raise ConfigError(f"{name} must be {span}, got {env.get(name)!r}")
     return value
 
 
@@ -270,7 +321,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     queue_prefix = _text(env, "QUEUE_PREFIX", "teamdesk")
     broker_url = _broker_url(env, redis_url, queue_prefix)
     master, sentinel_password = _sentinel(env, redis_url, broker_url)
-    stale_after_s = _number(env, "STALE_AFTER_S", 120.0, float, 0.001)
+    stale_after_s = _duration(env, "STALE_AFTER_S", 120.0)
     return Settings(
         database_url=_url(env, "DATABASE_URL", DEFAULT_DATABASE_URL, _DATABASE_SCHEMES),
         redis_url=redis_url,
@@ -279,14 +330,14 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         log_level=level,
         worker_instance_id=_text(env, "WORKER_INSTANCE_ID", socket.gethostname()),
         max_task_attempts=_number(env, "MAX_TASK_ATTEMPTS", 3, int, 1),
-        retry_base_delay_s=_number(env, "RETRY_BASE_DELAY_S", 2.0, float, 0.0),
+        retry_base_delay_s=_duration(env, "RETRY_BASE_DELAY_S", 2.0),
         stale_after_s=stale_after_s,
-        scan_interval_s=_number(env, "SCAN_INTERVAL_S", 3.0, float, 0.001),
-        heartbeat_ttl_s=_number(env, "HEARTBEAT_TTL_S", 20.0, float, 0.001),
+        scan_interval_s=_duration(env, "SCAN_INTERVAL_S", 3.0),
+        heartbeat_ttl_s=_duration(env, "HEARTBEAT_TTL_S", 20.0),
         max_recoveries=_number(env, "MAX_RECOVERIES", 2, int, 0),
         export_max_rows=_number(env, "EXPORT_MAX_ROWS", 10_000, int, 1),
         export_batch_size=_number(env, "EXPORT_BATCH_SIZE", 500, int, 1),
-        shutdown_timeout_s=_number(env, "SHUTDOWN_TIMEOUT_S", 75.0, float, 0.0),
+        shutdown_timeout_s=_duration(env, "SHUTDOWN_TIMEOUT_S", 75.0),
         dispatch_window=_number(env, "DISPATCH_WINDOW", 0, int, 0),
         team_max_running=_number(env, "TEAM_MAX_RUNNING", 0, int, 0),
         dispatch_listen_url=_listen_url(env),
@@ -302,11 +353,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         database_prepared_statements=_switch(env, "DATABASE_PREPARED_STATEMENTS", True),
         metrics_port=_port(env, "METRICS_PORT"),
         metrics_host=_text(env, "METRICS_HOST", "127.0.0.1"),
-        task_retention_days=_number(env, "TASK_RETENTION_DAYS", 30.0, float, 1.0),
-        audit_retention_days=_number(env, "AUDIT_RETENTION_DAYS", 30.0, float, 1.0),
+        task_retention_days=_duration(env, "TASK_RETENTION_DAYS", 30.0),
+        audit_retention_days=_duration(env, "AUDIT_RETENTION_DAYS", 30.0),
         redis_sentinel_master=master,
         redis_sentinel_password=sentinel_password,
-        export_read_budget_s=_number(env, "EXPORT_READ_BUDGET_S", 60.0, float, 0.001),
+        export_read_budget_s=_duration(env, "EXPORT_READ_BUDGET_S", 60.0),
     )
 
 

@@ -22,6 +22,7 @@ _PG_LEVEL = re.compile(r"^(FATAL|ERROR):\s+")
 _REDIS_CONNECT = re.compile(r"Error \d+ connecting to ([^\s]+?)\. (.*?)\.?$")
 _REDIS_TIMEOUT = re.compile(r"Timeout connecting to server")
 MAX_CAUSE = 200
+DATABASE_HINT = "check DATABASE_URL and that PostgreSQL is running"
 
 
 def _first_line(text: str) -> str:
@@ -51,6 +52,12 @@ def database_failure(exc: BaseException) -> str:
     if reason.lower().startswith("timeout expired"):
         return _kept(f"no answer from {where} (timeout)", exc)
     return _kept(f"{reason[:1].lower()}{reason[1:]} at {where}", exc)
+
+
+def database_unusable(exc: BaseException) -> str:
+    """The line every command prints when PostgreSQL cannot be used (``status``, ``scan``,
+    ``health --cluster``...): the cause, and where to look."""
+    return f"cannot use PostgreSQL: {database_failure(exc)}; {DATABASE_HINT}"
 
 
 def redis_failure(exc: BaseException) -> str:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from teamdesk.failures import database_failure
+from teamdesk.failures import database_unusable
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -125,7 +125,7 @@ def guarded(handler: Handler) -> Handler:
             psycopg2.OperationalError,  # the hot-path statements go straight to the driver
             psycopg2.InterfaceError,
         ) as exc:
-            say_error(args, unreachable_message(exc))
+            say_error(args, database_unusable(exc))
             return EXIT_REFUSED
         except (sa_exc.ProgrammingError, psycopg2.ProgrammingError) as exc:
             if getattr(getattr(exc, "orig", exc), "pgcode", None) != "42P01":  # undefined_table
@@ -134,10 +134,3 @@ def guarded(handler: Handler) -> Handler:
             return EXIT_REFUSED
 
     return run
-
-
-def unreachable_message(exc: BaseException) -> str:
-    return (
-        f"cannot use PostgreSQL: {database_failure(exc)}; "
-        "check DATABASE_URL and that PostgreSQL is running"
-    )

@@ -14,13 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from cli.commands.common import (
-    guarded,
-    positive_float_arg,
-    say_error,
-    unreachable_message,
-    uuid_arg,
-)
+from cli.commands.common import guarded, positive_float_arg, say_error, uuid_arg
+from teamdesk.failures import database_unusable
 
 EXIT_TIMEOUT = 3
 ENDS = {"COMPLETED": 0, "FAILED": 1, "CANCELLED": 1}
@@ -131,7 +126,7 @@ def _reader(args: argparse.Namespace) -> Callable[[], View | None]:
             if not state["read_once"]:
                 raise
             if not state["warned"]:
-                say_error(args, unreachable_message(exc) + "; still trying")
+                say_error(args, database_unusable(exc) + "; still trying")
                 state["warned"] = True
             return None
         state["read_once"], state["warned"] = True, False
