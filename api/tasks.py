@@ -101,7 +101,7 @@ def create_export(
     limits: LimitsDep,
 ) -> dict[str, Any]:
     settings = res.settings
-    quota = ExportQuota(settings.team_exports_per_day, settings.team_export_bytes_per_day)
+    quota = ExportQuota.of(settings)
     cap = settings.team_max_unfinished
     with autocommit(res.engine) as conn:  # two round trips, each its own transaction
         caller = authenticate(conn, token)
@@ -206,7 +206,7 @@ def retry_task(
     with res.engine.begin() as conn:
         caller = authenticate(conn, token)
         limits.throttle_token(caller)
-        run = service.retry(conn, task_id, caller.user_id, max_unfinished=cap)
+        run = service.retry(conn, task_id, caller.user_id, cap, ExportQuota.of(res.settings))
         run_at = service.get_task(conn, task_id, caller.user_id).row["run_at"]
     return {"task_id": task_id, "run": run, "status": "WAITING", "run_at": run_at}
 

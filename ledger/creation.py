@@ -29,6 +29,7 @@ from ledger import prepared
 from ledger.permissions import MAY_CREATE_EXPORT_SQL, MAY_CREATE_REMINDER_SQL
 from ledger.quota import (
     EXPORTS_OF_THE_DAY_SQL,
+    HELD_BYTES_SQL,
     LOCK_TEAM_SQL,
     NO_CAP,
     UNFINISHED_SQL,
@@ -87,7 +88,7 @@ def insert_export(
     if quota.per_day > NO_CAP:
         day.append("count(*) < %(per_day)s")
     if quota.bytes_per_day > NO_CAP:
-        day.append("coalesce(sum(result_bytes), 0) < %(bytes_per_day)s")
+        day.append(f"{HELD_BYTES_SQL} + %(reserve_bytes)s <= %(bytes_per_day)s")
     if day:
         conditions.append(f"(SELECT {' AND '.join(day)} {EXPORTS_OF_THE_DAY_SQL})")
     sql = _statement("EXPORT", tuple(conditions), cap > NO_CAP or bool(day), returning)
@@ -100,6 +101,7 @@ def insert_export(
         "cap": cap,
         "per_day": quota.per_day,
         "bytes_per_day": quota.bytes_per_day,
+        "reserve_bytes": quota.reserve_bytes,
     }
     return _insert(conn, sql, params)
 

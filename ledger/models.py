@@ -123,6 +123,11 @@ background_tasks = sa.Table(
     sa.Column("result_summary", sa.Text, nullable=True),
     # An export's stored CSV in bytes (the daily export quota sums it; migration 0009).
     sa.Column("result_bytes", sa.BigInteger, nullable=True),
+    # When the current run was opened: its creation or the retry that opened it (the daily
+    # export quota counts by it; migration 0012). NULL only on rows older than 0012.
+    sa.Column(
+        "run_opened_at", sa.DateTime(timezone=True), nullable=True, server_default=sa.func.now()
+    ),
     sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True),
     _created_at(),
     sa.Column(
@@ -191,11 +196,19 @@ sa.Index(
     # database compare equal (tests/integration/test_schema.py).
     postgresql_where=sa.text("status = ANY (ARRAY['COMPLETED', 'FAILED', 'CANCELLED'])"),
 )
-# The daily export quota: a team's exports by creation time (ledger/quota.py).
+# The previous release's daily export quota: exports by creation time (0009; 0012 keeps
+# it for that release).
 sa.Index(
     "ix_background_tasks_team_exports",
     background_tasks.c.team_id,
     background_tasks.c.created_at,
+    postgresql_where=sa.text("kind = 'EXPORT'"),
+)
+# The daily export quota: a team's exports by when their current run opened (0012).
+sa.Index(
+    "ix_background_tasks_team_export_runs",
+    background_tasks.c.team_id,
+    background_tasks.c.run_opened_at,
     postgresql_where=sa.text("kind = 'EXPORT'"),
 )
 # API: a team's task list, newest first.

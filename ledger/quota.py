@@ -26,6 +26,7 @@ from sqlalchemy.engine import Connection
 from ledger.errors import ExportQuotaExceeded, TeamQuotaExceeded
 from ledger.prepared import as_text
 from ledger.states import KINDS
+from teamdesk.config import Settings
 
 NO_CAP = 0
 
@@ -99,15 +100,29 @@ def _check_room(conn: Connection, team_id: uuid.UUID, cap: int) -> None:
 
 @dataclass(frozen=True)
 class ExportQuota:
-    """A team's exports in any 24 hours (database clock): at most ``per_day`` created, and
-    a new one refused once those hold ``bytes_per_day`` bytes of CSV. 0 turns each off."""
+    """A team's exports in any 24 hours (database clock), counted where each one's current
+    run opened (its creation, or the retry that opened it): at most ``per_day`` of them,
+    and their CSVs at most ``bytes_per_day`` bytes, where an unfinished export holds
+    ``reserve_bytes`` (the most one CSV may be, ``EXPORT_MAX_BYTES``) until its completion
+    stores its real size. A new run is refused unless its own reservation still fits, so
+    a team never holds more than its quota, however many of its exports run at once. 0
+    turns each limit off."""
 
     per_day: int = NO_CAP
     bytes_per_day: int = NO_CAP
+    reserve_bytes: int = NO_CAP
 
     @property
     def enabled(self) -> bool:
         return self.per_day > NO_CAP or self.bytes_per_day > NO_CAP
+
+    @classmethod
+    def of(cls, settings: Settings) -> ExportQuota:
+        return cls(
+            settings.team_exports_per_day,
+            settings.team_export_bytes_per_day,
+            settings.export_max_bytes,
+        )
 
 
 NO_EXPORT_QUOTA = ExportQuota()
@@ -121,25 +136,30 @@ MSG_EXPORT_BYTES_PER_DAY = (
     "try again after Retry-After seconds"
 )
 
-# The team's exports created in the last 24 hours (ix_background_tasks_team_exports; there
-# are at most per_day of them, as this check keeps it), with the CSV bytes their
-# completions stored, and when the oldest leaves the window.
+# The team's exports whose current run opened in the last 24 hours
+# (ix_background_tasks_team_export_runs; at most per_day of them, as this check keeps it).
 EXPORTS_OF_THE_DAY_SQL = """
       FROM background_tasks
-     WHERE team_id = %(team_id)s AND kind = 'EXPORT' AND created_at > now() - interval '1 day'"""
+     WHERE team_id = %(team_id)s AND kind = 'EXPORT'
+       AND run_opened_at > now() - interval '1 day'"""
+# What they hold: the CSV bytes a completion stored, and the most an unfinished one may
+# store (its reservation).
+HELD_BYTES_SQL = """coalesce(sum(CASE WHEN status IN ('WAITING', 'RUNNING')
+                             THEN %(reserve_bytes)s ELSE result_bytes END), 0)"""
 EXPORTS_TODAY = as_text(f"""
-    SELECT count(*) AS created, coalesce(sum(result_bytes), 0) AS bytes,
-           ceil(extract(epoch FROM min(created_at) + interval '1 day' - now())) AS frees_in_s
+    SELECT count(*) AS created, {HELD_BYTES_SQL} AS bytes,
+           ceil(extract(epoch FROM min(run_opened_at) + interval '1 day' - now()))
+             AS frees_in_s
       {EXPORTS_OF_THE_DAY_SQL}
 """)
 
 
 def ensure_export_room(conn: Connection, team_id: uuid.UUID, cap: int, quota: ExportQuota) -> None:
-    """For a new export: :func:`ensure_room` (the cap on unfinished tasks, ``cap``), then
-    the daily export quota, under one take of the team's lock, held until the caller's
-    transaction ends so two creations cannot both take the last place. Raises
-    :class:`TeamQuotaExceeded` or :class:`ExportQuotaExceeded`; with neither limit on it
-    checks nothing and takes no lock."""
+    """For a new export run (a creation or a retry): :func:`ensure_room` (the cap on
+    unfinished tasks, ``cap``), then the daily export quota, under one take of the team's
+    lock, held until the caller's transaction ends so two requests cannot both take the
+    last place. Raises :class:`TeamQuotaExceeded` or :class:`ExportQuotaExceeded`; with
+    neither limit on it checks nothing and takes no lock."""
     if cap <= NO_CAP and not quota.enabled:
         return
     params = {"team_id": str(team_id)}
@@ -148,9 +168,9 @@ def ensure_export_room(conn: Connection, team_id: uuid.UUID, cap: int, quota: Ex
         _check_room(conn, team_id, cap)
     if not quota.enabled:
         return
-    row = conn.execute(EXPORTS_TODAY, params).one()
+    row = conn.execute(EXPORTS_TODAY, {**params, "reserve_bytes": quota.reserve_bytes}).one()
     retry_after_s = max(1, int(row.frees_in_s or 1))
     if quota.per_day > NO_CAP and row.created >= quota.per_day:
         raise ExportQuotaExceeded(MSG_EXPORTS_PER_DAY, retry_after_s)
-    if quota.bytes_per_day > NO_CAP and row.bytes >= quota.bytes_per_day:
+    if quota.bytes_per_day > NO_CAP and row.bytes + quota.reserve_bytes > quota.bytes_per_day:
         raise ExportQuotaExceeded(MSG_EXPORT_BYTES_PER_DAY, retry_after_s)

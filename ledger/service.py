@@ -104,8 +104,8 @@ RETRY = text("""
         UPDATE background_tasks
            SET run = run + 1, status = 'WAITING', progress = 0, attempts = 0, last_error = NULL,
                execution_id = NULL, lease_holder = NULL, dispatched_at = NULL, result_csv = NULL,
-               result_summary = NULL, expires_at = NULL, recoveries = 0, run_at = now(),
-               updated_at = now()
+               result_summary = NULL, result_bytes = NULL, expires_at = NULL, recoveries = 0,
+               run_at = now(), run_opened_at = now(), updated_at = now()
          WHERE id = :task_id AND status IN ('FAILED', 'CANCELLED')
         RETURNING id, run
     ), audit AS (
@@ -402,10 +402,16 @@ def read_csv(
 
 
 def retry(
-    conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID, max_unfinished: int = NO_CAP
+    conn: Connection,
+    task_id: uuid.UUID,
+    user_id: uuid.UUID,
+    max_unfinished: int = NO_CAP,
+    export_quota: ExportQuota = NO_EXPORT_QUOTA,
 ) -> int:
     """Open a new run of a FAILED or CANCELLED task; returns the new run number. Refused
-    like a creation when the team is at ``max_unfinished`` (a retry adds a WAITING row)."""
+    like a creation when the team is at ``max_unfinished`` (a retry adds a WAITING row),
+    and a new run of an export like a new export by the daily ``export_quota``: it is new
+    work, counted from now (ledger/quota.py)."""
     task = _visible_task(conn, task_id, user_id, for_update=True)
     if task["status"] not in ("FAILED", "CANCELLED"):
         raise InvalidState(MSG_RETRY_STATE)
@@ -413,7 +419,9 @@ def retry(
         refusal = export_refusal(task["scope"], role_of(conn, task["team_id"], task["owner_id"]))
         if refusal is not None:
             raise NotAllowed(refusal)
-    ensure_room(conn, task["team_id"], max_unfinished)
+        ensure_export_room(conn, task["team_id"], max_unfinished, export_quota)
+    else:
+        ensure_room(conn, task["team_id"], max_unfinished)
     row = conn.execute(RETRY, {"task_id": task_id}).one_or_none()
     if row is None:
         raise InvalidState(MSG_RETRY_STATE)

@@ -322,43 +322,62 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     broker_url = _broker_url(env, redis_url, queue_prefix)
     master, sentinel_password = _sentinel(env, redis_url, broker_url)
     stale_after_s = _duration(env, "STALE_AFTER_S", 120.0)
-    return Settings(
-        database_url=_url(env, "DATABASE_URL", DEFAULT_DATABASE_URL, _DATABASE_SCHEMES),
-        redis_url=redis_url,
-        broker_url=broker_url,
-        queue_prefix=queue_prefix,
-        log_level=level,
-        worker_instance_id=_text(env, "WORKER_INSTANCE_ID", socket.gethostname()),
-        max_task_attempts=_number(env, "MAX_TASK_ATTEMPTS", 3, int, 1),
-        retry_base_delay_s=_duration(env, "RETRY_BASE_DELAY_S", 2.0),
-        stale_after_s=stale_after_s,
-        scan_interval_s=_duration(env, "SCAN_INTERVAL_S", 3.0),
-        heartbeat_ttl_s=_duration(env, "HEARTBEAT_TTL_S", 20.0),
-        max_recoveries=_number(env, "MAX_RECOVERIES", 2, int, 0),
-        export_max_rows=_number(env, "EXPORT_MAX_ROWS", 10_000, int, 1),
-        export_batch_size=_number(env, "EXPORT_BATCH_SIZE", 500, int, 1),
-        shutdown_timeout_s=_duration(env, "SHUTDOWN_TIMEOUT_S", 75.0),
-        dispatch_window=_number(env, "DISPATCH_WINDOW", 0, int, 0),
-        team_max_running=_number(env, "TEAM_MAX_RUNNING", 0, int, 0),
-        dispatch_listen_url=_listen_url(env),
-        team_max_unfinished=_number(env, "TEAM_MAX_UNFINISHED", 1000, int, 0),
-        api_rate_per_min=_number(env, "API_RATE_PER_MIN", 120, int, 0),
-        api_rate_burst=_number(env, "API_RATE_BURST", 30, int, 1),
-        auth_failures_per_min=_number(env, "AUTH_FAILURES_PER_MIN", 30, int, 0),
-        api_read_rate_per_min=_number(env, "API_READ_RATE_PER_MIN", 600, int, 0),
-        api_read_burst=_number(env, "API_READ_BURST", 120, int, 1),
-        team_exports_per_day=_number(env, "TEAM_EXPORTS_PER_DAY", 1000, int, 0),
-        team_export_bytes_per_day=_number(env, "TEAM_EXPORT_BYTES_PER_DAY", 2 << 30, int, 0),
-        export_max_bytes=_number(env, "EXPORT_MAX_BYTES", 32 << 20, int, 0),
-        database_prepared_statements=_switch(env, "DATABASE_PREPARED_STATEMENTS", True),
-        metrics_port=_port(env, "METRICS_PORT"),
-        metrics_host=_text(env, "METRICS_HOST", "127.0.0.1"),
-        task_retention_days=_duration(env, "TASK_RETENTION_DAYS", 30.0),
-        audit_retention_days=_duration(env, "AUDIT_RETENTION_DAYS", 30.0),
-        redis_sentinel_master=master,
-        redis_sentinel_password=sentinel_password,
-        export_read_budget_s=_duration(env, "EXPORT_READ_BUDGET_S", 60.0),
+    return _checked(
+        Settings(
+            database_url=_url(env, "DATABASE_URL", DEFAULT_DATABASE_URL, _DATABASE_SCHEMES),
+            redis_url=redis_url,
+            broker_url=broker_url,
+            queue_prefix=queue_prefix,
+            log_level=level,
+            worker_instance_id=_text(env, "WORKER_INSTANCE_ID", socket.gethostname()),
+            max_task_attempts=_number(env, "MAX_TASK_ATTEMPTS", 3, int, 1),
+            retry_base_delay_s=_duration(env, "RETRY_BASE_DELAY_S", 2.0),
+            stale_after_s=stale_after_s,
+            scan_interval_s=_duration(env, "SCAN_INTERVAL_S", 3.0),
+            heartbeat_ttl_s=_duration(env, "HEARTBEAT_TTL_S", 20.0),
+            max_recoveries=_number(env, "MAX_RECOVERIES", 2, int, 0),
+            export_max_rows=_number(env, "EXPORT_MAX_ROWS", 10_000, int, 1),
+            export_batch_size=_number(env, "EXPORT_BATCH_SIZE", 500, int, 1),
+            shutdown_timeout_s=_duration(env, "SHUTDOWN_TIMEOUT_S", 75.0),
+            dispatch_window=_number(env, "DISPATCH_WINDOW", 0, int, 0),
+            team_max_running=_number(env, "TEAM_MAX_RUNNING", 0, int, 0),
+            dispatch_listen_url=_listen_url(env),
+            team_max_unfinished=_number(env, "TEAM_MAX_UNFINISHED", 1000, int, 0),
+            api_rate_per_min=_number(env, "API_RATE_PER_MIN", 120, int, 0),
+            api_rate_burst=_number(env, "API_RATE_BURST", 30, int, 1),
+            auth_failures_per_min=_number(env, "AUTH_FAILURES_PER_MIN", 30, int, 0),
+            api_read_rate_per_min=_number(env, "API_READ_RATE_PER_MIN", 600, int, 0),
+            api_read_burst=_number(env, "API_READ_BURST", 120, int, 1),
+            team_exports_per_day=_number(env, "TEAM_EXPORTS_PER_DAY", 1000, int, 0),
+            team_export_bytes_per_day=_number(env, "TEAM_EXPORT_BYTES_PER_DAY", 2 << 30, int, 0),
+            export_max_bytes=_number(env, "EXPORT_MAX_BYTES", 32 << 20, int, 0),
+            database_prepared_statements=_switch(env, "DATABASE_PREPARED_STATEMENTS", True),
+            metrics_port=_port(env, "METRICS_PORT"),
+            metrics_host=_text(env, "METRICS_HOST", "127.0.0.1"),
+            task_retention_days=_duration(env, "TASK_RETENTION_DAYS", 30.0),
+            audit_retention_days=_duration(env, "AUDIT_RETENTION_DAYS", 30.0),
+            redis_sentinel_master=master,
+            redis_sentinel_password=sentinel_password,
+            export_read_budget_s=_duration(env, "EXPORT_READ_BUDGET_S", 60.0),
+        )
     )
+
+
+def _checked(settings: Settings) -> Settings:
+    """Rules between settings. The daily bytes quota reserves EXPORT_MAX_BYTES for each
+    unfinished export (ledger/quota.py): it needs that bound, and room for one export."""
+    quota, most = settings.team_export_bytes_per_day, settings.export_max_bytes
+    if quota > 0 and most == 0:
+        raise ConfigError(
+            "EXPORT_MAX_BYTES must be above 0 while TEAM_EXPORT_BYTES_PER_DAY is on "
+            "(each unfinished export reserves EXPORT_MAX_BYTES of the quota)"
+        )
+    if 0 < quota < most:
+        raise ConfigError(
+            f"TEAM_EXPORT_BYTES_PER_DAY must be 0 (off) or at least EXPORT_MAX_BYTES ({most}),"
+            f" got {quota}"
+        )
+    return settings
 
 
 _settings: Settings | None = None

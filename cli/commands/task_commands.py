@@ -53,8 +53,7 @@ def _export_quota() -> Any:
     from ledger.quota import ExportQuota
     from teamdesk.config import get_settings
 
-    settings = get_settings()
-    return ExportQuota(settings.team_exports_per_day, settings.team_export_bytes_per_day)
+    return ExportQuota.of(get_settings())
 
 
 def _print_created(view: Any, as_json: bool) -> None:
@@ -147,7 +146,8 @@ def cmd_retry(args: argparse.Namespace) -> int:
     from teamdesk.db import get_engine
 
     with get_engine().begin() as conn:
-        run = service.retry(conn, args.id, _user(conn, args.user), max_unfinished=_team_cap())
+        user_id = _user(conn, args.user)
+        run = service.retry(conn, args.id, user_id, _team_cap(), _export_quota())
     print(
         f"{args.id}: run {run} is WAITING, ready now (a retry does not keep a reminder's "
         "scheduled time); the dispatcher will publish it"

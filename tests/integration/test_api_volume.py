@@ -99,7 +99,8 @@ def test_a_team_creates_at_most_its_daily_quota_of_exports(
     with engine.begin() as conn:  # an export older than 24 hours leaves the window
         conn.execute(
             sa.text(
-                "UPDATE background_tasks SET created_at = now() - interval '25 hours'"
+                "UPDATE background_tasks SET created_at = now() - interval '25 hours',"
+                " run_opened_at = now() - interval '25 hours'"
                 " WHERE team_id = :t AND kind = 'EXPORT'"
             ),
             {"t": world.team_id},
@@ -125,12 +126,14 @@ def test_no_new_export_once_the_days_exports_hold_the_byte_quota(
 ) -> None:
     staff = bearer(tokens["staff"])
     csv = "id,title\n" + "x" * 990 + "é\n"  # 1,002 bytes of UTF-8
-    with api_client(settings.with_overrides(team_export_bytes_per_day=2000)) as client:
+    # Each unfinished export reserves EXPORT_MAX_BYTES (1,100) until it completes.
+    quota = settings.with_overrides(team_export_bytes_per_day=3000, export_max_bytes=1100)
+    with api_client(quota) as client:
         first = client.post(exports_url(world.team_id), json=TEAM_EXPORT, headers=staff)
         complete_with(engine, uuid.UUID(first.json()["id"]), csv)
         assert task_row(engine, uuid.UUID(first.json()["id"]))["result_bytes"] == 1002
         second = client.post(exports_url(world.team_id), json=TEAM_EXPORT, headers=staff)
-        assert second.status_code == 201, second.text  # 1,002 < 2,000: room
+        assert second.status_code == 201, second.text  # 1,002 + 1,100 <= 3,000: room
         complete_with(engine, uuid.UUID(second.json()["id"]), csv)
         assert_refused(
             client.post(exports_url(world.team_id), json=TEAM_EXPORT, headers=staff),

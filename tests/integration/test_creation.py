@@ -75,9 +75,12 @@ EXPORT_CASES: list[tuple[str, str, str, Setup, int, ExportQuota, type[Exception]
     ("under-cap", "staff", "TEAM", _unfinished(2), 3, NO_EXPORT_QUOTA, None),
     ("per-day", "staff", "MINE", _exports_today(2, 0), NO_CAP, ExportQuota(2, 0), TOO_MANY),
     ("under-per-day", "staff", "MINE", _exports_today(1, 0), NO_CAP, ExportQuota(2, 0), None),
-    ("bytes", "staff", "TEAM", _exports_today(1, 100), NO_CAP, ExportQuota(0, 100), TOO_MANY),
-    ("under-bytes", "staff", "TEAM", _exports_today(2, 40), NO_CAP, ExportQuota(0, 100), None),
-    ("both-on", "staff", "TEAM", _exports_today(2, 40), 5, ExportQuota(3, 100), None),
+    ("bytes", "staff", "TEAM", _exports_today(1, 95), NO_CAP, ExportQuota(0, 100, 10), TOO_MANY),
+    ("under-bytes", "staff", "TEAM", _exports_today(2, 40), NO_CAP, ExportQuota(0, 100, 20), None),
+    # Unfinished exports hold their reservation (the most one CSV may be).
+    ("reserved", "staff", "TEAM", _unfinished(2), NO_CAP, ExportQuota(0, 100, 40), TOO_MANY),
+    ("reserved-room", "staff", "TEAM", _unfinished(2), NO_CAP, ExportQuota(0, 120, 40), None),
+    ("both-on", "staff", "TEAM", _exports_today(2, 40), 5, ExportQuota(3, 100, 10), None),
     ("cap-first", "customer", "TEAM", _unfinished(2), 2, ExportQuota(1, 1), NotAllowed),
 ]  # fmt: skip
 
