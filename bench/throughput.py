@@ -200,7 +200,7 @@ class Scraper:
 
 
 def metrics_env(env: BenchEnv, label: str) -> dict[str, Any]:
-    """A worker's metrics on (README "Observe"): a loopback port, multiprocess mode in a
+    """A worker's metrics on (docs/observability.md): a loopback port, multiprocess mode in a
     directory of the bench's own."""
     directory = env.workdir / "prometheus" / label
     directory.mkdir(parents=True, exist_ok=True)

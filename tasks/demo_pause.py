@@ -1,8 +1,8 @@
 """Demo only: exports slow enough to watch (``make run`` / ``run-local --slow-exports S``).
 
 The demo's 3,000-ticket export takes a fraction of a second, so ``watch`` jumps to 100 %
-and Flower never shows PROGRESS. With ``TEAMDESK_DEMO_SLOW_EXPORT_S=S`` (at most
-:data:`MAX_DELAY_S`), which only ``run-local`` sets, the worker's entry point
+and Flower shows no percent (STARTED, then SUCCESS). With ``TEAMDESK_DEMO_SLOW_EXPORT_S=S``
+(at most :data:`MAX_DELAY_S`), which only ``run-local`` sets, the worker's entry point
 (tasks/celery.py) installs the pause at start (:func:`install_from_env`) on the
 ``export.after_read`` hook point; every export then pauses ``S`` seconds after reading
 each batch, before reporting its progress. The pauses

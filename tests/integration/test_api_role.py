@@ -328,8 +328,8 @@ def test_every_api_route_works_as_the_api_role(roles_db: RolesDatabase) -> None:
 
 
 def test_health_cluster_reads_the_ledger_as_the_api_role(roles_db: RolesDatabase) -> None:
-    """``teamdesk-tasks health --cluster`` in the API's container (README): its counts of
-    waiting tasks are reads the API role may make."""
+    """``teamdesk-tasks health --cluster`` in the API's container (docs/operations.md): its
+    counts of waiting tasks are reads the API role may make."""
     env = {
         **os.environ,
         "DATABASE_URL": roles_db.url(roles_db.api),

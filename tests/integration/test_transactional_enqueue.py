@@ -1,4 +1,4 @@
-"""Enqueue in the caller's own transaction (README, "Enqueue in your own transaction";
+"""Enqueue in the caller's own transaction (docs/api.md, "Enqueue in your own transaction";
 docs/design.md, "Ledger"): TeamDesk's web application creates a ticket and its reminder
 in one transaction by passing its connection to ``ledger.service``. Against real
 PostgreSQL and a real dispatcher LISTEN connection:

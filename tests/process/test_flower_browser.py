@@ -15,7 +15,7 @@ progress event Flower can have is the previous batch's. At four stops the test r
 
 At 50% it also takes a 1280x900 screenshot (``flower-progress.png`` in the test's tmp
 dir; with ``TEAMDESK_FLOWER_SCREENSHOT=docs/flower-progress.png`` it is copied there, which
-is how the README's picture is made). The same URL without credentials renders no task.
+is how docs/observability.md's picture is made). The same URL without credentials renders no task.
 
 Ordering comes from the gates; the only waits are for Flower to catch up with an event the
 worker already sent (a deadline detects one that never arrives).

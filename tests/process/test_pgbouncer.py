@@ -1,5 +1,5 @@
-"""The whole cluster behind a real PgBouncer in transaction pooling (README, "Production
-topologies"): the API creates, the dispatcher publishes (LISTEN on a direct connection,
+"""The whole cluster behind a real PgBouncer in transaction pooling (docs/design.md,
+"Topologies"): the API creates, the dispatcher publishes (LISTEN on a direct connection,
 ``DISPATCH_LISTEN_URL``), workers run exports and a reminder, ``health --cluster`` answers
 - every other connection through PgBouncer, with ``DATABASE_PREPARED_STATEMENTS=off`` and
 fewer server connections than clients. Before, PgBouncer 1.18 refused every heartbeat and

@@ -160,7 +160,7 @@ def test_prometheus_sees_tasks_recovery_and_a_pending_alert(
         assert not [a for a in prom.alerts() if a["labels"]["alertname"] == "TeamdeskNoLiveWorker"]
 
         shoot = os.environ.get(SCREENSHOT_ENV)
-        if shoot:  # README "Observe": the graph page, rendered by headless Chromium
+        if shoot:  # docs/observability.md: the graph page, rendered by headless Chromium
             Chromium(tmp_path / "chromium").screenshot(
                 graph_url(prom.base), Path(shoot), (1280, 1000)
             )

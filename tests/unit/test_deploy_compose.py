@@ -42,7 +42,7 @@ from tests.support.deploy_files import (
 )
 
 TEAMDESK_SERVICES = ("migrate", "api", "worker", "beat", "flower")
-METRICS_SERVICES = ("api", "worker", "beat")  # README "Observe"
+METRICS_SERVICES = ("api", "worker", "beat")  # docs/observability.md, "Metrics"
 COMPOSE_SERVICES = ("postgres", "redis", *TEAMDESK_SERVICES)
 EXPECTED_LOGGING = {"driver": "json-file", "options": {"max-size": "10m", "max-file": "3"}}
 FLOWER_AUTH_RE = re.compile(r"^\$\{FLOWER_USER:\?[^}]*\}:\$\{FLOWER_PASSWORD:\?[^}]*\}$")

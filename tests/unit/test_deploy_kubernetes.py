@@ -48,7 +48,7 @@ from tests.support.deploy_files import (
 # Oldest Kubernetes minor the manifests are written for; kubernetes-validate ships its schemas.
 K8S_VERSION = "1.31.0"
 
-# Each component serving /metrics (README "Observe"; deploy/README.md, "Metrics").
+# Each component serving /metrics (docs/observability.md; deploy/README.md, "Metrics").
 METRICS_DEPLOYMENTS = ("teamdesk-api", "teamdesk-worker", "teamdesk-beat")
 
 # Each component's own Secret (deploy/README.md, "Who gets which secret").

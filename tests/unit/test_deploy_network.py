@@ -30,7 +30,7 @@ Port = tuple[str, object]  # (protocol, port); ("*", "*") for a rule without por
 DNS: set[Port] = {("UDP", 53), ("TCP", 53)}
 POSTGRES: Port = ("TCP", 5432)
 REDIS: Port = ("TCP", 6379)
-METRICS: Port = ("TCP", "metrics")  # the container port named `metrics` (README "Observe")
+METRICS: Port = ("TCP", "metrics")  # the container port named `metrics` (docs/observability.md)
 INGRESS: dict[str, set[Port]] = {
     "migrate": set(),
     "api": {("TCP", 8000), METRICS},

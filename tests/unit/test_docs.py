@@ -1,5 +1,7 @@
 """The design the code cites is in the repository: every ``docs/design.md, "Section"``
-reference names a heading that exists, and the docs' own links resolve."""
+reference (also as a Markdown link, ``[docs/design.md](...), "Section"``) names a heading
+that exists, and the links of the README and the docs reach a file and, with ``#anchor``,
+one of its headings."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SKIP = {".venv", ".git", "build", "node_modules"}
-CITATION = re.compile(r'docs/design\.md,\s+((?:"[^"]+"(?:,\s*|\s+and\s+)?)+)')
+CITATION = re.compile(r'docs/design\.md(?:\]\([^)]*\))?,\s+((?:"[^"]+"(?:,\s*|\s+and\s+)?)+)')
 SECTION = re.compile(r'"([^"]+)"')
 
 
@@ -53,6 +55,49 @@ def test_the_docs_link_to_files_that_exist() -> None:
     for doc in (ROOT / "docs").glob("*.md"):
         for target in re.findall(r"\]\(([^)#:]+)\)", doc.read_text()):
             assert (doc.parent / target).exists(), (doc.name, target)
+
+
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+DEPLOY_CITATION = re.compile(r'deploy/README\.md(?:\]\([^)]*\))?,\s+"([^"]+)"')
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(doc: Path) -> set[str]:
+    text = FENCE.sub("", doc.read_text())
+    return {slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, re.MULTILINE)}
+
+
+def pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_the_links_of_the_readme_and_the_docs_reach_a_file_and_its_heading() -> None:
+    broken = []
+    for doc in pages():
+        for target in LINK.findall(FENCE.sub("", doc.read_text())):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = doc.parent / path if path else doc
+            if not file.exists() or (anchor and anchor not in anchors(file)):
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert broken == []
+
+
+def test_the_readme_and_the_docs_cite_sections_of_deploy_readme_that_exist() -> None:
+    deploy = ROOT / "deploy" / "README.md"
+    sections = headings(deploy)
+    cited = set()
+    for doc in pages():
+        text = " ".join(doc.read_text().split())  # citations may wrap
+        cited.update(DEPLOY_CITATION.findall(text))
+    assert cited
+    assert sorted(cited - sections) == []
 
 
 def _layout_block() -> str:
