@@ -1,5 +1,5 @@
 """Prometheus metrics: the one registry, the workers' task metrics, the scrape endpoint
-(docs/design.md, "Observe"; README "Observe").
+(docs/design.md, "Observe"; docs/observability.md, "Metrics").
 
 Everything goes through ``prometheus_client`` (no hand-written exposition). Each process
 role serves its own metrics on ``METRICS_HOST:METRICS_PORT`` (``/metrics``), off unless
