@@ -15,6 +15,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.pool import NullPool
 
 from api.bounded import SharedCheck
+from api.downloads import Slots
 from teamdesk.config import Settings, get_settings
 from teamdesk.db import bound_transactions, make_engine, sqlalchemy_url
 from teamdesk.redis_client import redis_client
@@ -55,6 +56,7 @@ class Resources:
         # take the slots /api/health needs.
         self.database_check: SharedCheck[None] = SharedCheck(fresh_s=HEALTH_CACHE_S)
         self.roles_check: SharedCheck[dict[str, Any]] = SharedCheck(fresh_s=WORKERS_HEALTH_CACHE_S)
+        self.downloads = Slots()  # the CSVs this process streams now (api/downloads.py)
 
     @property
     def settings(self) -> Settings:

@@ -20,7 +20,9 @@ import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Response
+from fastapi.responses import StreamingResponse
 
+from api import downloads
 from api.cluster import explain_waiting, roles_or_none
 from api.deps import LimitsDep, ResourcesDep, TokenDep, authenticate
 from api.resources import Resources
@@ -48,6 +50,7 @@ MSG_NO_CSV = {
     "CANCELLED": "the export was cancelled; it has no CSV",
 }
 MSG_EXPIRED = "the export's CSV has expired (it is kept 24 hours); create a new export"
+CSV_TYPE = "text/csv; charset=utf-8"
 
 EXPORTS_PATH = "/teams/{team_id}/exports"
 REMINDERS_PATH = "/teams/{team_id}/reminders"
@@ -235,7 +238,7 @@ def cancel_task(
 @router.get(
     "/tasks/{task_id}/csv",
     response_class=Response,
-    summary="Download a completed export's CSV (kept 24 hours)",
+    summary="Download a completed export's CSV (kept 24 hours), streamed",
     responses={
         200: {"content": {"text/csv": {"schema": {"type": "string"}}}, "description": "the CSV"},
         **_errors(404, 409, 410),
@@ -250,18 +253,29 @@ def download_csv(
     with res.engine.begin() as conn:
         caller = authenticate(conn, token)
         limits.throttle_reads(caller)
-        task, csv = service.read_csv(conn, task_id, caller.user_id)
+        task, stored = service.read_csv(conn, task_id, caller.user_id)
     if task["kind"] != "EXPORT":
         raise InvalidState(MSG_NOT_AN_EXPORT)
     if task["status"] != "COMPLETED":
         raise InvalidState(MSG_NO_CSV.get(task["status"], MSG_NOT_COMPLETED))
-    if csv is None:
+    if stored is None:
         raise HTTPException(410, MSG_EXPIRED)
-    return Response(
-        csv.encode("utf-8"),
-        media_type="text/csv; charset=utf-8",
-        headers={
-            "Content-Disposition": f'attachment; filename="export-{task_id}.csv"',
-            "Cache-Control": "no-store",
-        },
+    headers = {
+        "Content-Disposition": f'attachment; filename="export-{task_id}.csv"',
+        "Cache-Control": "no-store",
+    }
+    if stored.text is not None:  # stored in the row by an earlier release: kept 24 h at most
+        return Response(stored.text.encode(), media_type=CSV_TYPE, headers=headers)
+    if not res.downloads.take(caller.token_id):
+        raise HTTPException(
+            429,
+            downloads.MSG_TOO_MANY_DOWNLOADS,
+            headers={"Retry-After": str(downloads.RETRY_AFTER_S)},
+        )
+    if stored.size is not None:
+        headers["Content-Length"] = str(stored.size)
+    return StreamingResponse(
+        downloads.stream(res.engine, stored, res.downloads, caller.token_id),
+        media_type=CSV_TYPE,
+        headers=headers,
     )

@@ -123,7 +123,12 @@ def result_csv(engine: sa.Engine, task_id: uuid.UUID) -> str:
     with engine.connect() as conn:
         return str(
             conn.execute(
-                sa.text("SELECT result_csv FROM background_tasks WHERE id = :id"), {"id": task_id}
+                sa.text(
+                    "SELECT convert_from(string_agg(c.data, ''::bytea ORDER BY c.seq), 'UTF8')"
+                    " FROM background_tasks t JOIN export_chunks c"
+                    " ON c.task_id = t.id AND c.execution_id = t.result_key WHERE t.id = :id"
+                ),
+                {"id": task_id},
             ).scalar_one()
         )
 

@@ -141,13 +141,28 @@ def insert_task(
 
 
 def task_row(engine: Engine, task_id: uuid.UUID) -> dict[str, Any]:
+    """The task's row; ``result_csv`` is its stored CSV wherever it is kept (the chunks
+    its completion names, ledger/artifacts.py, or the row's own column)."""
     with engine.connect() as conn:
-        row = (
+        row = dict(
             conn.execute(sa.text("SELECT * FROM background_tasks WHERE id = :id"), {"id": task_id})
             .mappings()
             .one()
         )
-    return dict(row)
+        if row.get("result_key") is not None:
+            row["result_csv"] = stored_csv(conn, task_id, row["result_key"])
+    return row
+
+
+def stored_csv(conn: Connection, task_id: uuid.UUID, key: uuid.UUID) -> str:
+    """The CSV stored as chunks under ``key``, whole (for checks; the API streams it)."""
+    pieces = conn.execute(
+        sa.text(
+            "SELECT data FROM export_chunks WHERE task_id = :t AND execution_id = :k ORDER BY seq"
+        ),
+        {"t": task_id, "k": key},
+    ).scalars()
+    return b"".join(bytes(p) for p in pieces).decode()
 
 
 def audit_events(engine: Engine, task_id: uuid.UUID) -> list[str]:

@@ -12,8 +12,13 @@ ledger functions they call):
   ``UPDATE`` of ``last_used_at`` only (its touch; ``FOR UPDATE ... SKIP LOCKED`` needs an
   ``UPDATE`` privilege, this column's is enough). Creating, listing and revoking tokens
   are operators' commands (``teamdesk-tasks token``), run as the application role;
-- ``background_tasks``: ``SELECT, INSERT, UPDATE`` (create, read, list, the quota's
-  counts, retry, cancel; no ``DELETE``);
+- ``background_tasks``: ``SELECT`` (read, list, the quota's counts, where a CSV is);
+  ``INSERT`` of the columns a creation writes only (:data:`CREATED_COLUMNS`: every other
+  column takes its default, so a row the API inserts is WAITING with no result); ``UPDATE``
+  of the columns a retry and a cancel write only (:data:`REOPENED_COLUMNS`): never a
+  CSV, its key, checksum or size, so no statement of this role can plant or swap what a
+  download serves; no ``DELETE``;
+- ``export_chunks``: ``SELECT`` (the download streams them, api/downloads.py); no write;
 - ``task_audit``: ``INSERT`` only (the ``RETRY`` and ``CANCEL`` rows; it reads none);
 - ``memberships``: ``SELECT`` (who may see or create what, ledger/permissions.py);
 - ``tickets``: ``SELECT`` of ``id`` and ``team_id`` only (a reminder's ticket belongs to
@@ -41,13 +46,36 @@ from ledger.roles import AppRoleReport, Privilege, RoleSpec, grant_role
 API_PASSWORD_VAR = "API_DB_PASSWORD"
 
 SELECT = Privilege("SELECT")
-INSERT = Privilege("INSERT")
-UPDATE = Privilege("UPDATE")
+
+# What a creation writes (ledger/creation.py, ``_INSERT``).
+CREATED_COLUMNS = ("kind", "team_id", "owner_id", "scope", "filters", "run_at")
+# What a retry and a cancel write (ledger/service.py, ``RETRY`` and ``_CANCEL``).
+REOPENED_COLUMNS = (
+    "run",
+    "status",
+    "progress",
+    "attempts",
+    "last_error",
+    "execution_id",
+    "lease_holder",
+    "dispatched_at",
+    "result_summary",
+    "expires_at",
+    "recoveries",
+    "run_at",
+    "run_opened_at",
+    "updated_at",
+)
 
 API_TABLES: Mapping[str, tuple[Privilege, ...]] = {
     "api_tokens": (SELECT, Privilege("UPDATE", ("last_used_at",))),
-    "background_tasks": (SELECT, INSERT, UPDATE),
-    "task_audit": (INSERT,),
+    "background_tasks": (
+        SELECT,
+        Privilege("INSERT", CREATED_COLUMNS),
+        Privilege("UPDATE", REOPENED_COLUMNS),
+    ),
+    "export_chunks": (SELECT,),
+    "task_audit": (Privilege("INSERT"),),
     "memberships": (SELECT,),
     "tickets": (Privilege("SELECT", ("id", "team_id")),),
     "users": (),

@@ -27,6 +27,7 @@ from sqlalchemy import TextClause, bindparam, text
 from sqlalchemy.dialects.postgresql import ARRAY, TEXT, TIMESTAMP
 from sqlalchemy.engine import Connection
 
+from ledger import artifacts
 from ledger.states import KINDS
 from teamdesk.db import PREPARED_KEY, may_prepare
 
@@ -270,7 +271,24 @@ RESTAMP = text("""
     bindparam("ids", type_=ARRAY(TEXT)), bindparam("stamps", type_=ARRAY(TIMESTAMP(timezone=True)))
 )
 
-# CSVs past their 24 h, by the database's clock (ix_background_tasks_expiring).
+# CSVs past their 24 h, by the database's clock: those held as chunks (0013,
+# ix_background_tasks_results_expiring), their chunks deleted with the key...
+PURGE_EXPIRED_CHUNKS = text("""
+    WITH expired AS (
+        SELECT id, result_key FROM background_tasks
+         WHERE result_key IS NOT NULL AND expires_at < now()
+         ORDER BY expires_at
+         LIMIT :batch
+           FOR UPDATE SKIP LOCKED
+    ), gone AS (
+        DELETE FROM export_chunks c USING expired e
+         WHERE c.task_id = e.id AND c.execution_id = e.result_key
+    )
+    UPDATE background_tasks t SET result_key = NULL, result_sha256 = NULL, updated_at = now()
+      FROM expired WHERE t.id = expired.id
+""")
+
+# ... and those an earlier release stored in the row (ix_background_tasks_expiring).
 PURGE_EXPIRED = text("""
     WITH expired AS (
         SELECT id FROM background_tasks
@@ -488,4 +506,9 @@ def refresh_statistics(conn: Connection) -> bool:
 
 
 def purge_expired(conn: Connection, *, batch: int) -> int:
-    return int(conn.execute(PURGE_EXPIRED, {"batch": batch}).rowcount)
+    """Expired CSVs (up to ``batch`` of each kind of storage), then the chunks of
+    executions that never completed (ledger/artifacts.py); how many CSVs went."""
+    expired = int(conn.execute(PURGE_EXPIRED_CHUNKS, {"batch": batch}).rowcount)
+    expired += int(conn.execute(PURGE_EXPIRED, {"batch": batch}).rowcount)
+    artifacts.purge_orphans(conn, batch)
+    return expired

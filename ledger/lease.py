@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from psycopg2.extensions import AsIs
 from sqlalchemy.engine import Connection
 
-from ledger import prepared, staging
+from ledger import artifacts, prepared
 from ledger.errors import LeaseLost, LedgerError, PermissionLost
 from ledger.permissions import MAY_EXPORT_SQL, export_refusal
 from ledger.wake import WAKE_SQL
@@ -124,17 +123,18 @@ REPORT_PROGRESS = f"""{_PROGRESS_COMMIT}
 
 # Guard: the lease, and the owner may still run this export (ledger/permissions.py): a
 # demotion or removal committed before this statement stops the write, whatever the
-# worker read before. The CSV is kept 24 h from the commit. Wakes the dispatcher (a
-# window slot is free) at commit.
+# worker read before. The CSV is the chunks the execution wrote under its own key
+# (ledger/artifacts.py); the completion names that key, so only they are ever served.
+# Kept 24 h from the commit. Wakes the dispatcher (a window slot is free) at commit.
 COMPLETE_EXPORT = (
     WAKE_SQL
     + ";"
     + _audited(
         f"""
         UPDATE background_tasks
-           SET status = 'COMPLETED', progress = 100, result_csv = %(csv)s,
-               result_bytes = %(csv_bytes)s, result_summary = %(summary)s,
-               expires_at = now() + interval '24 hours',
+           SET status = 'COMPLETED', progress = 100, result_key = %(execution_id)s,
+               result_sha256 = %(sha256)s, result_bytes = %(csv_bytes)s,
+               result_summary = %(summary)s, expires_at = now() + interval '24 hours',
                execution_id = NULL, lease_holder = NULL, last_error = NULL, updated_at = now()
          WHERE {_LEASE} AND {MAY_EXPORT_SQL}""",
         "'COMPLETE'",
@@ -151,12 +151,6 @@ COMPLETION_REFUSED = """
       LEFT JOIN memberships m ON m.team_id = t.team_id AND m.user_id = t.owner_id
      WHERE t.id = %(task_id)s
 """
-
-# Guard: the lease. The same completion, the CSV read from the staged text of the
-# transaction (ledger/staging.py) instead of a literal.
-COMPLETE_EXPORT_STAGED = COMPLETE_EXPORT.replace(
-    "result_csv = %(csv)s", f"result_csv = (SELECT value FROM {staging.STAGE_TABLE})"
-)
 
 _COMPLETE_UPDATE = f"""
         UPDATE background_tasks
@@ -353,54 +347,22 @@ def report_progress(conn: Connection, lease: Lease, progress: int, durable_after
     _write_or_lose(conn, REPORT_PROGRESS, lease, progress=progress, durable_after_s=durable_after_s)
 
 
-def complete_export(conn: Connection, lease: Lease, csv: bytearray | str, summary: str) -> None:
-    """COMPLETED with ``csv``: text, or a buffer of UTF-8 bytes as COPY wrote them, handed
-    over and emptied. A large buffer is streamed to the server (ledger/staging.py: the
-    process holds it once); a small one, or when temporary tables are not allowed, goes
-    as one dollar-quoted literal built around it in one pass (no escaping, never a
-    string)."""
-    if isinstance(csv, str):
-        params = {**lease.params(), "csv": csv, "csv_bytes": len(csv.encode()), "summary": summary}
-        if _execute(conn, COMPLETE_EXPORT, params).rowcount != 1:
-            raise _not_completed(conn, lease)
-        return
-    csv_bytes = len(csv)
-    if csv_bytes >= staging.STAGE_MIN_BYTES and staging.stage(conn, csv, STATEMENT_TIMEOUT_MS):
-        csv.clear()  # the server holds it now
-        _complete_staged(conn, lease, summary, csv_bytes)
-        return
-    marker = f"teamdesk_csv_{uuid.uuid4().hex}"
-    dbapi = conn.connection.dbapi_connection
-    assert dbapi is not None
-    cursor = dbapi.cursor()
-    template = cursor.mogrify(
-        prepared.prepared_sql(conn, cursor, COMPLETE_EXPORT),
-        {**lease.params(), "csv": AsIs(marker), "csv_bytes": csv_bytes, "summary": summary},
-    )
-    before, after = template.split(marker.encode())
-    tag = b"$" + marker.encode() + b"$"
-    while tag in csv:  # never in practice: a random tag
-        tag = b"$t" + uuid.uuid4().hex.encode() + b"$"
-    statement = b"".join((before, tag, csv, tag, after))
-    csv.clear()
-    if _execute(conn, statement, None).rowcount != 1:
-        raise _not_completed(conn, lease)
-
-
-def _complete_staged(conn: Connection, lease: Lease, summary: str, csv_bytes: int) -> None:
-    """The completion inside the transaction ``staging.stage`` opened; it commits only
-    when the lease held."""
-    completed = False
-    try:
-        dbapi = conn.connection.dbapi_connection
-        assert dbapi is not None
-        params = {**lease.params(), "csv_bytes": csv_bytes, "summary": summary}
-        statement = dbapi.cursor().mogrify(COMPLETE_EXPORT_STAGED, params)
-        completed = _execute(conn, statement, None).rowcount == 1
-    finally:
-        if not conn.invalidated:
-            staging.end(conn, commit=completed)
-    if not completed:
+def complete_export(
+    conn: Connection, lease: Lease, csv: artifacts.Artifact | bytes | str, summary: str
+) -> None:
+    """COMPLETED with the CSV the execution stored as chunks (``csv``: what its writer
+    says it stored, ledger/artifacts.py), or, given the CSV itself (a small one), stored
+    now under the lease's key and then completed."""
+    if not isinstance(csv, artifacts.Artifact):
+        data = csv.encode() if isinstance(csv, str) else bytes(csv)
+        csv = artifacts.store(conn, lease.task_id, lease.execution_id, data)
+    params = {
+        **lease.params(),
+        "sha256": csv.sha256,
+        "csv_bytes": csv.size,
+        "summary": summary,
+    }
+    if _execute(conn, COMPLETE_EXPORT, params).rowcount != 1:
         raise _not_completed(conn, lease)
 
 

@@ -128,6 +128,9 @@ background_tasks = sa.Table(
     sa.Column(
         "run_opened_at", sa.DateTime(timezone=True), nullable=True, server_default=sa.func.now()
     ),
+    # The execution whose chunks (export_chunks) are the CSV, and their SHA-256 (0013).
+    sa.Column("result_key", UUID(as_uuid=True), nullable=True),
+    sa.Column("result_sha256", sa.Text, nullable=True),
     sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True),
     _created_at(),
     sa.Column(
@@ -211,9 +214,35 @@ sa.Index(
     background_tasks.c.run_opened_at,
     postgresql_where=sa.text("kind = 'EXPORT'"),
 )
+# Dispatcher step 5: CSVs held as chunks, by expiry (0013).
+sa.Index(
+    "ix_background_tasks_results_expiring",
+    background_tasks.c.expires_at,
+    postgresql_where=sa.text("result_key IS NOT NULL"),
+)
 # API: a team's task list, newest first.
 sa.Index(
     "ix_background_tasks_team_created", background_tasks.c.team_id, background_tasks.c.created_at
+)
+
+# An export's CSV in bounded pieces, keyed by the execution that wrote them (0013,
+# ledger/artifacts.py); only the execution a completion names (result_key) is served.
+export_chunks = sa.Table(
+    "export_chunks",
+    metadata,
+    _fk("task_id", "background_tasks.id", ondelete="CASCADE"),
+    sa.Column("execution_id", UUID(as_uuid=True), nullable=False),
+    sa.Column("seq", sa.Integer, nullable=False),
+    sa.Column("data", sa.LargeBinary, nullable=False),
+    _created_at(),
+    sa.PrimaryKeyConstraint("task_id", "execution_id", "seq"),
+    sa.CheckConstraint("seq >= 0", name="seq"),
+)
+# Retention: each execution's first chunk by age, for orphans (ledger/artifacts.py).
+sa.Index(
+    "ix_export_chunks_created_at",
+    export_chunks.c.created_at,
+    postgresql_where=sa.text("seq = 0"),
 )
 
 notifications = sa.Table(

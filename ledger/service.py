@@ -55,7 +55,7 @@ SKIPPED_PREFIX = "skipped: "
 # without side effects (its summary starts with SKIPPED_PREFIX).
 TASK_COLUMNS = f"""id, kind, team_id, owner_id, scope, filters, status, run, attempts, progress,
     last_error, result_summary, run_at, dispatched_at, recoveries, expires_at, created_at,
-    updated_at, (result_csv IS NOT NULL) AS has_csv,
+    updated_at, (result_key IS NOT NULL OR result_csv IS NOT NULL) AS has_csv,
     (status = 'COMPLETED' AND coalesce(starts_with(result_summary, '{SKIPPED_PREFIX}'), false))
         AS skipped,
     CASE WHEN status = 'WAITING' AND run_at <= now()
@@ -92,9 +92,13 @@ LIST_TASKS = text(f"""
      LIMIT :limit
 """)
 
-# The CSV while it is kept (expiry by the database's clock), else NULL.
+# Where the CSV is while it is kept (expiry by the database's clock): its chunks' key and
+# size, or the text an earlier release stored in the row; all NULL once it is gone.
 SELECT_CSV = text("""
-    SELECT CASE WHEN expires_at > now() THEN result_csv END AS result_csv
+    SELECT CASE WHEN expires_at > now() THEN result_key END AS result_key,
+           result_bytes,
+           CASE WHEN expires_at > now() AND result_key IS NULL THEN result_csv END
+             AS result_csv
       FROM background_tasks WHERE id = :task_id
 """)
 
@@ -103,8 +107,8 @@ RETRY = text("""
     WITH reopened AS (
         UPDATE background_tasks
            SET run = run + 1, status = 'WAITING', progress = 0, attempts = 0, last_error = NULL,
-               execution_id = NULL, lease_holder = NULL, dispatched_at = NULL, result_csv = NULL,
-               result_summary = NULL, result_bytes = NULL, expires_at = NULL, recoveries = 0,
+               execution_id = NULL, lease_holder = NULL, dispatched_at = NULL,
+               result_summary = NULL, expires_at = NULL, recoveries = 0,
                run_at = now(), run_opened_at = now(), updated_at = now()
          WHERE id = :task_id AND status IN ('FAILED', 'CANCELLED')
         RETURNING id, run
@@ -392,13 +396,26 @@ def list_tasks(
     return [TaskView(row) for row in rows]
 
 
+@dataclass(frozen=True)
+class StoredCsv:
+    """Where a kept CSV is: chunks under ``key`` (``size`` bytes in all; read them with
+    ledger.artifacts.read_chunk), or ``text`` an earlier release stored in the row."""
+
+    task_id: uuid.UUID
+    key: uuid.UUID | None
+    size: int | None
+    text: str | None
+
+
 def read_csv(
     conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID
-) -> tuple[RowMapping, str | None]:
-    """The task and its CSV (None when not produced, expired or purged)."""
+) -> tuple[RowMapping, StoredCsv | None]:
+    """The task and where its CSV is (None when not produced, expired or purged)."""
     task = _visible_task(conn, task_id, user_id)
     row = conn.execute(SELECT_CSV, {"task_id": task_id}).one()
-    return task, row.result_csv
+    if row.result_key is None and row.result_csv is None:
+        return task, None
+    return task, StoredCsv(task_id, row.result_key, row.result_bytes, row.result_csv)
 
 
 def retry(

@@ -63,10 +63,14 @@ from tasks.execution import MSG_EXHAUSTED
 from tasks.reminder import EVENT_TYPE
 from worker.lost import MSG_LOST_FINAL
 
+# result_csv: the stored CSV, from the chunks the completion names (ledger/artifacts.py).
 TASKS = sa.text("""
-    SELECT id, kind, status, run, attempts, progress, recoveries, last_error, result_csv,
+    SELECT id, kind, status, run, attempts, progress, recoveries, last_error,
+           (SELECT convert_from(string_agg(c.data, ''::bytea ORDER BY c.seq), 'UTF8')
+              FROM export_chunks c
+             WHERE c.task_id = t.id AND c.execution_id = t.result_key) AS result_csv,
            result_summary, team_id, owner_id, scope, filters
-      FROM background_tasks
+      FROM background_tasks t
 """)
 NOTIFICATIONS = sa.text(
     "SELECT task_id, ticket_id, user_id, count(*) AS n FROM notifications "

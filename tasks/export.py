@@ -2,12 +2,13 @@
 
 PostgreSQL renders the CSV (``COPY (query) TO STDOUT WITH (FORMAT csv, FORCE_QUOTE *)``):
 one statement in a REPEATABLE READ, READ ONLY transaction of its own (one snapshot), bounded
-to ``EXPORT_READ_BUDGET_S`` by ``statement_timeout``. Python appends each record to one
-buffer, counting rows as they arrive, and reports progress every ``EXPORT_BATCH_SIZE`` rows;
-the completion sends that same buffer (ledger/lease.py, ``complete_export``), so memory holds
-the CSV and nothing per row. The statement counts the matching rows before it sends the
+to ``EXPORT_READ_BUDGET_S`` by ``statement_timeout``. Python writes the records to the
+export's chunks as they arrive (ledger/artifacts.py: a chunk at a time, under this
+execution's key), counting rows, and reports progress every ``EXPORT_BATCH_SIZE`` rows; the
+completion names the chunks (ledger/lease.py, ``complete_export``), so memory holds one
+chunk and nothing per row. The statement counts the matching rows before it sends the
 first one, so an export over ``EXPORT_MAX_ROWS`` transfers no row and stores no CSV; one
-whose CSV would pass ``EXPORT_MAX_BYTES`` stops buffering there, and stores none.
+whose CSV would pass ``EXPORT_MAX_BYTES`` stops writing there, and completes none.
 
 The CSV contract (docs/design.md, "Exports"): UTF-8; header ``id,title,status,priority,requester_id,
 assignee_id,due_at,created_at,updated_at`` (unquoted: fixed, no formula character); rows
@@ -16,22 +17,27 @@ unquoted cell; every other cell quoted, quotes doubled (an empty text is ``""``)
 end with LF. Quoting every cell keeps a ``;`` inside its cell for the spreadsheet locales
 that split on it (``a;=HYPERLINK(...)`` would otherwise start a cell with ``=``). A title
 gets a leading ``'`` (OWASP's CSV-injection guidance) when it starts with TAB, CR or LF, or
-when its first character after leading blank and invisible characters is ``=``, ``+``,
-``-``, ``@``, ``|`` or a fullwidth form of one: spreadsheets skip those and run the rest
-(``TITLE_CELL``).
+when its first character after the leading controls, format characters, spaces,
+separators, non-spacing marks and other default-ignorable characters (Unicode categories
+Cc, Cf, Zs, Zl, Zp, Mn; the Hangul fillers) is ``=``, ``+``, ``-``, ``@``, ``|``, MINUS
+SIGN or a character whose NFKC form starts with one (fullwidth, small, superscript,
+subscript forms): spreadsheets skip those and run the rest (``TITLE_CELL``).
 """
 
 from __future__ import annotations
 
+import sys
+import unicodedata
 from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 from datetime import time as dtime
+from itertools import compress
 from typing import Any
 
 import psycopg2.errors
 from sqlalchemy.engine import Connection
 
-from ledger import lease
+from ledger import artifacts, lease
 from ledger.errors import CsvTooLarge, PermissionLost, TooManyRows
 from ledger.filters import ExportFilters, validate_filters
 from ledger.permissions import export_refusal
@@ -46,27 +52,73 @@ MSG_TOO_LARGE = "The export's CSV would be larger than {limit} bytes; narrow the
 
 _TS = '\'YYYY-MM-DD"T"HH24:MI:SS"Z"\''
 
-# Characters a spreadsheet may skip before it decides a cell is a formula: C0 controls and
-# space, DEL, C1 controls (NEL among them) and NO-BREAK SPACE, SOFT HYPHEN, OGHAM SPACE MARK,
-# MONGOLIAN VOWEL SEPARATOR, U+2000-U+200F (the spaces, ZERO WIDTH SPACE/NON-JOINER/JOINER,
-# the direction marks), U+2028-U+202F (line and paragraph separators, the bidi embeddings,
-# NARROW NO-BREAK SPACE), U+205F-U+206F (MEDIUM MATHEMATICAL SPACE, WORD JOINER, invisible
-# operators, bidi isolates), IDEOGRAPHIC SPACE and U+FEFF (BOM). Spelled out because the
-# regex's [[:space:]] follows the database's locale and misses most of them under C.
-_SKIPPED = (
-    r"\u0001-\u0020\u007f-\u00a0\u00ad\u1680\u180e\u2000-\u200f"
-    r"\u2028-\u202f\u205f-\u206f\u3000\ufeff"
+# The title's formula guard (OWASP's CSV-injection guidance; issue "Security, round four",
+# finding 6). What a spreadsheet may skip, or draw as nothing, before it decides what a
+# cell starts with is a rule over Unicode's data, not a list: every control (Cc: TAB, CR,
+# LF, DEL, NEL...), format character (Cf: the zero-width ones, the direction marks, BOM,
+# ARABIC LETTER MARK, the tags, the annotation anchors...), space or separator (Zs, Zl, Zp)
+# and non-spacing mark (Mn: COMBINING GRAPHEME JOINER, the variation selectors...), and the
+# other default-ignorable code points: the Hangul fillers, and those not assigned yet,
+# which a newer spreadsheet may draw as nothing.
+SKIPPED_CATEGORIES = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp", "Mn"})
+OTHER_IGNORABLE = "\u115f\u1160\u2065\u3164\uffa0" + "".join(
+    map(chr, [*range(0xFFF0, 0xFFF9), *range(0xE0000, 0xE1000)])
 )
-# What may start a formula after them: = + - @ | and their fullwidth forms ('-' last, so
-# literal). TAB, CR and LF count anywhere in the skipped run (the run backtracks to them):
-# a title starting with one is neutralised whatever follows, as OWASP advises.
-_STARTS = r"\t\n\r=+@|\uff1d\uff0b\uff20\uff5c\uff0d-"
+# What starts a formula: = + - @ |, MINUS SIGN, and every character whose compatibility
+# form (NFKC) starts with one of them: the fullwidth, small, superscript and subscript
+# forms. TAB, CR and LF count anywhere in the skipped run (the run backtracks to them): a
+# title starting with one is neutralised whatever follows.
+FORMULA_STARTS = "=+-@|\u2212"
+LINE_STARTS = "\t\n\r"
+
+
+def guard_characters() -> tuple[str, str]:
+    """The characters skipped before deciding what a title starts with, and those that
+    start a formula, from Python's Unicode data (about 0.3 s, once per process). Skipped:
+    every character of :data:`SKIPPED_CATEGORIES` (but NUL, which no text holds) and
+    :data:`OTHER_IGNORABLE`. Starts: TAB, CR, LF, :data:`FORMULA_STARTS` and every
+    character whose NFKC form starts with one of those (only a character with a
+    decomposition has an NFKC form other than itself)."""
+    every = "".join(map(chr, range(1, sys.maxunicode + 1)))
+    wanted = map(SKIPPED_CATEGORIES.__contains__, map(unicodedata.category, every))
+    skipped = "".join(compress(every, wanted)) + OTHER_IGNORABLE
+    decomposed = compress(every, map(unicodedata.decomposition, every))
+    forms = (ch for ch in decomposed if _nfkc_starts_formula(ch))
+    return skipped, LINE_STARTS + FORMULA_STARTS + "".join(forms)
+
+
+def _nfkc_starts_formula(ch: str) -> bool:
+    return unicodedata.normalize("NFKC", ch).startswith(tuple(FORMULA_STARTS))
+
+
+def regex_class(characters: str) -> str:
+    """A bracket expression's contents for PostgreSQL's regular expressions: runs of
+    consecutive code points as ranges, every character as an escape (so none is special,
+    and the text holds no quote, '%' or brace for mogrify or str.format to see)."""
+    runs: list[list[int]] = []
+    for code in sorted(set(map(ord, characters))):
+        if runs and code == runs[-1][1] + 1:
+            runs[-1][1] = code
+        else:
+            runs.append([code, code])
+    return "".join(
+        _escape(low) + ("" if low == high else "-" + _escape(high)) for low, high in runs
+    )
+
+
+def _escape(code: int) -> str:
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+SKIPPED, STARTS = guard_characters()
 # The title cell, shared by both column lists below: one anchored regex (PostgreSQL's ARE
-# reads the \uXXXX escapes; the text has no '%' or brace, so mogrify and str.format leave
-# it alone). The title is the only free text in the CSV: every other column is a uuid, an
-# enum-like name (status, priority) or a timestamp from to_char, none of which can start
-# with a formula character. A new free-text column needs this same guard.
-TITLE_CELL = f"CASE WHEN title ~ '^[{_SKIPPED}]*[{_STARTS}]' THEN '''' || title ELSE title END"
+# reads the escapes). The title is the only free text in the CSV: every other column is a
+# uuid, an enum-like name (status, priority) or a timestamp from to_char, none of which can
+# start with a formula character. A new free-text column needs this same guard.
+TITLE_CELL = (
+    f"CASE WHEN title ~ '^[{regex_class(SKIPPED)}]*[{regex_class(STARTS)}]' "
+    "THEN '''' || title ELSE title END"
+)
 
 # COPY's options: every non-NULL cell quoted, so a ';' stays inside its cell for the
 # spreadsheet locales that split on it. NULL stays an empty, unquoted cell (the contract
@@ -167,9 +219,11 @@ STREAM = """
 
 class CsvStream:
     """The file COPY writes to: psycopg2 hands it one CSV record per call. The first is
-    the marker row (the total); every record after it is one ticket, appended to one
-    buffer (the CSV and nothing else; the completion sends these very bytes), with
-    progress every ``batch_size`` rows while the stream runs."""
+    the marker row (the total); every record after it is one ticket, appended to the
+    export's chunks (ledger/artifacts.py: each full one is written at once, so the
+    process holds one chunk at most), with progress every ``batch_size`` rows while the
+    stream runs. Chunks and progress during the stream go through a second connection
+    (the execution's is busy with the COPY), opened at the first need."""
 
     def __init__(
         self, ctx: Context, batch_size: int, reported: Callable[[], None], max_bytes: int = 0
@@ -179,8 +233,11 @@ class CsvStream:
         self.total: int | None = None
         self.rows = 0
         self.too_large = False
-        self.csv = bytearray(HEADER.encode())
         self._progress: Connection | None = None
+        held = ctx.lease
+        self.writer = artifacts.ChunkWriter(held.task_id, held.execution_id)
+        self.size = len(HEADER)
+        self.writer.write(self._progress_conn, HEADER.encode())
 
     def write(self, record: bytes) -> None:
         if self.total is None:
@@ -188,11 +245,11 @@ class CsvStream:
             return
         if self.too_large:
             return  # the CSV is refused: the rest of the stream is read and dropped
-        if self.max_bytes and len(self.csv) + len(record) > self.max_bytes:
-            self.too_large = True
-            self.csv = bytearray()
+        if self.max_bytes and self.size + len(record) > self.max_bytes:
+            self.too_large = True  # what was written is an orphan (ledger/artifacts.py)
             return
-        self.csv += record
+        self.writer.write(self._progress_conn, record)
+        self.size += len(record)
         self.rows += 1
         if self.rows % self.batch_size == 0 and self.rows < self.total:
             _batch_done(self.ctx, self.rows, self.total, self._progress_conn())
@@ -206,11 +263,10 @@ class CsvStream:
             self._progress = self.ctx.engine.connect()  # autocommit, as the execution's
         return self._progress
 
-    def take_csv(self) -> bytearray:
-        """The buffer, handed over: the stream keeps no reference, so the completion can
-        free it as soon as its statement is built."""
-        csv, self.csv = self.csv, bytearray()
-        return csv
+    def finish(self) -> artifacts.Artifact:
+        """The last chunk, through the execution's connection (the COPY is done), and
+        what was stored."""
+        return self.writer.finish(self.ctx.conn)
 
     def close(self) -> None:
         if self._progress is not None:
@@ -265,7 +321,7 @@ def run_export(ctx: Context) -> str:
         hooks.fire("export.after_read", claim=claim, done=stream.rows, total=stream.rows)
     hooks.fire("export.before_result_write", claim=claim)
     summary = f"{stream.rows} rows"
-    lease.complete_export(ctx.conn, claim.lease, stream.take_csv(), summary)
+    lease.complete_export(ctx.conn, claim.lease, stream.finish(), summary)
     return summary
 
 

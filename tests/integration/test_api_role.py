@@ -32,7 +32,7 @@ from fastapi.testclient import TestClient
 from api.app import create_api
 from harness import databases
 from harness.factories import add_ticket, add_tickets, make_world
-from ledger import lease
+from ledger import api_role, lease
 from ledger.tokens import create_token
 from teamdesk import db
 from teamdesk.config import load_settings
@@ -56,7 +56,8 @@ PREFIX = f"tdt{os.getpid()}_{uuid.uuid4().hex[:6]}"
 # What the API runs, and nothing else (ledger/api_role.py).
 API_TABLE_GRANTS = {
     "api_tokens": "SELECT",
-    "background_tasks": "INSERT,SELECT,UPDATE",
+    "background_tasks": "SELECT",
+    "export_chunks": "SELECT",
     "memberships": "SELECT",
     "task_audit": "INSERT",
 }
@@ -64,6 +65,17 @@ API_COLUMN_GRANTS = {
     "api_tokens.last_used_at": "UPDATE",
     "tickets.id": "SELECT",
     "tickets.team_id": "SELECT",
+    **{
+        f"background_tasks.{c}": ",".join(
+            p
+            for p, columns in (
+                ("INSERT", api_role.CREATED_COLUMNS),
+                ("UPDATE", api_role.REOPENED_COLUMNS),
+            )
+            if c in columns
+        )
+        for c in {*api_role.CREATED_COLUMNS, *api_role.REOPENED_COLUMNS}
+    },
 }
 
 
@@ -119,8 +131,8 @@ def test_migrate_creates_the_api_role_with_only_what_the_api_runs(
 ) -> None:
     lines = roles_db.migrated.splitlines()
     assert lines[1:] == [
-        f"app role {roles_db.app}: created; grants on 9 tables and 1 sequences",
-        f"api role {roles_db.api}: created; grants on 5 tables and 0 sequences",
+        f"app role {roles_db.app}: created; grants on 10 tables and 1 sequences",
+        f"api role {roles_db.api}: created; grants on 6 tables and 0 sequences",
     ]
     assert privileges(roles_db.owner_url, roles_db.api) == API_TABLE_GRANTS
     assert column_privileges(roles_db.owner_url, roles_db.api) == API_COLUMN_GRANTS
@@ -234,6 +246,22 @@ FORBIDDEN = [
     "TRUNCATE background_tasks",
     "CREATE TABLE intruder (id int)",
     "SELECT * FROM alembic_version",
+    # A CSV, its key, checksum or size: never the API's to write (issue "Security, round
+    # four", finding 4), nor a row that starts finished, nor a chunk.
+    "UPDATE background_tasks SET result_csv = '=HYPERLINK(\"http://x\")'",
+    "UPDATE background_tasks SET result_key = gen_random_uuid()",
+    "UPDATE background_tasks SET result_sha256 = 'x', result_bytes = 1",
+    "UPDATE background_tasks SET team_id = gen_random_uuid()",
+    "UPDATE background_tasks SET owner_id = gen_random_uuid()",
+    "UPDATE background_tasks SET filters = '{}'",
+    "INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters, status)"
+    " VALUES ('EXPORT', gen_random_uuid(), gen_random_uuid(), 'TEAM', '{}', 'COMPLETED')",
+    "INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters, result_csv)"
+    " VALUES ('EXPORT', gen_random_uuid(), gen_random_uuid(), 'TEAM', '{}', 'x')",
+    "INSERT INTO export_chunks (task_id, execution_id, seq, data)"
+    " VALUES (gen_random_uuid(), gen_random_uuid(), 0, 'x')",
+    "UPDATE export_chunks SET data = 'x'",
+    "DELETE FROM export_chunks",
 ]
 
 

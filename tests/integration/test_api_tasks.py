@@ -289,7 +289,7 @@ def test_csv_of_a_reminder_is_409(
     "change",
     [
         "expires_at = now() - interval '1 second'",
-        "result_csv = NULL",  # purged by the dispatcher
+        "result_key = NULL",  # purged by the dispatcher
     ],
     ids=["expired", "purged"],
 )

@@ -138,6 +138,11 @@ def test_every_dispatcher_statement_walks_a_partial_index_on_100k_rows(
             {"grace_s": 5, "batch": 2000},
         ),
         (dispatch.PURGE_EXPIRED, {"ix_background_tasks_expiring"}, {"batch": 200}),
+        (
+            dispatch.PURGE_EXPIRED_CHUNKS,
+            {"ix_background_tasks_results_expiring"},
+            {"batch": 200},
+        ),
         # Rows by id: the primary key, or a partial index just as narrow.
         (dispatch.UNSTAMP, {"pk_background_tasks"} | PARTIAL, {"ids": [str(some)], "stamp": now}),
         (

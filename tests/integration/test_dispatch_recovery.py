@@ -18,8 +18,8 @@ import sqlalchemy as sa
 from celery import Celery
 
 from dispatcher.scan import ScanCounts, run_once
-from harness.factories import World, age_task, task_row
-from ledger import dispatch, lease
+from harness.factories import World, age_task, insert_task, task_row
+from ledger import artifacts, dispatch, lease
 from teamdesk.config import Settings
 from teamdesk.heartbeat import Heartbeat
 from tests.support.dispatch_scan import LONG_UP, long_up, messages, running_row, waiting_rows
@@ -232,6 +232,56 @@ def test_purge_clears_only_expired_csvs_by_the_database_clock(
         "1 rows",
     )
     assert task_row(engine, kept) == kept_before
+
+
+def test_purge_deletes_the_chunks_of_expired_csvs_and_of_executions_that_never_completed(
+    engine: sa.Engine, world: World, celery_app: Celery
+) -> None:
+    """An expired CSV's chunks go with its key; a kept one's stay; the chunks of an
+    execution that lost its lease (an orphan, past its grace) go too."""
+    with engine.begin() as conn:
+        expired, kept, lost = (insert_task(conn, world) for _ in range(3))
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        for task_id in (expired, kept):
+            held = lease.claim(conn, task_id, 0, "host/a")
+            assert held is not None
+            lease.complete_export(conn, held.lease, b"id,title\n" + b"x" * (3 << 20), "1 rows")
+        late = lease.claim(conn, lost, 0, "host/a")
+        assert late is not None
+        artifacts.store(conn, lost, late.lease.execution_id, b"id,title\nhalf")
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE background_tasks SET expires_at = now() - interval '1 minute'"
+                " WHERE id = :id"
+            ),
+            {"id": expired},
+        )
+        conn.execute(  # the late execution lost its lease, and its chunks their grace
+            sa.text(
+                "UPDATE background_tasks SET status = 'WAITING', execution_id = NULL WHERE id = :id"
+            ),
+            {"id": lost},
+        )
+        conn.execute(sa.text("UPDATE export_chunks SET created_at = now() - interval '2 minutes'"))
+    kept_before = task_row(engine, kept)
+
+    counts = run_once(celery_app, uptime=long_up)
+
+    assert counts.purged == 1
+    row = task_row(engine, expired)
+    assert (row["status"], row["result_key"], row["result_csv"], row["result_summary"]) == (
+        "COMPLETED",
+        None,
+        None,
+        "1 rows",
+    )
+    assert task_row(engine, kept) == kept_before
+    with engine.connect() as conn:
+        left = conn.execute(
+            sa.text("SELECT task_id, count(*) FROM export_chunks GROUP BY task_id")
+        ).all()
+    assert {(t, n) for t, n in left} == {(kept, 4)}  # 3 MiB and a line: four chunks
 
 
 def test_time_passed_in_from_a_host_is_nowhere_in_the_dispatcher_statements() -> None:

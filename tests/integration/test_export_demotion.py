@@ -17,7 +17,7 @@ from celery import Celery
 
 from harness.factories import World, add_tickets, audit_events, set_role, task_row
 from harness.waiting import wait_for
-from ledger import service, staging
+from ledger import service
 from ledger.permissions import MSG_CREATOR_LEFT, MSG_CREATOR_NOT_STAFF
 from teamdesk import hooks
 from tests.support.gates import Gate
@@ -31,7 +31,6 @@ def export_by(engine: sa.Engine, world: World, user: uuid.UUID, scope: str) -> u
         return service.create_export(conn, world.team_id, user, scope, {})
 
 
-@pytest.mark.parametrize("staged", [False, True], ids=["literal", "staged"])
 @pytest.mark.parametrize(
     ("scope", "new_role", "reason"),
     [("TEAM", "CUSTOMER", MSG_CREATOR_NOT_STAFF), ("TEAM", None, MSG_CREATOR_LEFT)],
@@ -41,14 +40,10 @@ def test_a_role_change_just_before_the_write_stops_the_csv(
     engine: sa.Engine,
     world: World,
     celery_app: Celery,
-    monkeypatch: pytest.MonkeyPatch,
-    staged: bool,
     scope: str,
     new_role: str | None,
     reason: str,
 ) -> None:
-    if staged:  # every CSV goes through the temporary table
-        monkeypatch.setattr(staging, "STAGE_MIN_BYTES", 1)
     task_id = export_by(engine, world, world.staff_id, scope)
     checked = Gate("the worker's last permission check passed")
     with running_worker(celery_app), hooks.installed("export.before_result_write", checked.hook()):

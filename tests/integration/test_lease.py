@@ -4,6 +4,7 @@ PostgreSQL."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
 import uuid
 from datetime import datetime
@@ -12,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from harness.factories import World, age_task, insert_task, task_row
-from ledger import dispatch, lease, service, staging
+from ledger import artifacts, dispatch, lease, service
 from ledger.errors import LeaseLost
 from teamdesk import db
 
@@ -303,11 +304,11 @@ def test_lease_statements_are_prepared_once_per_session(engine: sa.Engine, world
         for task_id in (first, second):
             held = lease.claim(conn, task_id, 0)
             assert held is not None
-            lease.complete_export(conn, held.lease, bytearray(b"id\n"), "0 rows")
+            lease.complete_export(conn, held.lease, b"id\n", "0 rows")
         names = conn.exec_driver_sql(
             "SELECT name FROM pg_prepared_statements WHERE name LIKE 'td_prep_%%'"
         ).scalars()
-        assert len(set(names)) == 2  # the claim and the completion, once each
+        assert len(set(names)) == 3  # the claim, the chunk and the completion, once each
     assert task_row(engine, second)["result_csv"] == "id\n"
 
 
@@ -317,47 +318,80 @@ def in_transaction(conn: sa.Connection) -> bool:
     return bool(dbapi.get_transaction_status() != 0)  # 0: idle, outside any transaction
 
 
-def test_a_large_csv_is_streamed_to_the_completion_byte_for_byte(
-    engine: sa.Engine, world: World, monkeypatch: pytest.MonkeyPatch
+def test_a_large_csv_is_stored_in_bounded_chunks_byte_for_byte(
+    engine: sa.Engine, world: World
 ) -> None:
-    monkeypatch.setattr(staging, "STAGE_MIN_BYTES", 1 << 20)  # 8 MiB in production
     text = "id,title\n" + "".join(
-        f'{i},"caf\u00e9 $$ \\\\ ""q"" \u2603 {i}"\n' for i in range(40_000)
+        f'{i},"caf\u00e9 $$ \\\\ ""q"" \u2603 {i}"\n' for i in range(80_000)
     )
-    assert len(text.encode()) > staging.STAGE_MIN_BYTES
+    data = text.encode()
+    assert len(data) > 2 * artifacts.CHUNK_BYTES
     task_id = insert_task_committed(engine, world)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         held = lease.claim(conn, task_id, 0)
         assert held is not None
-        buffer = bytearray(text.encode())
-        lease.complete_export(conn, held.lease, buffer, "40000 rows")
-        assert buffer == bytearray() and not in_transaction(conn)
-        assert (
-            conn.exec_driver_sql("SELECT to_regclass('pg_temp.teamdesk_staged_text')").scalar()
-            is None
-        )
+        lease.complete_export(conn, held.lease, data, "80000 rows")
+        assert not in_transaction(conn)
     row = task_row(engine, task_id)
     assert (row["status"], row["result_csv"]) == ("COMPLETED", text)
+    assert (row["result_key"], row["result_bytes"]) == (held.lease.execution_id, len(data))
+    assert row["result_sha256"] == hashlib.sha256(data).hexdigest()
+    with engine.connect() as conn:
+        sizes = (
+            conn.execute(
+                sa.text(
+                    "SELECT octet_length(data) FROM export_chunks WHERE task_id = :t ORDER BY seq"
+                ),
+                {"t": task_id},
+            )
+            .scalars()
+            .all()
+        )
+    assert sizes[:-1] == [artifacts.CHUNK_BYTES] * (len(sizes) - 1)
+    assert sum(sizes) == len(data) and 0 < sizes[-1] <= artifacts.CHUNK_BYTES
 
 
-def test_a_large_csv_of_a_lost_lease_is_rolled_back(
-    engine: sa.Engine, world: World, monkeypatch: pytest.MonkeyPatch
+def test_a_replaced_executions_chunks_are_never_served_and_are_purged(
+    engine: sa.Engine, world: World
 ) -> None:
-    monkeypatch.setattr(staging, "STAGE_MIN_BYTES", 1 << 20)
+    """The late execution writes its CSV under its own key and its completion is refused;
+    the newer one's completion names its own key; the late chunks are an orphan the
+    retention step removes (after its grace), the served ones stay."""
     task_id = insert_task_committed(engine, world)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         held = lease.claim(conn, task_id, 0)
         assert held is not None
         newer = claimed(engine, task_id, stale_after_s=0)
         with pytest.raises(LeaseLost):
-            lease.complete_export(conn, held.lease, bytearray(b"x" * (2 << 20)), "late")
-        assert not in_transaction(conn)
+            lease.complete_export(conn, held.lease, b"x" * ((2 << 20) + 5), "late")
+        lease.complete_export(conn, newer, b"id\nwinner\n", "1 row")
     row = task_row(engine, task_id)
-    assert (row["status"], row["execution_id"], row["result_csv"]) == (
-        "RUNNING",
+    assert (row["status"], row["result_key"], row["result_csv"]) == (
+        "COMPLETED",
         newer.execution_id,
-        None,
+        "id\nwinner\n",
     )
+
+    def keys() -> dict[str, int]:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.text(
+                    "SELECT CAST(execution_id AS text), count(*) FROM export_chunks"
+                    " WHERE task_id = :t GROUP BY 1"
+                ),
+                {"t": task_id},
+            )
+            return {key: n for key, n in rows}
+
+    late, served = str(held.lease.execution_id), str(newer.execution_id)
+    assert keys() == {late: 3, served: 1}  # 2 MiB and 5 bytes: three chunks
+    with engine.begin() as conn:
+        assert artifacts.purge_orphans(conn, batch=10) == 0  # within its grace
+        conn.execute(sa.text("UPDATE export_chunks SET created_at = now() - interval '2 minutes'"))
+    with engine.begin() as conn:
+        assert artifacts.purge_orphans(conn, batch=10) == 3
+    assert keys() == {served: 1}
+    assert task_row(engine, task_id)["result_csv"] == "id\nwinner\n"
 
 
 def test_with_prepared_statements_off_nothing_is_prepared(database_url: str, world: World) -> None:
@@ -374,7 +408,7 @@ def test_with_prepared_statements_off_nothing_is_prepared(database_url: str, wor
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             held = lease.claim(conn, task_id, 0, stamp=turn.refs[0].stamp)
             assert held is not None
-            lease.complete_export(conn, held.lease, bytearray(b"id\n"), "0 rows")
+            lease.complete_export(conn, held.lease, b"id\n", "0 rows")
             names = conn.exec_driver_sql("SELECT name FROM pg_prepared_statements").scalars()
             assert list(names) == []
         row = task_row(engine, task_id)

@@ -93,6 +93,7 @@ SPEC_COLUMNS = {
     "system_events": {"id", "team_id", "ticket_id", "type", "payload", "created_at"},
     "api_tokens": {"user_id", "expires_at", "last_used_at", "revoked_at"},
     "task_audit": {"task_id", "run", "event", "execution_id"},
+    "export_chunks": {"task_id", "execution_id", "seq", "data"},
 }
 
 

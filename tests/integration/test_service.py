@@ -45,7 +45,7 @@ def failed_task(
         assert lease.report_failure(conn, held.lease, final=True, message="Export failed.")
         conn.execute(
             sa.text("""UPDATE background_tasks SET result_summary = 'partial',
-            result_csv = 'x', expires_at = now(), recoveries = 2, dispatched_at = now(),
+            expires_at = now(), recoveries = 2, dispatched_at = now(),
             run_at = now() - interval '1 day' WHERE id = :id"""),
             {"id": task_id},
         )

@@ -61,7 +61,8 @@ TABLE_GRANTS = sa.text("""
      WHERE a.grantee = to_regrole(:r) GROUP BY c.relname""")
 
 COLUMN_GRANTS = sa.text("""
-    SELECT c.relname || '.' || t.attname, string_agg(a.privilege_type, ',' ORDER BY 1)
+    SELECT c.relname || '.' || t.attname,
+           string_agg(a.privilege_type, ',' ORDER BY a.privilege_type)
       FROM pg_attribute t JOIN pg_class c ON c.oid = t.attrelid
      CROSS JOIN LATERAL aclexplode(t.attacl) a
      WHERE a.grantee = to_regrole(:r) GROUP BY 1""")

@@ -4,7 +4,7 @@ the role is set up again; and every column a privilege names exists."""
 
 from __future__ import annotations
 
-from ledger.api_role import API_TABLES
+from ledger.api_role import API_TABLES, CREATED_COLUMNS, REOPENED_COLUMNS
 from ledger.models import metadata
 
 
@@ -20,5 +20,18 @@ def test_column_privileges_name_existing_columns() -> None:
         for privilege in privileges
         for column in privilege.columns
     }
-    assert named == {("api_tokens", "last_used_at"), ("tickets", "id"), ("tickets", "team_id")}
+    assert named == {
+        ("api_tokens", "last_used_at"),
+        ("tickets", "id"),
+        ("tickets", "team_id"),
+        *(("background_tasks", c) for c in CREATED_COLUMNS + REOPENED_COLUMNS),
+    }
     assert all(column in tables[name].c for name, column in named)
+
+
+def test_the_api_may_write_no_result_of_a_task() -> None:
+    """A CSV, its key, checksum and size are the worker's to write: never the API's
+    (issue "Security, round four", finding 4)."""
+    results = {"result_csv", "result_key", "result_sha256", "result_bytes"}
+    assert not results & set(CREATED_COLUMNS + REOPENED_COLUMNS)
+    assert {"team_id", "owner_id", "filters", "scope", "kind"}.isdisjoint(REOPENED_COLUMNS)

@@ -1,0 +1,83 @@
+"""CSV downloads that never hold a file (docs/design.md, "HTTP API": "Downloads").
+
+A CSV is streamed from its chunks (ledger/artifacts.py) one chunk at a time, each read
+on a pooled connection of its own that goes back to the pool before the chunk is sent:
+a download holds at most one chunk (1 MiB) and no connection while the client reads, so
+an API process's memory stays flat however large the CSVs and however slow the clients.
+``Content-Length`` is the stored size: a download cut short (its CSV expired or purged
+in the middle, a database error) ends early and the client sees a short body, never a
+CSV that looks whole.
+
+What one process streams at once is bounded: ``MAX_DOWNLOADS`` in all and
+``MAX_DOWNLOADS_PER_TOKEN`` for one token (a chunk read each is a database round trip
+and a pooled connection, for a moment); past either the request answers 429 with
+``Retry-After``. The read budget (api/limits.py) still counts each download as one read.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+
+from sqlalchemy.engine import Engine
+
+from ledger import artifacts
+from ledger.service import StoredCsv
+
+MAX_DOWNLOADS = 8
+MAX_DOWNLOADS_PER_TOKEN = 2
+RETRY_AFTER_S = 1
+MSG_TOO_MANY_DOWNLOADS = "too many downloads in progress; try again after Retry-After seconds"
+
+
+class Slots:
+    """The downloads a process streams now, in all and per token."""
+
+    def __init__(
+        self, total: int = MAX_DOWNLOADS, per_token: int = MAX_DOWNLOADS_PER_TOKEN
+    ) -> None:
+        self.total, self.per_token = total, per_token
+        self._lock = threading.Lock()
+        self._held: Counter[uuid.UUID] = Counter()
+
+    def take(self, token_id: uuid.UUID) -> bool:
+        """Take a slot for ``token_id``; False when none is free (nothing taken)."""
+        with self._lock:
+            if sum(self._held.values()) >= self.total or self._held[token_id] >= self.per_token:
+                return False
+            self._held[token_id] += 1
+            return True
+
+    def give_back(self, token_id: uuid.UUID) -> None:
+        with self._lock:
+            self._held[token_id] -= 1
+            if self._held[token_id] <= 0:
+                del self._held[token_id]
+
+    def in_use(self) -> int:
+        with self._lock:
+            return sum(self._held.values())
+
+
+def chunks(engine: Engine, stored: StoredCsv) -> Iterator[bytes]:
+    """The CSV's chunks in order, each read on a connection of its own; stops early when a
+    chunk is gone."""
+    assert stored.key is not None
+    sent, seq = 0, 0
+    while stored.size is None or sent < stored.size:
+        with engine.connect() as conn:
+            piece = artifacts.read_chunk(conn, stored.task_id, stored.key, seq)
+        if piece is None:
+            return
+        yield piece
+        sent, seq = sent + len(piece), seq + 1
+
+
+def stream(engine: Engine, stored: StoredCsv, slots: Slots, token_id: uuid.UUID) -> Iterator[bytes]:
+    """:func:`chunks`, giving the slot back when the stream ends, however it ends."""
+    try:
+        yield from chunks(engine, stored)
+    finally:
+        slots.give_back(token_id)

@@ -1,0 +1,139 @@
+"""An export's CSV beside its ledger row, in bounded chunks (docs/design.md, "Exports").
+
+The worker writes the CSV while its read streams, ``CHUNK_BYTES`` at a time, into
+``export_chunks`` under the key of its own execution (task id, execution id): a replaced
+or late execution writes only under its own key, never into another's CSV. Nothing is
+served until the fenced completion (ledger/lease.py ``complete_export``) names the key,
+with the CSV's size and SHA-256, and checks in the same statement that the key holds
+exactly the chunks the writer wrote. The API then streams those chunks one by one
+(:func:`read_chunk`): neither process ever holds a whole CSV.
+
+Chunks of executions that never completed (a lost lease, a crash mid-read, a refused
+CSV) are orphans: :data:`PURGE_ORPHANS` removes them (the dispatcher's retention step),
+and the expiry step removes a completed CSV's chunks after its 24 hours
+(ledger/dispatch.py). Deleting a task deletes its chunks (``ON DELETE CASCADE``).
+
+Durability: each chunk commits on its own (the write path's commit mode), the
+completion commits synchronously after them, and a synchronous commit makes every
+earlier commit of the server durable with it, so a completed CSV never misses a chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psycopg2
+from sqlalchemy.engine import Connection
+
+from ledger import prepared
+
+CHUNK_BYTES = 1 << 20  # 1 MiB: what a worker buffers and an API request holds at once
+STATEMENT_TIMEOUT_MS = 60_000
+
+INSERT_CHUNK = """
+    INSERT INTO export_chunks (task_id, execution_id, seq, data)
+    VALUES (%(task_id)s, %(execution_id)s, %(seq)s, %(data)s)
+"""
+READ_CHUNK = """
+    SELECT data FROM export_chunks
+     WHERE task_id = %(task_id)s AND execution_id = %(key)s AND seq = %(seq)s
+"""
+# The chunks under a key, as the completion checks them (in its own statement).
+CHUNKS_UNDER_KEY_SQL = """(SELECT count(*) FROM export_chunks
+       WHERE task_id = %(task_id)s AND execution_id = %(execution_id)s)"""
+# The CSVs no row names: an execution's chunks when neither a completed CSV (result_key)
+# nor the execution holding a RUNNING row (still writing) is theirs. Walked by each
+# execution's first chunk (ix_export_chunks_created_at), oldest first, at most ``batch``
+# executions per call; a minute's grace covers a chunk committed by an execution whose
+# claim a reader has not seen yet. A late execution that goes on writing after its first
+# chunk went leaves chunks no walk meets: they go with their task (retention).
+PURGE_ORPHANS = """
+    WITH orphans AS (
+        SELECT c.task_id, c.execution_id FROM export_chunks c
+         WHERE c.seq = 0 AND c.created_at < now() - interval '1 minute'
+           AND NOT EXISTS (
+               SELECT FROM background_tasks t
+                WHERE t.id = c.task_id
+                  AND (t.result_key = c.execution_id
+                       OR (t.status = 'RUNNING' AND t.execution_id = c.execution_id)))
+         ORDER BY c.created_at
+         LIMIT %(batch)s
+    )
+    DELETE FROM export_chunks c USING orphans o
+     WHERE c.task_id = o.task_id AND c.execution_id = o.execution_id
+"""
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A CSV stored as chunks: whose, how large, in how many pieces, its SHA-256."""
+
+    key: uuid.UUID
+    size: int
+    chunks: int
+    sha256: str
+
+
+class ChunkWriter:
+    """Writes one execution's CSV as chunks: :meth:`write` appends and sends each full
+    chunk through the connection ``conn_of`` gives (asked for only when a chunk is full);
+    :meth:`finish` sends the rest (a CSV has at least its header, so at least one chunk)
+    and says what was stored."""
+
+    def __init__(
+        self, task_id: uuid.UUID, execution_id: uuid.UUID, chunk_bytes: int = CHUNK_BYTES
+    ) -> None:
+        self.task_id, self.execution_id, self.chunk_bytes = task_id, execution_id, chunk_bytes
+        self.buffer = bytearray()
+        self.size = 0
+        self.chunks = 0
+        self._sha256 = hashlib.sha256()
+
+    def write(self, conn_of: Callable[[], Connection], data: bytes) -> None:
+        self.buffer += data
+        while len(self.buffer) >= self.chunk_bytes:
+            piece = bytes(self.buffer[: self.chunk_bytes])
+            del self.buffer[: self.chunk_bytes]
+            self._send(conn_of(), piece)
+
+    def finish(self, conn: Connection) -> Artifact:
+        if self.buffer or not self.chunks:
+            piece, self.buffer = bytes(self.buffer), bytearray()
+            self._send(conn, piece)
+        return Artifact(self.execution_id, self.size, self.chunks, self._sha256.hexdigest())
+
+    def _send(self, conn: Connection, piece: bytes) -> None:
+        params = {
+            "task_id": str(self.task_id),
+            "execution_id": str(self.execution_id),
+            "seq": self.chunks,
+            "data": psycopg2.Binary(piece),
+        }
+        prepared.execute(conn, INSERT_CHUNK, params, STATEMENT_TIMEOUT_MS)
+        self._sha256.update(piece)
+        self.size += len(piece)
+        self.chunks += 1
+
+
+def store(conn: Connection, task_id: uuid.UUID, execution_id: uuid.UUID, csv: bytes) -> Artifact:
+    """The whole of a small CSV, written at once (the writer's path, in one call)."""
+    writer = ChunkWriter(task_id, execution_id)
+    writer.write(lambda: conn, csv)
+    return writer.finish(conn)
+
+
+def read_chunk(conn: Connection, task_id: uuid.UUID, key: uuid.UUID, seq: int) -> bytes | None:
+    """Chunk ``seq`` of the CSV stored under ``key``; None when it is gone (expired or
+    purged since the download started)."""
+    params = {"task_id": str(task_id), "key": str(key), "seq": seq}
+    row = prepared.execute(conn, READ_CHUNK, params, STATEMENT_TIMEOUT_MS).fetchone()
+    return None if row is None else bytes(row[0])
+
+
+def purge_orphans(conn: Connection, batch: int) -> int:
+    """Remove the chunks of up to ``batch`` executions no row names; how many chunks."""
+    params = {"batch": batch}
+    return int(prepared.execute(conn, PURGE_ORPHANS, params, STATEMENT_TIMEOUT_MS).rowcount)
