@@ -20,20 +20,25 @@ answers 404, like a missing or invisible task or team.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi_offline import FastAPIOffline
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 
 from api import errors, health, tasks
 from api.metrics import RequestMetrics
-from api.middleware import BodyLimit, LastResort, SecurityHeaders
+from api.middleware import BodyLimit, ForwardedClient, LastResort, SecurityHeaders
 from api.resources import Resources
 from teamdesk import metrics
-from teamdesk.config import Settings
+from teamdesk.config import ProxyNetwork, Settings, trusted_proxies
 from teamdesk.logs import setup_logging
 from teamdesk.version import version
 
@@ -57,16 +62,56 @@ def _metrics_endpoint(settings: Settings) -> Any:
     return metrics.serve(settings.metrics_port, settings.metrics_host)
 
 
-def create_api(settings: Settings | None = None, *, configure_logging: bool = True) -> FastAPI:
+Handler = Callable[[Request, Exception], Awaitable[Response]]
+
+
+def _answering_refusals(handler: Handler) -> Handler:
+    """``handler``, with the HTTP error it raises itself as the answer: while answering an
+    invalid request (422, or 404 for a malformed id) it takes from the live token's budget
+    (api/deps.py, ``token_is_valid``), which answers 429 once that budget is spent."""
+
+    async def answer(request: Request, exc: Exception) -> Response:
+        try:
+            return await handler(request, exc)
+        except StarletteHTTPException as refused:
+            return await http_exception_handler(request, refused)
+
+    return answer
+
+
+def _install_errors(app: FastAPI) -> None:
+    errors.install(app)
+    # The two handlers that answer invalid requests (api/errors.py), in its place.
+    app.add_exception_handler(RequestValidationError, _answering_refusals(errors.invalid_request))
+    app.add_exception_handler(StarletteHTTPException, _answering_refusals(errors.http_error))
+
+
+def _proxies(given: Sequence[ProxyNetwork] | None) -> Callable[[], Sequence[ProxyNetwork]]:
+    """The trusted proxies: ``given``, or FORWARDED_ALLOW_IPS read once, on first use."""
+    if given is not None:
+        fixed = tuple(given)
+        return lambda: fixed
+    return functools.cache(trusted_proxies)
+
+
+def create_api(
+    settings: Settings | None = None,
+    *,
+    configure_logging: bool = True,
+    proxies: Sequence[ProxyNetwork] | None = None,
+) -> FastAPI:
     """Build the app; ``settings=None`` reads the environment on first use, not at import.
 
     ``configure_logging`` installs the JSON log handler (service ``api``) at startup;
-    tests turn it off to keep pytest's capture.
+    tests turn it off to keep pytest's capture. ``proxies``: the trusted proxies
+    (api/middleware.py, ``ForwardedClient``); None reads FORWARDED_ALLOW_IPS.
     """
     res = Resources(settings)
+    trusted = _proxies(proxies)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        trusted()  # a bad FORWARDED_ALLOW_IPS stops the start, not each request
         if configure_logging:
             _json_logs(res.settings.log_level)
         endpoint = _metrics_endpoint(res.settings)
@@ -90,11 +135,12 @@ def create_api(settings: Settings | None = None, *, configure_logging: bool = Tr
     app.state.resources = res
     app.include_router(health.router)
     app.include_router(tasks.router)
-    errors.install(app)
+    _install_errors(app)
     app.add_middleware(LastResort)
     app.add_middleware(BodyLimit)
     app.add_middleware(SecurityHeaders)  # 413 and 500 answers get them too
-    app.add_middleware(RequestMetrics)  # outermost: counts every answer
+    app.add_middleware(RequestMetrics)  # counts every answer
+    app.add_middleware(ForwardedClient, trusted=trusted)  # outermost: all see the client
     return app
 
 

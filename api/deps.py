@@ -12,12 +12,15 @@ is spent (api/errors.py). A request with a live token never looks at that budget
 clients' failures - behind a proxy, every client may share one address - can never lock a
 valid user out. Create, retry and cancel also take from their token's budget
 (:meth:`Limits.throttle_token`) before writing anything, and reads (a task, a list, a
-CSV) from its read budget (:meth:`Limits.throttle_reads`).
+CSV) from its read budget (:meth:`Limits.throttle_reads`). A request with a live token
+whose path or body is invalid (422, or 404 for a malformed id) takes from the same
+budget its route would have (:func:`token_is_valid`): invalid requests are not free.
 
-The client address is uvicorn's: the peer, or behind proxies the rightmost
-``X-Forwarded-For`` hop that is not a trusted proxy (``FORWARDED_ALLOW_IPS``; README,
-"Behind a reverse proxy"). An IPv6 client's budget is its /64 (one host usually holds a
-whole /64).
+The client address is the peer's, or behind proxies the rightmost ``X-Forwarded-For``
+hop that is not a trusted proxy (``FORWARDED_ALLOW_IPS``; api/middleware.py,
+``ForwardedClient``; docs/api.md, "Behind a reverse proxy"); never text that is not an
+address. An IPv6 client's budget is its /64 (one host usually holds a whole /64), a 6to4
+or Teredo client's its IPv4 address's.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.engine import Connection
 
 from api.limits import RateLimiter, Rule, Verdict
+from api.middleware import parse_address
 from api.resources import Resources
 from ledger.tokens import TokenOwner, resolve_token
 
@@ -42,6 +46,7 @@ MSG_AUTH_RATE = (
     "too many failed authentications from this address; try again after Retry-After seconds"
 )
 UNKNOWN_ADDRESS = "unknown"
+READ_METHODS = frozenset({"GET", "HEAD"})  # every other task route writes
 
 _bearer = HTTPBearer(
     auto_error=False,
@@ -71,6 +76,14 @@ class Limits:
     def throttle_reads(self, owner: TokenOwner) -> None:
         """429 when the token's budget for reads (a task, a list, a CSV) is spent."""
         _refuse(self.limiter.take(self.reads, str(owner.token_id)), MSG_READ_RATE)
+
+    def throttle_method(self, owner: TokenOwner, method: str) -> None:
+        """The budget a request of ``method`` takes from when no route ran to say (its
+        path or body was invalid): reads for GET and HEAD, the token's for the rest."""
+        if method.upper() in READ_METHODS:
+            self.throttle_reads(owner)
+        else:
+            self.throttle_token(owner)
 
 
 def _refuse(verdict: Verdict, message: str) -> None:
@@ -106,22 +119,25 @@ IPV6_CLIENT_PREFIX = 64
 
 
 def auth_subject(address: str) -> str:
-    """Whose budget a failed authentication takes from: the address, or an IPv6
-    address's /64 (a host can pick any address of its /64 for each request)."""
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return address
+    """Whose budget a failed authentication takes from: the address; an IPv6 address's
+    /64 (a host can pick any address of its /64 for each request), but a 6to4 (2002::/16)
+    or Teredo (2001::/32) address's embedded IPv4 address (one IPv4 host holds 65,536 /64s
+    there). Anything that is not an address is :data:`UNKNOWN_ADDRESS`: text a client
+    wrote never names a bucket."""
+    ip = parse_address(address)
+    if ip is None:
+        return UNKNOWN_ADDRESS
     if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:  # ::ffff:a.b.c.d is the IPv4 client a.b.c.d
-            return str(ip.ipv4_mapped)
+        embedded = ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
+        if embedded is not None:
+            return str(embedded)
         return str(ipaddress.ip_network(f"{ip}/{IPV6_CLIENT_PREFIX}", strict=False))
     return str(ip)
 
 
 def client_address(request: Request) -> str:
-    """The peer address as uvicorn sees it: behind a reverse proxy on another host, its
-    ``FORWARDED_ALLOW_IPS`` must name the proxy for ``X-Forwarded-For`` to be used."""
+    """The client's address: the peer, or behind trusted proxies (``FORWARDED_ALLOW_IPS``
+    must name them) what :class:`api.middleware.ForwardedClient` found."""
     return request.client.host if request.client else UNKNOWN_ADDRESS
 
 
@@ -152,9 +168,18 @@ def authenticate(conn: Connection, token: str) -> TokenOwner:
 
 
 def token_is_valid(res: Resources, request: Request) -> bool:
-    """Whether the request carries a live token (for answering 401 before 422)."""
+    """Whether the request carries a live token (for answering 401 before 422).
+
+    A live token's request takes from that token's budget here too, as if its route had
+    run (:meth:`Limits.throttle_method`): a request that ends 422 still cost a token
+    lookup, and would otherwise be free. 429 (an HTTPException) once the budget is spent;
+    the app answers it (api/app.py)."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return False
     with res.engine.begin() as conn:
-        return resolve_token(conn, token.strip()) is not None
+        owner = resolve_token(conn, token.strip())
+    if owner is None:
+        return False
+    limits(request).throttle_method(owner, request.method)
+    return True

@@ -1,11 +1,12 @@
-"""Three small ASGI middlewares: security headers, a request-size limit and a last-resort
-error answer.
+"""Four small ASGI middlewares: security headers, a request-size limit, a last-resort
+error answer and the client's address behind trusted proxies.
 
 :class:`SecurityHeaders` adds ``X-Content-Type-Options: nosniff``, ``X-Frame-Options:
 DENY`` and a ``Content-Security-Policy`` to every answer (``default-src 'none'`` for data,
-a policy that lets the documentation pages load only from this server: ``DOCS_CSP``), and
-``Cache-Control: no-store`` to every ``/api/`` answer that does not set its own (task
-views carry the team's data: no proxy or browser cache may keep them).
+a policy that lets the documentation pages load only from this server and run no inline
+script but their own, by hash: :func:`docs_policy`), and ``Cache-Control: no-store`` to
+every ``/api/`` answer that does not set its own (task views carry the team's data: no
+proxy or browser cache may keep them).
 
 :class:`BodyLimit` answers 413 to a body over :data:`MAX_BODY_BYTES` (by its
 ``Content-Length``, or by counting a chunked body while buffering it) before any route
@@ -13,16 +14,31 @@ runs. :class:`LastResort` turns an unexpected exception into ``500 {"detail": "i
 error"}`` and logs only its class and where it was raised: Starlette's own handler would
 log the exception's text, and a database error's text holds SQL parameters, which hold
 request bodies.
+
+:class:`ForwardedClient` takes the client's address from ``X-Forwarded-For`` when the
+peer is a trusted proxy (``FORWARDED_ALLOW_IPS``, teamdesk/config.py): the rightmost hop
+that is not one. Unlike uvicorn's own handling (which ``teamdesk-tasks api`` turns off),
+text that is not an address never becomes the client, and a list of trusted hops never
+falls back to the leftmost entry, which the client writes itself (issue "Security, round
+four", finding 7): failed authentications are counted per client address (api/deps.py).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import ipaddress
 import json
 import logging
+import re
 import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from fastapi.openapi.docs import get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from teamdesk.config import ProxyNetwork
 
 MAX_BODY_BYTES = 64 * 1024
 MSG_TOO_LARGE = f"the request body must be at most {MAX_BODY_BYTES // 1024} KiB"
@@ -95,22 +111,61 @@ NO_FRAMES = (b"x-frame-options", b"DENY")
 API_CSP = (b"content-security-policy", b"default-src 'none'; frame-ancestors 'none'")
 # /docs (Swagger UI) and /redoc: their scripts, styles and fonts come from this server
 # (FastAPIOffline), they fetch /openapi.json, Redoc runs a web worker from a blob: URL and
-# both set inline styles; Swagger UI starts from an inline script. The pages show the
-# OpenAPI description only (no user data, no token), and nothing may frame them, load
-# from or connect to another origin, embed plugins or rebase their links.
-DOCS_CSP = (
-    b"content-security-policy",
-    b"default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
-    b"img-src 'self' data:; font-src 'self' data:; connect-src 'self'; "
-    b"worker-src 'self' blob:; object-src 'none'; base-uri 'none'; form-action 'none'; "
-    b"frame-ancestors 'none'",
+# both set inline styles. Two inline scripts exist, Swagger UI's start and its OAuth2
+# redirect page's: each is allowed by its SHA-256, never by 'unsafe-inline', which would
+# run any script that found its way into a page. The pages show the OpenAPI description
+# only (no user data, no token), and nothing may frame them, load from or connect to
+# another origin, embed plugins or rebase their links.
+DOCS_POLICY = (
+    "default-src 'self'; script-src 'self' {scripts}; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; font-src 'self' data:; connect-src 'self'; "
+    "worker-src 'self' blob:; object-src 'none'; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'"
 )
 DOCS_PATHS = frozenset({"/docs", "/redoc", "/docs/oauth2-redirect"})
+INLINE_SCRIPT = re.compile(r"<script>(.*?)</script>", re.DOTALL)
+
+
+def script_sources(html: str) -> list[str]:
+    """A CSP source (``'sha256-<base64>'``) for each inline script of ``html``."""
+    return [
+        "'sha256-" + base64.b64encode(hashlib.sha256(script.encode()).digest()).decode() + "'"
+        for script in INLINE_SCRIPT.findall(html)
+    ]
+
+
+def docs_policy(app: Any, root_path: str) -> bytes:
+    """The documentation pages' policy for ``app`` (a FastAPI app) under ``root_path``.
+    Swagger UI's start script depends only on what FastAPIOffline renders it from - the
+    OpenAPI URL under the root path, the redirect page's URL, the app's Swagger
+    parameters - so it is rendered here from the same and hashed; the title and the asset
+    URLs are outside it (tests/unit/test_api_docs_policy.py checks the served pages)."""
+    swagger = get_swagger_ui_html(
+        openapi_url=f"{root_path}{app.openapi_url}",
+        title="",
+        oauth2_redirect_url=app.swagger_ui_oauth2_redirect_url,
+        swagger_js_url="",
+        swagger_css_url="",
+        swagger_ui_parameters=app.swagger_ui_parameters,
+    )
+    redirect = get_swagger_ui_oauth2_redirect_html()
+    pages = (bytes(swagger.body).decode(), bytes(redirect.body).decode())
+    scripts = [source for page in pages for source in script_sources(page)]
+    return DOCS_POLICY.format(scripts=" ".join(scripts)).encode()
 
 
 class SecurityHeaders:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self._docs_policies: dict[str, tuple[bytes, bytes]] = {}  # by root path
+
+    def _docs_csp(self, scope: Scope) -> tuple[bytes, bytes]:
+        """The docs' policy header for the app being served (Starlette's ``scope["app"]``)."""
+        root_path = str(scope.get("root_path", ""))
+        if root_path not in self._docs_policies:
+            policy = docs_policy(scope["app"], root_path)
+            self._docs_policies[root_path] = (b"content-security-policy", policy)
+        return self._docs_policies[root_path]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -118,7 +173,7 @@ class SecurityHeaders:
             return
         path = str(scope.get("path", ""))
         private = path.startswith("/api/")
-        csp = DOCS_CSP if path in DOCS_PATHS else API_CSP
+        csp = self._docs_csp(scope) if path in DOCS_PATHS else API_CSP
 
         async def with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -167,3 +222,92 @@ def _our_frame(exc: BaseException) -> str:
     if not ours:
         return "unknown"
     return f"{ours[-1].filename}:{ours[-1].lineno}"
+
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+FORWARDED_PROTOS = frozenset({"http", "https", "ws", "wss"})
+
+
+def parse_address(text: str | None) -> Address | None:
+    """``text`` as an IP address (an IPv4-mapped IPv6 address as its IPv4 address; a
+    ``[v6]:port`` or ``v4:port`` hop without its port), or None when it is not one."""
+    text = (text or "").strip()
+    if text.startswith("[") and "]" in text:
+        text = text[1 : text.index("]")]
+    elif text.count(":") == 1:
+        text = text.partition(":")[0]
+    if "%" in text:  # a zone (fe80::1%eth0): never a client on the other side of a proxy
+        return None
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def forwarded_client(
+    peer: str | None, forwarded_for: str, trusted: Sequence[ProxyNetwork]
+) -> str | None:
+    """Who the client is: the peer, unless it is a trusted proxy; then the rightmost
+    ``X-Forwarded-For`` hop that is not one (what the nearest proxy saw). A hop that is not
+    an address ends the walk, and so does a list of trusted hops only: the client is then
+    the nearest address a proxy vouches for (the hop the nearest proxy appended, or the
+    peer), never text from the left of the header, which the client writes itself."""
+    peer_ip = parse_address(peer)
+    if peer_ip is None or not _trusted(peer_ip, trusted):
+        return peer
+    nearest: Address | None = None
+    for hop in reversed(forwarded_for.split(",")):
+        ip = parse_address(hop)
+        if ip is None:
+            break
+        if not _trusted(ip, trusted):
+            return str(ip)
+        if nearest is None:
+            nearest = ip
+    return str(peer_ip if nearest is None else nearest)
+
+
+def _trusted(ip: Address, trusted: Sequence[ProxyNetwork]) -> bool:
+    return any(ip in network for network in trusted)
+
+
+class ForwardedClient:
+    """Sets the request's client (and scheme) from ``X-Forwarded-For`` (and
+    ``X-Forwarded-Proto``) when the peer is a trusted proxy (``FORWARDED_ALLOW_IPS``,
+    :func:`forwarded_client`), in place of uvicorn's own handling, which
+    ``teamdesk-tasks api`` turns off. ``trusted`` is read at the first request."""
+
+    def __init__(self, app: ASGIApp, trusted: Callable[[], Sequence[ProxyNetwork]]) -> None:
+        self.app = app
+        self.trusted = trusted
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            self._resolve(scope)
+        await self.app(scope, receive, send)
+
+    def _resolve(self, scope: Scope) -> None:
+        client = scope.get("client")
+        peer = str(client[0]) if client else None
+        trusted = self.trusted()
+        headers = _forwarding_headers(scope)
+        if "x-forwarded-for" in headers:
+            found = forwarded_client(peer, headers["x-forwarded-for"], trusted)
+            if found != peer and found is not None:
+                scope["client"] = (found, 0)
+        proto = headers.get("x-forwarded-proto", "").strip().lower()
+        peer_ip = parse_address(peer)
+        if proto in FORWARDED_PROTOS and peer_ip is not None and _trusted(peer_ip, trusted):
+            scope["scheme"] = proto.replace("http", "ws") if scope["type"] == "websocket" else proto
+
+
+def _forwarding_headers(scope: Scope) -> dict[str, str]:
+    """``X-Forwarded-For`` (every copy, joined as one list) and ``X-Forwarded-Proto``."""
+    found: dict[str, list[str]] = {}
+    for name, value in scope.get("headers", []):
+        if name in (b"x-forwarded-for", b"x-forwarded-proto"):
+            found.setdefault(name.decode(), []).append(value.decode("latin-1"))
+    return {name: ",".join(values) for name, values in found.items()}

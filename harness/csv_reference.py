@@ -4,6 +4,7 @@ export's CSV with this."""
 
 from __future__ import annotations
 
+import unicodedata
 import uuid
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -12,32 +13,41 @@ import sqlalchemy as sa
 
 HEADER = "id,title,status,priority,requester_id,assignee_id,due_at,created_at,updated_at"
 # A title is neutralised (a leading "'") when it starts with TAB, CR or LF, or when its
-# first character after the leading characters a spreadsheet may skip (blank, control,
-# zero-width, direction marks, BOM) could start a formula.
-SKIPPED = "".join(
-    map(
-        chr,
-        [
-            *range(0x01, 0x21),  # C0 controls (TAB, LF, VT, FF, CR among them) and space
-            *range(0x7F, 0xA1),  # DEL, C1 controls (NEL), NO-BREAK SPACE
-            0xAD,  # SOFT HYPHEN
-            0x1680,  # OGHAM SPACE MARK
-            0x180E,  # MONGOLIAN VOWEL SEPARATOR
-            *range(0x2000, 0x2010),  # spaces, ZWSP, ZWNJ, ZWJ, LRM, RLM
-            *range(0x2028, 0x2030),  # line/paragraph separators, bidi embeddings, NNBSP
-            *range(0x205F, 0x2070),  # MMSP, WORD JOINER, invisible operators, bidi isolates
-            0x3000,  # IDEOGRAPHIC SPACE
-            0xFEFF,  # BOM / ZERO WIDTH NO-BREAK SPACE
-        ],
-    )
+# first character after the leading characters a spreadsheet may skip or draw as nothing
+# (controls, format characters, spaces and separators, non-spacing marks, the other
+# default-ignorable code points) could start a formula: = + - @ |, MINUS SIGN, or any
+# character whose NFKC form starts with one of those (fullwidth, small, superscript...).
+SKIPPED_CATEGORIES = ("Cc", "Cf", "Zs", "Zl", "Zp", "Mn")
+IGNORABLE_RANGES = (  # Other_Default_Ignorable_Code_Point not in those categories
+    (0x115F, 0x1160),  # HANGUL CHOSEONG FILLER, HANGUL JUNGSEONG FILLER
+    (0x2065, 0x2065),  # reserved
+    (0x3164, 0x3164),  # HANGUL FILLER
+    (0xFFA0, 0xFFA0),  # HALFWIDTH HANGUL FILLER
+    (0xFFF0, 0xFFF8),  # reserved
+    (0xE0000, 0xE0FFF),  # tags, variation selectors supplement, reserved
 )
-FORMULA_STARTS = ("=", "+", "-", "@", "|", "\uff1d", "\uff0b", "\uff0d", "\uff20", "\uff5c")
+FORMULA_STARTS = ("=", "+", "-", "@", "|", "\u2212")
+
+
+def skipped(ch: str) -> bool:
+    """Whether a spreadsheet may skip ``ch`` before deciding what a cell starts with."""
+    code = ord(ch)
+    return unicodedata.category(ch) in SKIPPED_CATEGORIES or any(
+        low <= code <= high for low, high in IGNORABLE_RANGES
+    )
+
+
+def starts_formula(ch: str) -> bool:
+    return unicodedata.normalize("NFKC", ch).startswith(FORMULA_STARTS)
 
 
 def neutralised(title: str) -> str:
-    rest = title.lstrip(SKIPPED)
-    skipped = title[: len(title) - len(rest)]
-    if any(ch in skipped for ch in "\t\r\n") or rest.startswith(FORMULA_STARTS):
+    lead = 0
+    while lead < len(title) and skipped(title[lead]):
+        lead += 1
+    if any(ch in "\t\r\n" for ch in title[:lead]):
+        return "'" + title
+    if lead < len(title) and starts_formula(title[lead]):
         return "'" + title
     return title
 

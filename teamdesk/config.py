@@ -9,6 +9,7 @@ variable; entry points turn it into one line on stderr and exit code 2 (see
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import sys
@@ -378,6 +379,50 @@ def _checked(settings: Settings) -> Settings:
             f" got {quota}"
         )
     return settings
+
+
+# FORWARDED_ALLOW_IPS: the proxies whose X-Forwarded-For the API believes (api/middleware.py,
+# ForwardedClient), read by the API server only (cli/commands/serve.py, api/app.py).
+FORWARDED_ALLOW_IPS = "FORWARDED_ALLOW_IPS"
+DEFAULT_FORWARDED_ALLOW_IPS = "127.0.0.1,::1"  # uvicorn's own default
+MSG_TRUST_ALL = (
+    "FORWARDED_ALLOW_IPS='*' (or a network of every address, like 0.0.0.0/0 or ::/0) would "
+    "take the client's address from the left of X-Forwarded-For, which the client writes "
+    "itself: set it to your proxies' addresses or range (e.g. 10.0.0.0/8); see docs/api.md, "
+    "'Behind a reverse proxy'"
+)
+ProxyNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def trusted_proxies(env: Mapping[str, str] | None = None) -> tuple[ProxyNetwork, ...]:
+    """FORWARDED_ALLOW_IPS as networks (an address is its /32 or /128), separated by commas.
+    ConfigError for ``*``, for networks that together hold every address of a family
+    (``0.0.0.0/0``, ``::/0``, ``0.0.0.0/1,128.0.0.0/1``) and for an entry that is neither
+    an address nor a network (uvicorn took it as a name no peer ever has)."""
+    env = os.environ if env is None else env
+    raw = (env.get(FORWARDED_ALLOW_IPS) or "").strip() or DEFAULT_FORWARDED_ALLOW_IPS
+    networks: list[ProxyNetwork] = []
+    for entry in filter(None, (part.strip() for part in raw.split(","))):
+        if entry == "*":
+            raise ConfigError(MSG_TRUST_ALL)
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError:
+            raise ConfigError(
+                f"FORWARDED_ALLOW_IPS: {entry!r} is not an IP address or network; list your "
+                "proxies' addresses or ranges, separated by commas"
+            ) from None
+    if _hold_every_address(networks):
+        raise ConfigError(MSG_TRUST_ALL)
+    return tuple(networks)
+
+
+def _hold_every_address(networks: list[ProxyNetwork]) -> bool:
+    v4 = [n for n in networks if isinstance(n, ipaddress.IPv4Network)]
+    v6 = [n for n in networks if isinstance(n, ipaddress.IPv6Network)]
+    return any(n.prefixlen == 0 for n in ipaddress.collapse_addresses(v4)) or any(
+        n.prefixlen == 0 for n in ipaddress.collapse_addresses(v6)
+    )
 
 
 _settings: Settings | None = None

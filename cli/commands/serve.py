@@ -9,14 +9,13 @@ server that cannot start (port taken, app not importable) exits non-zero.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 from types import FrameType
 from typing import Any
 
 from cli.commands.common import port_arg
-from teamdesk.config import settings_or_exit
+from teamdesk.config import ConfigError, settings_or_exit, trusted_proxies
 from teamdesk.logs import setup_logging
 
 APP = "api.app:app"
@@ -30,29 +29,31 @@ def _note_signal(signum: int, frame: FrameType | None) -> None:
     that ended cleanly should exit 0, so the previous handler is this no-op."""
 
 
-FORWARDED_ALLOW_IPS = "FORWARDED_ALLOW_IPS"
-MSG_TRUST_ALL = (
-    "teamdesk-tasks api: FORWARDED_ALLOW_IPS='*' would take the client's address from the "
-    "left of X-Forwarded-For, which the client writes itself: set it to your proxies' "
-    "addresses or range (e.g. 10.0.0.0/8); see the README, 'Behind a reverse proxy'"
-)
-
-
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
-    # uvicorn reads FORWARDED_ALLOW_IPS itself (default 127.0.0.1) and, with a list of
-    # proxies, takes the rightmost X-Forwarded-For hop that is not one of them. With '*'
-    # it takes the leftmost, so a client could pick the address its failed
-    # authentications are counted against (escape the limit, or aim it at someone else).
-    if os.environ.get(FORWARDED_ALLOW_IPS, "").strip() == "*":
-        print(MSG_TRUST_ALL, file=sys.stderr)
+    # FORWARDED_ALLOW_IPS names the proxies whose X-Forwarded-For is believed; the app
+    # reads it (api/middleware.py, ForwardedClient), uvicorn's own handling is off. '*' or
+    # a network of every address stops the start: with either, a client could pick the
+    # address its failed authentications are counted against (escape the limit, or aim it
+    # at someone else). So does an entry that is not an address (a typo trusts nobody).
+    try:
+        trusted_proxies()
+    except ConfigError as exc:
+        print(f"teamdesk-tasks api: {exc}", file=sys.stderr)
         return 2
     setup_logging("api", settings_or_exit().log_level)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _note_signal)
     # No "server: uvicorn" header: it tells a scanner what to try.
-    uvicorn.run(APP, host=args.host, port=args.port, log_config=None, server_header=False)
+    uvicorn.run(
+        APP,
+        host=args.host,
+        port=args.port,
+        log_config=None,
+        server_header=False,
+        proxy_headers=False,
+    )
     return 0
 
 

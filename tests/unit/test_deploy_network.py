@@ -118,7 +118,7 @@ def _workload_problems(workload: dict[str, Any], policies: list[dict[str, Any]])
             problems.append(f"{name}: egress to any address")
     for rule in ingress:
         if component != "flower" and METRICS not in _ports([rule]):
-            continue  # the API's own port: the ingress controller, from anywhere in the cluster
+            continue  # the API's own port: the ingress controller's namespace only
         peers = rule.get("from") or []
         if not peers or any("ipBlock" in peer for peer in peers):
             problems.append(f"{name}: ingress from outside the cluster")
