@@ -18,6 +18,13 @@ team can queue is the ledger's cap (``TEAM_MAX_UNFINISHED``), which does not dep
 Redis. So a Redis error lets the request through, logs one warning, and the limiter
 stops asking Redis for :data:`PAUSE_AFTER_FAILURE_S`: a frozen Redis costs at most one
 socket timeout (the client's, 1 s) per pause, not one per request.
+
+**Redis refusing a permission: fail closed.** A Redis that answers ``NOPERM`` (the API's
+ACL user lacks the script's command, a command it runs or the keys: a deployment error,
+not an outage) would otherwise switch the limits off for good, unnoticed. So every
+limited request answers 503 (api/errors.py's "temporarily unavailable", ``Retry-After``),
+each missing permission is logged once as an error naming it, and Redis is asked again at
+the next request: the API serves again as soon as the permission is back.
 """
 
 from __future__ import annotations
@@ -28,12 +35,21 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 import redis
+from fastapi import HTTPException
+from redis.exceptions import NoPermissionError
 
 PAUSE_AFTER_FAILURE_S = 5.0  # host clock: a local timeout, never compared across hosts
 US_PER_S = 1_000_000
 US_PER_MIN = 60 * US_PER_S
+# The 503 of a refused permission: api/errors.py's MSG_UNAVAILABLE (which imports this
+# module through api/deps.py, so the text cannot be imported from there).
+MSG_UNAVAILABLE = "the service is temporarily unavailable; try again shortly"
+RETRY_AFTER_DENIED_S = 5
+# Redis 7.0 reports a command a script may not run as a plain error; 7.2 and later as NOPERM.
+SCRIPT_DENIED = "can't run this command"
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +115,7 @@ class RateLimiter:
         self._clock = clock
         self._paused_until = 0.0
         self._lock = threading.Lock()
+        self._denied: set[str] = set()  # the permissions Redis refused, each logged once
 
     def take(self, rule: Rule, subject: str) -> Verdict:
         """Take one token from ``subject``'s bucket, or say how long until one is there."""
@@ -110,6 +127,8 @@ class RateLimiter:
             args = [rule.interval_us, rule.burst, 1]
             wait_us = int(script(keys=[self.key(rule, subject)], args=args))
         except redis.RedisError as exc:
+            if isinstance(exc, NoPermissionError) or SCRIPT_DENIED in str(exc):
+                self._refuse(exc)
             self._pause(exc)
             return ALLOWED
         if wait_us <= 0:
@@ -118,6 +137,21 @@ class RateLimiter:
 
     def key(self, rule: Rule, subject: str) -> str:
         return f"{self._prefix}:ratelimit:{rule.name}:{subject}"
+
+    def _refuse(self, exc: redis.RedisError) -> NoReturn:
+        """Fail closed: 503, and name the missing permission once (Redis's text names the
+        user and command, or says "a key"; never a key's name)."""
+        permission = str(exc)
+        with self._lock:
+            first = permission not in self._denied
+            self._denied.add(permission)
+        if first:
+            logger.error(
+                "rate limits failed closed: the API's Redis user lacks a permission",
+                extra={"error": type(exc).__name__, "permission": permission},
+            )
+        headers = {"Retry-After": str(RETRY_AFTER_DENIED_S)}
+        raise HTTPException(503, MSG_UNAVAILABLE, headers=headers) from exc
 
     def _pause(self, exc: Exception) -> None:
         """Fail open: stop asking Redis for a while, and say so once per pause."""

@@ -31,7 +31,11 @@ number). Redis 7 checks every command, key and channel, those a script runs incl
   ``redis-cli`` and Celery's own commands (``celery purge``); no TeamDesk process uses it.
 
 Commands are listed, never granted by category (``+@write`` would also grant FLUSHALL),
-but for connection housekeeping (:data:`CONNECTION`).
+but for connection housekeeping (:data:`CONNECTION`), which leaves out ``SELECT``: key
+patterns hold in every database, so a role may select only its cluster's (none on 0).
+Each role gets only the script commands its code runs (:data:`SCRIPTS`); that still lets
+it run a script of its own (Redis 7 cannot allow a script by its SHA), whose every command
+Redis checks against the same rules (deploy/README.md, "Redis users").
 A user's password is given as its SHA-256 (``#<hex>``), never in clear text.
 """
 
@@ -55,12 +59,31 @@ PASSWORD_VARS = {
 PLAIN_PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MSG_PREFIX = "QUEUE_PREFIX must be letters, digits, '_', '.' or '-' to write Redis ACL rules"
 
-# Connection housekeeping (HELLO, AUTH, PING, SELECT, CLIENT SETNAME/SETINFO...) as a
-# category: its commands differ between Redis versions, and a rule naming one the server
-# lacks (CLIENT SETINFO before 7.2) makes it refuse the whole file. Its administrative
-# and dangerous members (CLIENT KILL, LIST, PAUSE...) and key tracking are taken out.
-CONNECTION = ("+@connection", "-@admin", "-@dangerous", "-client|tracking")
-SCRIPTS = ("+evalsha", "+evalsha_ro", "+script|load", "+script|exists")
+# Connection housekeeping (HELLO, AUTH, PING, CLIENT SETNAME/SETINFO...) as a category:
+# its commands differ between Redis versions, and a rule naming one the server lacks
+# (CLIENT SETINFO before 7.2) makes it refuse the whole file. Its administrative and
+# dangerous members (CLIENT KILL, LIST, PAUSE...), key tracking and SELECT are taken out:
+# a client on database 0 sends no SELECT (redis-py, kombu), one on N may select N only
+# (:func:`_select`).
+CONNECTION = ("+@connection", "-@admin", "-@dangerous", "-client|tracking", "-select")
+# The script commands each role's code runs. redis-py's register_script (and its Lock)
+# sends EVALSHA and, on NOSCRIPT, SCRIPT LOAD; in a pipeline it asks SCRIPT EXISTS first.
+# - api: the rate limits' bucket (api/limits.py, EVALSHA); live heartbeats
+#   (teamdesk/heartbeat.py read_only, EVALSHA_RO).
+# - beat: the queued markers (tasks/queueing.py set_markers, EVAL); the leader lock's
+#   extend and release (redis-py Lock, dispatcher/leader.py, EVALSHA); heartbeat reads
+#   (EVALSHA_RO).
+# - worker: its heartbeat (EVALSHA), a marker ended (EVAL), its probe's reads
+#   (EVALSHA_RO); kombu's restore mutex (redis-py Lock) and binding refresh (EVALSHA, in
+#   a pipeline too).
+# - flower: kombu's restore mutex and binding refresh, as every consumer.
+# No role gets FUNCTION, SCRIPT FLUSH/KILL or EVAL_RO.
+SCRIPTS = {
+    "api": ("+evalsha", "+evalsha_ro", "+script|load"),
+    "beat": ("+eval", "+evalsha", "+evalsha_ro", "+script|load"),
+    "worker": ("+eval", "+evalsha", "+evalsha_ro", "+script|load", "+script|exists"),
+    "flower": ("+evalsha", "+script|load", "+script|exists"),
+}
 TRANSACTIONS = ("+multi", "+exec", "+discard", "+watch", "+unwatch")
 # kombu's Redis channel: queues, bindings, its scripts (binding deadlines, the restore
 # mutex), fanout over pub/sub.
@@ -89,7 +112,6 @@ KOMBU_CONSUMER = (
 
 API_COMMANDS = ("+exists", "+mget", "+get", "+set", "+time", "+zcount", "+zrangebyscore")
 BEAT_COMMANDS = (
-    "+eval",
     "+info",
     "+lpush",
     "+llen",
@@ -109,7 +131,6 @@ BEAT_COMMANDS = (
 WORKER_COMMANDS = (
     *KOMBU_CONSUMER,
     "+lpush",
-    "+eval",
     "+info",
     "+rpop",
     "+rpush",
@@ -256,11 +277,17 @@ def _flower(layout: Layout) -> list[str]:
 GRANTS = {"api": _api, "beat": _beat, "worker": _worker, "flower": _flower}
 
 
+def _select(layout: Layout) -> list[str]:
+    """SELECT of the cluster's own database only (Redis 7 allows one first argument of a
+    command without subcommands); on database 0 none is needed."""
+    return [f"+select|{layout.db}"] if layout.db else []
+
+
 def role_rules(role: str, layout: Layout) -> list[str]:
     """What ``role`` may run, touch and publish (no ``reset``, no password)."""
     if role == ADMIN:
         return ["~*", "&*", "+@all"]
-    return [*CONNECTION, *SCRIPTS, *GRANTS[role](layout)]
+    return [*CONNECTION, *_select(layout), *SCRIPTS[role], *GRANTS[role](layout)]
 
 
 def acl_rules(role: str, layout: Layout, hashed: str) -> list[str]:

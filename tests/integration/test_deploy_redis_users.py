@@ -1,9 +1,11 @@
 """deploy/compose.yaml's Redis loads the users of deploy/redis/users.acl: its start script,
 run here with the local ``redis-server`` (the file's own shell, Compose's ``$$`` undone,
 the container's paths pointed at the repository's file and a temporary directory),
-starts a server on which each service's user logs in with its own password and only
-with it, gets only its rules, and the administrator ``default`` needs the admin
-password. With another QUEUE_PREFIX the script refuses to start Redis."""
+reads each password from its secret file (none from the environment), and starts a
+server on which each service's user logs in with its own password and only with it, gets
+only its rules, and the administrator ``default`` needs the admin password. The script
+refuses to start Redis with another QUEUE_PREFIX, a password file that is empty, or data
+written by another user (a volume from the versions that ran Redis as root)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from tests.support.redis_server import free_port
 
 CONTAINER_FILE = "/etc/teamdesk/users.acl"
 CONTAINER_OUTPUT = "/tmp/users.acl"
+CONTAINER_SECRETS = "/run/secrets/"
+CONTAINER_DATA = "/data"
 
 
 def start_script(port: int, workdir: Path) -> str:
@@ -35,9 +39,12 @@ def start_script(port: int, workdir: Path) -> str:
     written = str(service["command"][2])
     assert "$" not in written.replace("$$", ""), "a single $ would be Compose's interpolation"
     script = written.replace("$$", "$")
-    assert CONTAINER_FILE in script and CONTAINER_OUTPUT in script
+    for path in (CONTAINER_FILE, CONTAINER_OUTPUT, CONTAINER_SECRETS, CONTAINER_DATA):
+        assert path in script, path
     script = script.replace(CONTAINER_FILE, str(DEPLOY / "redis" / "users.acl"))
     script = script.replace(CONTAINER_OUTPUT, str(workdir / "users.acl"))
+    script = script.replace(CONTAINER_SECRETS, f"{workdir}/secrets/")
+    script = script.replace(f"{CONTAINER_DATA} ", f"{workdir}/data ")
     local = f"redis-server --port {port} --bind 127.0.0.1 --dir {workdir} --appendonly no"
     assert "exec redis-server --appendonly yes" in script
     return script.replace("exec redis-server --appendonly yes", f"exec {local}")
@@ -50,11 +57,11 @@ def compose_redis(
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
     port = free_port()
-    env = {
-        "PATH": os.environ["PATH"],
-        "QUEUE_PREFIX": prefix,
-        **{PASSWORD_VARS[role]: password for role, password in passwords.items()},
-    }
+    (workdir / "data").mkdir(exist_ok=True)
+    (workdir / "secrets").mkdir()
+    for role, password in passwords.items():  # as deploy/README.md writes them: a newline
+        (workdir / "secrets" / PASSWORD_VARS[role].lower()).write_text(password + "\n")
+    env = {"PATH": os.environ["PATH"], "QUEUE_PREFIX": prefix}
     process = subprocess.Popen(
         ["sh", "-c", start_script(port, workdir)],
         env=env,
@@ -112,3 +119,32 @@ def test_composes_redis_does_not_start_with_a_file_for_another_prefix(tmp_path: 
         err = process.stderr.read() if process.stderr else ""
     assert code == 1
     assert err == "redis/users.acl is not for QUEUE_PREFIX=other: regenerate it\n"
+
+
+def refusal(tmp_path: Path, passwords: dict[str, str]) -> tuple[int, str]:
+    with compose_redis("teamdesk", passwords, tmp_path) as (process, _):
+        code = process.wait(timeout=10)
+        err = process.stderr.read() if process.stderr else ""
+    return code, err
+
+
+def test_composes_redis_does_not_start_with_an_empty_password(tmp_path: Path) -> None:
+    passwords = {role: uuid.uuid4().hex for role in (ADMIN, *ROLES)}
+    code, err = refusal(tmp_path, {**passwords, "worker": ""})
+    assert code == 1
+    assert err == (
+        "redis/secrets/redis_worker_password is missing or empty "
+        '(deploy/README.md, "Docker Compose")\n'
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file of another user: needs root")
+def test_composes_redis_does_not_start_on_data_of_another_user(tmp_path: Path) -> None:
+    """Before this version Redis ran as root and its append-only files are root's: Redis,
+    now its image's user, could not write them. The script says how to hand them over."""
+    (tmp_path / "data" / "appendonlydir").mkdir(parents=True)
+    os.chown(tmp_path / "data" / "appendonlydir", 12345, 12345)
+    code, err = refusal(tmp_path, {role: uuid.uuid4().hex for role in (ADMIN, *ROLES)})
+    assert code == 1
+    assert "holds files of another user" in err
+    assert "--entrypoint chown redis -R redis:redis /data" in err

@@ -6,7 +6,10 @@ into a dedicated ``redis-server`` from the ACL file ``teamdesk-tasks redis-acl``
   the dispatcher's lock, which the worker and beat users wrote; Redis refused nothing.
 - The API user may not touch the broker (a task queue, Celery's event and control
   channels, kombu's keys), the markers, the heartbeats, the lock, or run server-wide
-  commands; beat, the worker and Flower are refused what is not theirs.
+  commands; beat, the worker and Flower are refused what is not theirs; no user may
+  SELECT another database, nor run a script command its code does not run.
+- A cluster on database 3: every role's client selects it as it connects, and may select
+  no other.
 - The dispatcher's reads run as beat: the lease holders with the record's epoch (INFO
   in a read-only script), the slots per queue, the broker's view of a queue.
 - ``--format setuser`` loads the same users as the ACL file.
@@ -108,6 +111,8 @@ REFUSED = [
     ("api", "SET P:dispatcher:leader token"),
     ("api", "DEL P:dispatcher:leader"),
     ("api", "EVAL return 1 0"),
+    ("api", "SCRIPT EXISTS 0"),
+    ("api", "SELECT 1"),
     ("api", "FLUSHALL"),
     ("api", "KEYS *"),
     ("api", "SCAN 0"),
@@ -119,16 +124,23 @@ REFUSED = [
     ("beat", "SET P:ratelimit:token:x 1"),
     ("beat", "HSET P:unacked tag message"),
     ("beat", "FLUSHDB"),
+    ("beat", "SELECT 1"),
+    ("beat", "SCRIPT FLUSH"),
     ("worker", "SET P:dispatcher:leader token"),
     ("worker", "SET P:ratelimit:token:x 1"),
     ("worker", "PUBLISH other-channel message"),
     ("worker", "CONFIG SET maxmemory 1"),
+    ("worker", "SELECT 1"),
+    ("worker", "FUNCTION LOAD x"),
     ("flower", "LPUSH P:exports message"),
     ("flower", "HDEL P:unacked tag"),
     ("flower", "SET P:queued:x-0 stamp"),
     ("flower", "SET P:dispatcher:leader token"),
     ("flower", "ZADD P:worker-heartbeat:active 1 member"),
     ("flower", "PUBLISH P:celery-task-meta-x result"),
+    ("flower", "SELECT 1"),
+    ("flower", "EVAL return 1 0"),
+    ("flower", "EVALSHA_RO 0 0"),
 ]
 
 
@@ -182,6 +194,18 @@ def test_the_dispatcher_reads_heartbeats_and_the_broker_as_beat(
     assert exports is not None and exports.ready == 1 and exports.listed is not None
     assert [message for message, _ in exports.listed] == [f"{task_id}-0"]
     assert acl_redis.denials() == []
+
+
+def test_a_cluster_on_another_database_selects_it_and_no_other() -> None:
+    with redis_with_users(f"tdt-{uuid.uuid4().hex[:8]}", db=3) as acl_redis:
+        clients = {role: acl_redis.client(role) for role in ROLES}
+        connected = {role: client.ping() for role, client in clients.items()}  # SELECT 3 first
+        for client in clients.values():
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.execute_command("SELECT", "0")
+        denials = [(e["username"], e["object"]) for e in acl_redis.denials()]
+    assert connected == {role: True for role in ROLES}
+    assert sorted(denials) == sorted((f"{acl_redis.prefix}-{role}", "select") for role in ROLES)
 
 
 def users(acl_list: Sequence[str]) -> dict[str, set[str]]:

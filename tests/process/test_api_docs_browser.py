@@ -2,7 +2,8 @@
 them: the real ``teamdesk-tasks api`` and headless Chromium (tests/support/browser.py).
 Every answer says ``X-Frame-Options: DENY`` and carries a policy; the data answers load
 nothing (``default-src 'none'``), and /docs (Swagger UI) and /redoc still render the
-routes with theirs - scripts, styles, fonts and the web worker from this server only."""
+routes with theirs - scripts, styles, fonts and the web worker from this server only, and
+no inline script but Swagger UI's own start, allowed by its hash (no 'unsafe-inline')."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from api.middleware import API_CSP, DOCS_CSP
+from api.app import create_api
+from api.middleware import API_CSP, docs_policy
 from harness.processes import Proc, cluster, free_port, settings_env
 from harness.waiting import wait_for
 from teamdesk.config import Settings
@@ -39,19 +41,22 @@ def test_the_docs_render_under_their_policy_and_data_answers_load_nothing(
 ) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
+    docs_csp = docs_policy(create_api(settings, configure_logging=False), "")
+    script_src = next(d for d in docs_csp.decode().split(";") if "script-src" in d)
+    assert "'sha256-" in script_src and "unsafe" not in script_src
     api_argv = [sys.executable, "-m", "cli.main", "api", "--port", str(port)]
     with cluster(tmp_path) as procs:
         procs.append(Proc("api", api_argv, settings_env(settings), tmp_path).start())
         wait_for(lambda: headers_of(base + "/api/health"), timeout=60, what="the API")
         for path, policy in (
-            ("/api/health", API_CSP),
-            ("/openapi.json", API_CSP),
-            ("/docs", DOCS_CSP),
-            ("/redoc", DOCS_CSP),
+            ("/api/health", API_CSP[1]),
+            ("/openapi.json", API_CSP[1]),
+            ("/docs", docs_csp),
+            ("/redoc", docs_csp),
         ):
             headers = headers_of(base + path)
             assert headers["x-frame-options"] == "DENY", path
-            assert headers["content-security-policy"] == policy[1].decode(), path
+            assert headers["content-security-policy"] == policy.decode(), path
         swagger = browser.dump_dom(base + "/docs", settle_ms=SETTLE_MS)
         redoc = browser.dump_dom(base + "/redoc", settle_ms=SETTLE_MS)
     # Swagger UI fetched /openapi.json and rendered one block per operation.

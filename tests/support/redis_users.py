@@ -39,10 +39,11 @@ class AclRedis:
     server: RedisServer
     prefix: str
     passwords: dict[str, str]
+    db: int = 0  # the cluster's database (``teamdesk-tasks redis-acl --db``)
 
     def url(self, role: str) -> str:
         name = user_name(role, self.prefix)
-        return f"redis://{name}:{self.passwords[role]}@127.0.0.1:{self.server.port}/0"
+        return f"redis://{name}:{self.passwords[role]}@127.0.0.1:{self.server.port}/{self.db}"
 
     def client(self, role: str) -> redis.Redis:
         return redis.Redis.from_url(self.url(role), decode_responses=True, socket_timeout=2)
@@ -60,12 +61,12 @@ class AclRedis:
 
 
 @contextmanager
-def redis_with_users(prefix: str) -> Iterator[AclRedis]:
+def redis_with_users(prefix: str, db: int = 0) -> Iterator[AclRedis]:
     """A dedicated Redis started with ``--aclfile``: the administrator and one user per
-    role, random passwords."""
+    role, random passwords, for a cluster on database ``db``."""
     passwords = {role: uuid.uuid4().hex for role in (ADMIN, *ROLES)}
     with tempfile.TemporaryDirectory(prefix="tdt-acl-") as workdir:
         path = Path(workdir) / "users.acl"
-        path.write_text(redis_acl(prefix, passwords))
+        path.write_text(redis_acl(prefix, passwords, "--db", str(db)))
         with dedicated_redis("--aclfile", str(path), password=passwords[ADMIN]) as server:
-            yield AclRedis(server, prefix, passwords)
+            yield AclRedis(server, prefix, passwords, db)

@@ -2,11 +2,13 @@
 "Who gets which secret"), checked offline on the parsed files.
 
 - **One Redis user per component.** Compose starts Redis with ``--aclfile``: the users of
-  deploy/redis/users.acl, each placeholder replaced by the SHA-256 of its required
-  password variable, and its health check authenticates as the administrator from the
-  environment; every ``REDIS_URL`` (Compose default, Kubernetes Secret) logs in as its
-  component's own user (``teamdesk-<component>``) with a password, and so does every
-  ``BROKER_URL`` that is not empty (empty = ``REDIS_URL``).
+  deploy/redis/users.acl, each placeholder replaced by the SHA-256 of its password, read
+  from a file (a Compose secret from ``redis/secrets/``, mounted into Redis alone): Redis's
+  environment holds no password (``docker inspect`` shows none), and its health check
+  authenticates as the administrator from that one's file; every ``REDIS_URL`` (Compose
+  default, Kubernetes Secret) logs in as its component's own user
+  (``teamdesk-<component>``) with a password, and so does every ``BROKER_URL`` that is
+  not empty (empty = ``REDIS_URL``).
 - **Three database roles.** Migrate alone holds the schema owner's ``DATABASE_URL`` and
   the roles' passwords and sets up the application role (``--app-role teamdesk_app``)
   and the API's (``--api-role teamdesk_api``); the API's ``DATABASE_URL`` connects as
@@ -120,7 +122,8 @@ def _foreign_secrets(name: str, env: dict[str, Any]) -> list[str]:
 
 def compose_access_problems(doc: dict[str, Any]) -> list[str]:
     services: dict[str, Any] = doc["services"]
-    problems = _compose_redis_problems(services["redis"])
+    problems = _compose_redis_problems(services["redis"], doc.get("secrets") or {})
+    problems.extend(_redis_secrets_elsewhere(services))
     problems.extend(_migrate_problems(services["migrate"].get("command") or []))
     for name in COMPONENTS:
         env = env_map(services[name].get("environment"))
@@ -145,11 +148,15 @@ def compose_access_problems(doc: dict[str, Any]) -> list[str]:
 
 
 USERS_FILE = re.compile(r"\./redis/users\.acl:(\S+?)(:ro)?")
+# The Redis passwords: one Compose secret each, named like its variable.
+REDIS_SECRETS = {PASSWORD_VARS[role]: PASSWORD_VARS[role].lower() for role in (ADMIN, *ROLES)}
+ADMIN_FILE = f"/run/secrets/{REDIS_SECRETS[PASSWORD_VARS[ADMIN]]}"
 
 
-def _compose_redis_problems(redis: dict[str, Any]) -> list[str]:
+def _compose_redis_problems(redis: dict[str, Any], secrets: dict[str, Any]) -> list[str]:
     """Redis loads deploy/redis/users.acl with every password placeholder replaced from
-    its required variable; the health check logs in as the administrator."""
+    its secret file; no password in its environment; the health check logs in as the
+    administrator from that one's file."""
     problems = []
     command = redis.get("command") or []
     text = " ".join(command) if isinstance(command, list) else str(command)
@@ -158,17 +165,55 @@ def _compose_redis_problems(redis: dict[str, Any]) -> list[str]:
         problems.append("redis: ./redis/users.acl is not mounted")
     elif mounts[0].group(1) not in text or "--aclfile" not in text:
         problems.append("redis: not started with --aclfile from ./redis/users.acl")
-    env = env_map(redis.get("environment"))
     for role in (ADMIN, *ROLES):
-        var = PASSWORD_VARS[role]
-        if f'/#sha256({var})/#$$(sha "$${var}")/' not in text:
-            problems.append(f"redis: the {role} user's placeholder is not replaced from {var}")
-        if not re.fullmatch(rf"\$\{{{var}:\?[^}}]*\}}", str(env.get(var, ""))):
-            problems.append(f"redis: {var} is not a required variable (${{{var}:?}})")
+        problems.extend(_password_file_problems(role, redis, secrets, text))
+    problems.extend(_environment_passwords(redis))
     test = " ".join(map(str, (redis.get("healthcheck") or {}).get("test") or []))
-    authenticated = "REDIS_PASSWORD" in str(env.get("REDISCLI_AUTH", "")) or " -a " in test
-    if "redis-cli" not in test or not authenticated:
-        problems.append("redis: health check does not authenticate (REDISCLI_AUTH)")
+    if "redis-cli" not in test or ADMIN_FILE not in test or "PONG" not in test:
+        problems.append(f"redis: health check does not authenticate from {ADMIN_FILE}")
+    return problems
+
+
+def _password_file_problems(
+    role: str, redis: dict[str, Any], secrets: dict[str, Any], script: str
+) -> list[str]:
+    var = PASSWORD_VARS[role]
+    name = REDIS_SECRETS[var]
+    problems = []
+    if name not in (redis.get("secrets") or []):
+        problems.append(f"redis: does not mount secret {name}")
+    if (secrets.get(name) or {}).get("file") != f"./redis/secrets/{name}":
+        # Compose copies any other kind into the container: refused on a read-only one.
+        problems.append(f"redis: secret {name} is not the file ./redis/secrets/{name}")
+    hashed = f"{name}_sha=$$(hash_of {name})"  # the script's lines, Compose's $$ kept
+    replaced = f"/#sha256({var})/#$${name}_sha/"
+    if hashed not in script or replaced not in script:
+        problems.append(f"redis: the {role} user's placeholder is not replaced from {name}")
+    return problems
+
+
+def _environment_passwords(redis: dict[str, Any]) -> list[str]:
+    """Redis's environment (``docker inspect``) holds no password, nor names one."""
+    env = env_map(redis.get("environment"))
+    return [
+        f"redis: its environment holds {var}"
+        for var, value in env.items()
+        if var in SECRET_VARS
+        or var == "REDISCLI_AUTH"
+        or any(f"${{{secret}" in str(value) for secret in SECRET_VARS)
+    ]
+
+
+def _redis_secrets_elsewhere(services: dict[str, Any]) -> list[str]:
+    """The Redis passwords' files are mounted into Redis alone."""
+    problems = []
+    for name, svc in services.items():
+        if name == "redis":
+            continue
+        for entry in svc.get("secrets") or []:
+            secret = entry.get("source") if isinstance(entry, dict) else entry
+            if secret in REDIS_SECRETS.values():
+                problems.append(f"{name}: mounts Redis's secret {secret}")
     return problems
 
 
@@ -244,13 +289,6 @@ def _set_env(service: str, var: str, value: str) -> Callable[[dict[str, Any]], N
     return mutate
 
 
-def _drop_env(service: str, var: str) -> Callable[[dict[str, Any]], None]:
-    def mutate(doc: dict[str, Any]) -> None:
-        del doc["services"][service]["environment"][var]
-
-    return mutate
-
-
 def _set(service: str, key: str, value: Any) -> Callable[[dict[str, Any]], None]:
     def mutate(doc: dict[str, Any]) -> None:
         doc["services"][service][key] = value
@@ -272,6 +310,20 @@ def _redis_script(edit: Callable[[str], str]) -> Callable[[dict[str, Any]], None
     return mutate
 
 
+def _set_secret(name: str, value: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    def mutate(doc: dict[str, Any]) -> None:
+        doc["secrets"][name] = value
+
+    return mutate
+
+
+def _unmount_secret(name: str) -> Callable[[dict[str, Any]], None]:
+    def mutate(doc: dict[str, Any]) -> None:
+        doc["services"]["redis"]["secrets"].remove(name)
+
+    return mutate
+
+
 def _unmount_users(doc: dict[str, Any]) -> None:
     redis = doc["services"]["redis"]
     redis["volumes"] = [v for v in redis["volumes"] if "users.acl" not in v]
@@ -287,22 +339,42 @@ COMPOSE_BREAKS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     (
         "a user's placeholder left in",
         _redis_script(lambda s: s.replace("REDIS_API_PASSWORD)/", "REDIS_APIPASSWORD)/")),
-        "redis: the api user's placeholder is not replaced from REDIS_API_PASSWORD",
+        "redis: the api user's placeholder is not replaced from redis_api_password",
     ),
     (
-        "a user's password optional",
-        _set_env("redis", "REDIS_BEAT_PASSWORD", "${REDIS_BEAT_PASSWORD:-}"),
-        "redis: REDIS_BEAT_PASSWORD is not a required variable",
+        "a user's password back in Redis's environment",
+        _set_env("redis", "REDIS_BEAT_PASSWORD", "${REDIS_BEAT_PASSWORD:?set it}"),
+        "redis: its environment holds REDIS_BEAT_PASSWORD",
     ),
     (
-        "redis password optional",
-        _set_env("redis", "REDIS_PASSWORD", "${REDIS_PASSWORD:-}"),
-        "redis: REDIS_PASSWORD is not a required variable",
+        "the administrator's password for redis-cli in the environment",
+        _set_env("redis", "REDISCLI_AUTH", "${REDIS_PASSWORD}"),
+        "redis: its environment holds REDISCLI_AUTH",
+    ),
+    (
+        "a password hidden in another variable",
+        _set_env("redis", "EXTRA", "x${REDIS_WORKER_PASSWORD}"),
+        "redis: its environment holds EXTRA",
     ),
     (
         "redis health check without auth",
-        _drop_env("redis", "REDISCLI_AUTH"),
+        _set("redis", "healthcheck", {"test": ["CMD", "redis-cli", "ping"]}),
         "redis: health check does not authenticate",
+    ),
+    (
+        "a password secret from the environment",
+        _set_secret("redis_api_password", {"environment": "REDIS_API_PASSWORD"}),
+        "redis: secret redis_api_password is not the file",
+    ),
+    (
+        "a password secret not mounted",
+        _unmount_secret("redis_flower_password"),
+        "redis: does not mount secret redis_flower_password",
+    ),
+    (
+        "the API mounts the administrator's password",
+        _set("api", "secrets", ["redis_password"]),
+        "api: mounts Redis's secret redis_password",
     ),
     (
         "worker logs in as the API's Redis user",

@@ -5,6 +5,8 @@
 - the rules name the keys and channels the code uses (rate limits, the leader lock, the
   markers, the heartbeats, kombu's keys, Celery's exchanges), each for the roles that
   use it, read-only where a role only reads;
+- no role may SELECT another database than the cluster's (none at all on database 0), and
+  each may run only the script commands its code runs (the table below);
 - a prefix that would smuggle a glob or a space into a rule is refused;
 - the command prints passwords only as their SHA-256, and refuses to print a user whose
   password variable is unset.
@@ -126,6 +128,37 @@ def test_the_channels_are_celerys_exchanges_on_the_brokers_database() -> None:
     assert f"{PREFIX}:/3.{PREFIX}.control.pidbox" in [
         rule[1:] for rule in role_rules("worker", Layout(PREFIX, LAYOUT.queues, 3))
     ]
+
+
+def selects(role: str, layout: Layout) -> list[str]:
+    return [rule for rule in role_rules(role, layout) if "select" in rule]
+
+
+def test_no_role_may_select_another_database() -> None:
+    """ACL key patterns hold in every database: SELECT would reach another database's keys
+    of the same prefix. A client on database 0 sends no SELECT; on 3 it may select 3 only."""
+    on_three = Layout(PREFIX, LAYOUT.queues, 3)
+    assert {role: selects(role, LAYOUT) for role in ROLES} == {role: ["-select"] for role in ROLES}
+    assert {role: selects(role, on_three) for role in ROLES} == {
+        role: ["-select", "+select|3"] for role in ROLES
+    }
+
+
+def scripting(role: str) -> list[str]:
+    found = [r for r in role_rules(role, LAYOUT) if r.startswith(("+eval", "+script", "+fcall"))]
+    return [rule[1:] for rule in found]
+
+
+def test_each_role_may_run_only_the_script_commands_its_code_runs() -> None:
+    """EVALSHA (with SCRIPT LOAD, redis-py's answer to NOSCRIPT) runs any script, as EVAL
+    does: Redis 7 cannot allow a script by its SHA. So the list is no allow-list of scripts,
+    only of the commands each role's scripts need (teamdesk/redis_acl.py, SCRIPTS)."""
+    assert {role: scripting(role) for role in ROLES} == {
+        "api": ["evalsha", "evalsha_ro", "script|load"],
+        "worker": ["eval", "evalsha", "evalsha_ro", "script|load", "script|exists"],
+        "beat": ["eval", "evalsha", "evalsha_ro", "script|load"],
+        "flower": ["evalsha", "script|load", "script|exists"],
+    }
 
 
 @pytest.mark.parametrize("prefix", ["team desk", "team*", "a?b", "[ab]", "", "-x", "a\\b"])
