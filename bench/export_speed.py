@@ -23,7 +23,7 @@ from bench import FLUSH_EVERY_S
 from bench.env import BenchEnv, Part, read_stats, stop, wait_until
 from bench.throughput import publish_ready
 from ledger import service
-from tasks.export import COPY_OPTIONS, CSV_COLUMNS
+from tasks.export import COPY_OPTIONS, csv_columns
 
 SMALL_ROWS = 10_000
 BIG_ROWS = 100_000
@@ -140,7 +140,7 @@ class Copier:
 
     def __init__(self, database_url: str, team: uuid.UUID) -> None:
         self.query = (
-            f"COPY (SELECT {CSV_COLUMNS} FROM tickets WHERE team_id = '{team}' "
+            f"COPY (SELECT {csv_columns()} FROM tickets WHERE team_id = '{team}' "
             f"ORDER BY created_at, id) TO STDOUT WITH ({COPY_OPTIONS}, HEADER)"
         )
         self.conn = psycopg2.connect(

@@ -21,18 +21,19 @@ when its first character after the leading controls, format characters, spaces,
 separators, non-spacing marks and other default-ignorable characters (Unicode categories
 Cc, Cf, Zs, Zl, Zp, Mn; the Hangul fillers) is ``=``, ``+``, ``-``, ``@``, ``|``, MINUS
 SIGN or a character whose NFKC form starts with one (fullwidth, small, superscript,
-subscript forms): spreadsheets skip those and run the rest (``TITLE_CELL``).
+subscript forms): spreadsheets skip those and run the rest (:func:`guard`).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import unicodedata
 from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 from datetime import time as dtime
 from itertools import compress
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg2.errors
 from sqlalchemy.engine import Connection
@@ -110,31 +111,55 @@ def _escape(code: int) -> str:
     return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
-SKIPPED, STARTS = guard_characters()
-# The title cell, shared by both column lists below: one anchored regex (PostgreSQL's ARE
-# reads the escapes). The title is the only free text in the CSV: every other column is a
-# uuid, an enum-like name (status, priority) or a timestamp from to_char, none of which can
-# start with a formula character. A new free-text column needs this same guard.
-TITLE_CELL = (
-    f"CASE WHEN title ~ '^[{regex_class(SKIPPED)}]*[{regex_class(STARTS)}]' "
-    "THEN '''' || title ELSE title END"
-)
+class Guard(NamedTuple):
+    """The formula guard as built from this Python's Unicode data: the characters skipped
+    before deciding what a title starts with, those that start a formula, and the title
+    cell that applies them."""
+
+    skipped: str
+    starts: str
+    title_cell: str
+
+
+@functools.cache
+def guard() -> Guard:
+    """The guard, built once per process at first need (about 0.3 s): the processes that
+    never export (beat, Flower, ``celery`` commands) never pay for it, and a worker builds
+    it in its main process before the pool forks (worker/lifecycle.py), so no export waits.
+
+    The title cell, shared by both column lists below: one anchored regex (PostgreSQL's
+    ARE reads the escapes). The title is the only free text in the CSV: every other column
+    is a uuid, an enum-like name (status, priority) or a timestamp from to_char, none of
+    which can start with a formula character. A new free-text column needs this guard."""
+    skipped, starts = guard_characters()
+    cell = (
+        f"CASE WHEN title ~ '^[{regex_class(skipped)}]*[{regex_class(starts)}]' "
+        "THEN '''' || title ELSE title END"
+    )
+    return Guard(skipped, starts, cell)
+
 
 # COPY's options: every non-NULL cell quoted, so a ';' stays inside its cell for the
 # spreadsheet locales that split on it. NULL stays an empty, unquoted cell (the contract
 # tells it from an empty text, ""); COPY never quotes the header.
 COPY_OPTIONS = "FORMAT csv, FORCE_QUOTE *"
 
-CSV_COLUMNS = f"""id,
-    {TITLE_CELL},
+
+def csv_columns() -> str:
+    """The CSV's cells, as COPY renders them."""
+    return f"""id,
+    {guard().title_cell},
     status, priority, requester_id, assignee_id,
     to_char(due_at AT TIME ZONE 'UTC', {_TS}),
     to_char(created_at AT TIME ZONE 'UTC', {_TS}),
     to_char(updated_at AT TIME ZONE 'UTC', {_TS})"""
-# The same cells, each as text (the same CSV: a uuid or a name prints as its text), named
-# c1..c9 so the marker row of STREAM fits beside them.
-TEXT_COLUMNS = f"""id::text AS c1,
-    {TITLE_CELL} AS c2,
+
+
+def text_columns() -> str:
+    """The same cells, each as text (the same CSV: a uuid or a name prints as its text),
+    named c1..c9 so the marker row of STREAM fits beside them."""
+    return f"""id::text AS c1,
+    {guard().title_cell} AS c2,
     status::text AS c3, priority::text AS c4, requester_id::text AS c5,
     assignee_id::text AS c6,
     to_char(due_at AT TIME ZONE 'UTC', {_TS}) AS c7,
@@ -285,7 +310,7 @@ def read_csv(ctx: Context, where: str, params: dict[str, Any]) -> CsvStream:
     budget_ms = max(1, round(ctx.settings.export_read_budget_s * 1000))
     query = STREAM.format(
         budget_ms=budget_ms,
-        columns=TEXT_COLUMNS,
+        columns=text_columns(),
         copy_options=COPY_OPTIONS,
         where=where,
         cap=int(limit),

@@ -48,6 +48,7 @@ from celery import signals
 from celery.worker import control as celery_control
 
 from ledger.errors import TaskRejected
+from tasks import export
 from tasks.execution import TaskFailed
 from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
 from teamdesk import db, hooks
@@ -165,6 +166,7 @@ def _on_init(
     sender: Any = None, instance: Any = None, options: dict[str, Any] | None = None, **_: Any
 ) -> None:
     _refuse_unknown_queues((options or {}).get("queues"))
+    export.guard()  # built here, before the pool forks: no pool process pays for it
     # The startup banner is plain text on stdout; worker.started carries its facts as JSON.
     if instance is not None:
         instance.quiet = True

@@ -1,5 +1,5 @@
 """The CSV formula guard as a rule over Unicode's data (issue "Security, round four",
-finding 6), in PostgreSQL: the export's title cell (``tasks.export.TITLE_CELL``, the
+finding 6), in PostgreSQL: the export's title cell (``tasks.export.guard().title_cell``, the
 expression inside its COPY) neutralises a formula after any leading control, format
 character, space, separator, non-spacing mark or Hangul filler, and a formula started by
 MINUS SIGN or any character whose NFKC form is ``= + - @ |``; it agrees with the
@@ -23,7 +23,7 @@ from harness.csv_reference import expected_csv, neutralised
 from harness.factories import World, add_ticket, task_row
 from harness.waiting import wait_for
 from ledger import service
-from tasks.export import TITLE_CELL
+from tasks.export import guard
 from tests.support.dispatching import running_cluster
 
 MISSED_SKIPPED = [
@@ -47,8 +47,8 @@ HANGUL_FILLERS = "\u115f\u1160\u3164\uffa0"
 def cells(engine: sa.Engine, titles: list[str]) -> list[str]:
     """The export's title cell for each title, computed by PostgreSQL."""
     query = (
-        f"SELECT {TITLE_CELL} FROM unnest(%(titles)s::text[]) WITH ORDINALITY AS t(title, n) "
-        "ORDER BY n"
+        f"SELECT {guard().title_cell}"
+        " FROM unnest(%(titles)s::text[]) WITH ORDINALITY AS t(title, n) ORDER BY n"
     )
     with engine.connect() as conn:
         return [row[0] for row in conn.exec_driver_sql(query, {"titles": titles})]

@@ -57,14 +57,14 @@ def test_a_missed_formula_start_is_neutralised(ch: str) -> None:
 
 def test_the_sql_skips_exactly_the_references_characters() -> None:
     expected = {code for code in EVERY_CODE_POINT if csv_reference.skipped(chr(code))}
-    assert set(map(ord, export.SKIPPED)) == expected
-    categories = {unicodedata.category(ch) for ch in export.SKIPPED}
+    assert set(map(ord, export.guard().skipped)) == expected
+    categories = {unicodedata.category(ch) for ch in export.guard().skipped}
     assert categories == {"Cc", "Cf", "Zs", "Zl", "Zp", "Mn", "Lo", "Cn"}  # fillers, reserved
 
 
 def test_the_sql_starts_are_exactly_the_references() -> None:
     expected = {c for c in EVERY_CODE_POINT if csv_reference.starts_formula(chr(c))} | {9, 10, 13}
-    assert set(map(ord, export.STARTS)) == expected
+    assert set(map(ord, export.guard().starts)) == expected
     assert {ord(ch) for ch in MISSED_STARTS} <= expected
 
 
@@ -81,8 +81,10 @@ def test_the_regex_class_lists_every_character_once_as_an_escape() -> None:
     assert text == (
         "\\u002d\\u003d\\u005c-\\u005e\\u0061\\u0300-\\u0302\\U000e0020"
     )  # - = \ ] ^ a, the marks as one range
-    escapes = re.findall(r"\\u[0-9a-f]{4}|\\U[0-9a-f]{8}|-", export.regex_class(export.SKIPPED))
-    assert "".join(escapes) == export.regex_class(export.SKIPPED)
-    pattern = export.TITLE_CELL.split("'")[1]  # the regex literal, up to its closing quote
+    escapes = re.findall(
+        r"\\u[0-9a-f]{4}|\\U[0-9a-f]{8}|-", export.regex_class(export.guard().skipped)
+    )
+    assert "".join(escapes) == export.regex_class(export.guard().skipped)
+    pattern = export.guard().title_cell.split("'")[1]  # the regex literal, up to its closing quote
     assert pattern.startswith("^[") and pattern.endswith("]")
     assert not set("%{}") & set(pattern)  # nothing for mogrify or str.format to see

@@ -31,14 +31,19 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.execute("ALTER TABLE background_tasks ADD COLUMN IF NOT EXISTS run_opened_at timestamptz")
-    op.execute("ALTER TABLE background_tasks ALTER COLUMN run_opened_at SET DEFAULT now()")
+    # One statement, one take of the table's lock: the running processes' statements wait
+    # for it only that long (a catalog change, no rewrite).
     op.execute(
-        "UPDATE background_tasks SET run_opened_at = created_at"
-        " WHERE run_opened_at IS NULL AND kind = 'EXPORT'"
-        " AND created_at > now() - interval '1 day'"
+        "ALTER TABLE background_tasks ADD COLUMN IF NOT EXISTS run_opened_at timestamptz,"
+        " ALTER COLUMN run_opened_at SET DEFAULT now()"
     )
     with op.get_context().autocommit_block():
+        # After the lock is released, in a transaction of its own (row locks only).
+        op.execute(
+            "UPDATE background_tasks SET run_opened_at = created_at"
+            " WHERE run_opened_at IS NULL AND kind = 'EXPORT'"
+            " AND created_at > now() - interval '1 day'"
+        )
         create_index_concurrently(
             "ix_background_tasks_team_export_runs",
             "ON background_tasks (team_id, run_opened_at) WHERE kind = 'EXPORT'",

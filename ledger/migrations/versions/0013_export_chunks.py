@@ -35,6 +35,14 @@ depends_on = None
 
 
 def upgrade() -> None:
+    # background_tasks first, in one statement: its strongest lock is taken once and
+    # before anything else. Taking it after the foreign key below (which takes a weaker
+    # one) would upgrade a lock held while the running processes hold theirs: a deadlock
+    # with a reminder's transaction (seen by tests/process/test_upgrade.py).
+    op.execute(
+        "ALTER TABLE background_tasks ADD COLUMN IF NOT EXISTS result_key uuid,"
+        " ADD COLUMN IF NOT EXISTS result_sha256 text"
+    )
     op.execute("""
         CREATE TABLE IF NOT EXISTS export_chunks (
             task_id uuid NOT NULL,
@@ -54,8 +62,6 @@ def upgrade() -> None:
         "CREATE INDEX IF NOT EXISTS ix_export_chunks_created_at"
         " ON export_chunks (created_at) WHERE seq = 0"
     )
-    op.execute("ALTER TABLE background_tasks ADD COLUMN IF NOT EXISTS result_key uuid")
-    op.execute("ALTER TABLE background_tasks ADD COLUMN IF NOT EXISTS result_sha256 text")
     with op.get_context().autocommit_block():
         create_index_concurrently(
             "ix_background_tasks_results_expiring",
