@@ -34,13 +34,14 @@ services: $(STAMP) ## check that PostgreSQL and Redis answer
 # can wait for").
 TEST_JOBS ?= 4
 
-test: install services ## install, check services, run the whole test suite (parallel, then the timed tests alone)
+test: install services ## install, check services, run the whole test suite (each tier in parallel, then the timed tests alone)
 	TEAMDESK_CHECK_RABBITMQ=1 $(PY) scripts/check_services.py
 	bash scripts/ensure_chromium.sh
 	bash scripts/ensure_debian.sh faketime faketime
 	bash scripts/ensure_debian.sh prometheus prometheus
 	bash scripts/ensure_debian.sh pgbouncer pgbouncer
-	$(PY) -m pytest -n $(TEST_JOBS) -m "not alone"
+	$(PY) -m pytest -n $(TEST_JOBS) -m "not alone" tests/unit tests/integration
+	$(PY) -m pytest -n $(TEST_JOBS) -m "not alone" tests/process
 	$(PY) -m pytest -m alone
 
 check: lint services ## the edit-test loop: lint, then the unit and integration tests in parallel (no process tests)
