@@ -21,11 +21,12 @@ earlier commit of the server durable with it, so a completed CSV never misses a 
 from __future__ import annotations
 
 import hashlib
+import io
+import struct
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import psycopg2
 from sqlalchemy.engine import Connection
 
 from ledger import prepared
@@ -33,10 +34,12 @@ from ledger import prepared
 CHUNK_BYTES = 1 << 20  # 1 MiB: what a worker buffers and an API request holds at once
 STATEMENT_TIMEOUT_MS = 60_000
 
-INSERT_CHUNK = """
-    INSERT INTO export_chunks (task_id, execution_id, seq, data)
-    VALUES (%(task_id)s, %(execution_id)s, %(seq)s, %(data)s)
-"""
+COPY_CHUNK = "COPY export_chunks (task_id, execution_id, seq, data) FROM STDIN WITH (FORMAT binary)"
+SESSION_TIMEOUT = "SELECT set_config('statement_timeout', %(bound)s, false)"
+# PostgreSQL's binary COPY framing: the signature, flags and header extension, and the
+# end-of-data marker (a field count of -1).
+_COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack("!ii", 0, 0)
+_COPY_TRAILER = struct.pack("!h", -1)
 READ_CHUNK = """
     SELECT data FROM export_chunks
      WHERE task_id = %(task_id)s AND execution_id = %(key)s AND seq = %(seq)s
@@ -106,16 +109,36 @@ class ChunkWriter:
         return Artifact(self.execution_id, self.size, self.chunks, self._sha256.hexdigest())
 
     def _send(self, conn: Connection, piece: bytes) -> None:
-        params = {
-            "task_id": str(self.task_id),
-            "execution_id": str(self.execution_id),
-            "seq": self.chunks,
-            "data": psycopg2.Binary(piece),
-        }
-        prepared.execute(conn, INSERT_CHUNK, params, STATEMENT_TIMEOUT_MS)
+        """One chunk, as one row of a binary ``COPY``: the bytes as they are (a bytea
+        literal would send each byte as two hex digits and have the server parse them)."""
+        # A COPY is one statement of its own: its bound is the session's, set here (the
+        # ledger's other statements set their own with each one). Through prepared.execute,
+        # so a connection outside autocommit begins its transaction as SQLAlchemy's own.
+        bound = {"bound": f"{STATEMENT_TIMEOUT_MS}ms"}
+        cursor = prepared.execute(conn, SESSION_TIMEOUT, bound, STATEMENT_TIMEOUT_MS)
+        row = _copy_row(self.task_id, self.execution_id, self.chunks, piece)
+        cursor.copy_expert(COPY_CHUNK, io.BytesIO(row), size=len(row))
         self._sha256.update(piece)
         self.size += len(piece)
         self.chunks += 1
+
+
+def _copy_row(task_id: uuid.UUID, execution_id: uuid.UUID, seq: int, piece: bytes) -> bytes:
+    """One row of ``export_chunks`` in binary COPY form: four fields, each its length and
+    its bytes (a uuid's 16, an int4's 4 in network order, the chunk's own)."""
+    return b"".join(
+        (
+            _COPY_HEADER,
+            struct.pack("!hi", 4, 16),
+            task_id.bytes,
+            struct.pack("!i", 16),
+            execution_id.bytes,
+            struct.pack("!ii", 4, seq),
+            struct.pack("!i", len(piece)),
+            piece,
+            _COPY_TRAILER,
+        )
+    )
 
 
 def store(conn: Connection, task_id: uuid.UUID, execution_id: uuid.UUID, csv: bytes) -> Artifact:
