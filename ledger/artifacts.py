@@ -4,8 +4,8 @@ The worker writes the CSV while its read streams, ``CHUNK_BYTES`` at a time, int
 ``export_chunks`` under the key of its own execution (task id, execution id): a replaced
 or late execution writes only under its own key, never into another's CSV. Nothing is
 served until the fenced completion (ledger/lease.py ``complete_export``) names the key,
-with the CSV's size and SHA-256, and checks in the same statement that the key holds
-exactly the chunks the writer wrote. The API then streams those chunks one by one
+with the CSV's size and SHA-256, after every chunk was written. The API then streams
+those chunks one by one
 (:func:`read_chunk`): neither process ever holds a whole CSV.
 
 Chunks of executions that never completed (a lost lease, a crash mid-read, a refused
@@ -13,9 +13,8 @@ CSV) are orphans: :data:`PURGE_ORPHANS` removes them (the dispatcher's retention
 and the expiry step removes a completed CSV's chunks after its 24 hours
 (ledger/dispatch.py). Deleting a task deletes its chunks (``ON DELETE CASCADE``).
 
-Durability: each chunk commits on its own (the write path's commit mode), the
-completion commits synchronously after them, and a synchronous commit makes every
-earlier commit of the server durable with it, so a completed CSV never misses a chunk.
+Durability: each chunk commits on its own, synchronously, before the completion is sent,
+so a completed CSV never misses a chunk.
 """
 
 from __future__ import annotations
@@ -44,9 +43,6 @@ READ_CHUNK = """
     SELECT data FROM export_chunks
      WHERE task_id = %(task_id)s AND execution_id = %(key)s AND seq = %(seq)s
 """
-# The chunks under a key, as the completion checks them (in its own statement).
-CHUNKS_UNDER_KEY_SQL = """(SELECT count(*) FROM export_chunks
-       WHERE task_id = %(task_id)s AND execution_id = %(execution_id)s)"""
 # The CSVs no row names: an execution's chunks when neither a completed CSV (result_key)
 # nor the execution holding a RUNNING row (still writing) is theirs. Walked by each
 # execution's first chunk (ix_export_chunks_created_at), oldest first, at most ``batch``
