@@ -24,8 +24,10 @@ import io
 import struct
 import uuid
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 
+import psycopg2
 from sqlalchemy.engine import Connection
 
 from ledger import prepared
@@ -34,7 +36,7 @@ CHUNK_BYTES = 1 << 20  # 1 MiB: what a worker buffers and an API request holds a
 STATEMENT_TIMEOUT_MS = 60_000
 
 COPY_CHUNK = "COPY export_chunks (task_id, execution_id, seq, data) FROM STDIN WITH (FORMAT binary)"
-SESSION_TIMEOUT = "SELECT set_config('statement_timeout', %(bound)s, false)"
+LOCAL_TIMEOUT = "SELECT set_config('statement_timeout', %s, true)"
 # PostgreSQL's binary COPY framing: the signature, flags and header extension, and the
 # end-of-data marker (a field count of -1).
 _COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack("!ii", 0, 0)
@@ -107,13 +109,27 @@ class ChunkWriter:
     def _send(self, conn: Connection, piece: bytes) -> None:
         """One chunk, as one row of a binary ``COPY``: the bytes as they are (a bytea
         literal would send each byte as two hex digits and have the server parse them)."""
-        # A COPY is one statement of its own: its bound is the session's, set here (the
-        # ledger's other statements set their own with each one). Through prepared.execute,
-        # so a connection outside autocommit begins its transaction as SQLAlchemy's own.
-        bound = {"bound": f"{STATEMENT_TIMEOUT_MS}ms"}
-        cursor = prepared.execute(conn, SESSION_TIMEOUT, bound, STATEMENT_TIMEOUT_MS)
+        # A COPY is a statement of its own: its bound is set for its transaction (never
+        # for the session: behind PgBouncer in transaction pooling that would stay on a
+        # server session other clients get). An autocommit connection gets a transaction
+        # for the chunk; one outside autocommit begins its own as SQLAlchemy's would.
+        dbapi = conn.connection.dbapi_connection
+        assert dbapi is not None
+        own = bool(dbapi.autocommit)
+        if not own and not conn.in_transaction():
+            conn.begin()
+        cursor = dbapi.cursor()
         row = _copy_row(self.task_id, self.execution_id, self.chunks, piece)
-        cursor.copy_expert(COPY_CHUNK, io.BytesIO(row), size=len(row))
+        cursor.execute(("BEGIN; " if own else "") + LOCAL_TIMEOUT, (f"{STATEMENT_TIMEOUT_MS}ms",))
+        try:
+            cursor.copy_expert(COPY_CHUNK, io.BytesIO(row), size=len(row))
+        except BaseException:
+            if own:
+                with suppress(psycopg2.Error):
+                    cursor.execute("ROLLBACK")
+            raise
+        if own:
+            cursor.execute("COMMIT")
         self._sha256.update(piece)
         self.size += len(piece)
         self.chunks += 1
