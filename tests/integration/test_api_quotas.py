@@ -26,6 +26,7 @@ from tests.support.api_helpers import (
     exports_url,
     reminders_url,
     task_in_state,
+    waiting_on_a_team_lock,
 )
 
 CAP = 3
@@ -127,17 +128,6 @@ def test_zero_turns_the_cap_off(
 # --- concurrency ------------------------------------------------------------------------
 
 
-def _waiting_on_a_lock(engine: sa.Engine) -> bool:
-    with engine.connect() as conn:
-        waiting = conn.execute(
-            sa.text(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-                " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-            )
-        )
-        return bool(waiting.scalar_one())
-
-
 def _unfinished(engine: sa.Engine, team_id: uuid.UUID) -> int:
     with engine.connect() as conn:
         return int(
@@ -180,7 +170,7 @@ def test_two_creations_racing_at_cap_minus_one_let_exactly_one_in(
         service.create_export(first, world.team_id, world.staff_id, "TEAM", {}, CAP)
         racer.start()  # the first one's row exists, uncommitted
         wait_for(
-            lambda: not racer.is_alive() or _waiting_on_a_lock(engine),
+            lambda: not racer.is_alive() or waiting_on_a_team_lock(engine),
             timeout=RACE_TIMEOUT_S,
             what="the second creation to finish or wait for the team's lock",
         )

@@ -25,7 +25,7 @@ from ledger import lease, service
 from ledger.errors import ExportQuotaExceeded
 from ledger.quota import MSG_EXPORT_BYTES_PER_DAY, MSG_EXPORTS_PER_DAY, ExportQuota
 from teamdesk.config import ConfigError, Settings, load_settings
-from tests.support.api_helpers import api_client, bearer, exports_url
+from tests.support.api_helpers import api_client, bearer, exports_url, waiting_on_a_team_lock
 
 TEAM_EXPORT = {"scope": "TEAM"}
 MOST = 1_000  # EXPORT_MAX_BYTES in these tests: what an unfinished export reserves
@@ -166,7 +166,7 @@ def test_two_creations_racing_for_the_last_reservation_let_exactly_one_in(
         service.create_export(first, world.team_id, world.staff_id, "TEAM", {}, export_quota=quota)
         racer.start()
         wait_for(
-            lambda: not racer.is_alive() or _waiting_on_a_lock(engine),
+            lambda: not racer.is_alive() or waiting_on_a_team_lock(engine),
             timeout=RACE_TIMEOUT_S,
             what="the second creation to finish or wait for the team's lock",
         )
@@ -218,15 +218,3 @@ def _failed_export(engine: sa.Engine, world: World) -> uuid.UUID:
         assert claim is not None
         assert lease.report_failure(conn, claim.lease, final=True, message="x", retry_in_s=0)
     return task_id
-
-
-def _waiting_on_a_lock(engine: sa.Engine) -> bool:
-    with engine.connect() as conn:
-        return bool(
-            conn.execute(
-                sa.text(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND wait_event_type = 'Lock'"
-                )
-            ).scalar_one()
-        )

@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,6 +59,7 @@ from tests.support.browser import (
     redact,
     with_credentials,
 )
+from tests.support.flower import flower_sees_worker
 from tests.support.queues import send_message
 
 pytestmark = pytest.mark.slow
@@ -111,16 +111,6 @@ def render_until(
                 f"{redact(url)} never showed {what} within {timeout} s; last render: {page!r}"
             )
         time.sleep(0.2)
-
-
-def flower_sees_worker(port: int) -> bool:
-    # /metrics answers without credentials even with basic auth on (deploy/README.md).
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            metrics = response.read().decode()
-    except OSError:
-        return False
-    return 'flower_worker_online{worker="w1@' in metrics
 
 
 @pytest.fixture

@@ -62,6 +62,7 @@ from tests.support.browser import (
     skip_reason,
     with_credentials,
 )
+from tests.support.flower import flower_sees_worker
 from tests.support.operator_commands import control, node_of, records
 
 pytestmark = pytest.mark.slow
@@ -87,14 +88,6 @@ def flower_task(port: int, message: str) -> dict[str, Any]:
         if exc.code == 404:
             return {}
         raise
-
-
-def flower_sees_worker(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            return 'flower_worker_online{worker="w1@' in response.read().decode()
-    except OSError:
-        return False
 
 
 def message(task_id: uuid.UUID) -> str:

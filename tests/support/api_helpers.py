@@ -113,3 +113,15 @@ def silent_listener() -> Iterator[int]:
         sock.bind(("127.0.0.1", 0))
         sock.listen(16)
         yield int(sock.getsockname()[1])
+
+
+def waiting_on_a_team_lock(engine: sa.Engine) -> bool:
+    """Whether a session waits for an advisory lock (a team's quota lock) in this database."""
+    with engine.connect() as conn:
+        waiting = conn.execute(
+            sa.text(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            )
+        )
+        return bool(waiting.scalar_one())
