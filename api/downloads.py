@@ -1,7 +1,9 @@
 """CSV downloads that never hold a file (docs/design.md, "HTTP API": "Downloads").
 
 A CSV is streamed from its chunks (ledger/artifacts.py) one chunk at a time, each read
-on a pooled connection of its own that goes back to the pool before the chunk is sent:
+through the owner's function that gives it only to a token whose user may see the task
+(the API's role reads no CSV otherwise, ledger/api_role.py), on a pooled connection of
+its own that goes back to the pool before the chunk is sent:
 a download holds at most one chunk (1 MiB) and no connection while the client reads, so
 an API process's memory stays flat however large the CSVs and however slow the clients.
 ``Content-Length`` is the stored size: a download cut short (its CSV expired or purged
@@ -16,6 +18,7 @@ and a pooled connection, for a moment); past either the request answers 429 with
 
 from __future__ import annotations
 
+import itertools
 import threading
 import uuid
 from collections import Counter
@@ -25,6 +28,7 @@ from sqlalchemy.engine import Engine
 
 from ledger import artifacts
 from ledger.service import StoredCsv
+from ledger.tokens import TokenOwner
 
 MAX_DOWNLOADS = 8
 MAX_DOWNLOADS_PER_TOKEN = 2
@@ -61,23 +65,61 @@ class Slots:
             return sum(self._held.values())
 
 
-def chunks(engine: Engine, stored: StoredCsv) -> Iterator[bytes]:
-    """The CSV's chunks in order, each read on a connection of its own; stops early when a
-    chunk is gone."""
-    assert stored.key is not None
-    sent, seq = 0, 0
+def chunks(
+    engine: Engine, stored: StoredCsv, token_hash: str, seq: int = 0, sent: int = 0
+) -> Iterator[bytes]:
+    """The CSV's chunks in order from ``seq`` (``sent`` bytes before it), each read on a
+    connection of its own for the token with ``token_hash`` (the database checks that its
+    user may still see the task, for each chunk); stops early when a chunk is gone."""
     while stored.size is None or sent < stored.size:
         with engine.connect() as conn:
-            piece = artifacts.read_chunk(conn, stored.task_id, stored.key, seq)
+            piece = artifacts.read_chunk(conn, token_hash, stored.task_id, stored.key, seq)
         if piece is None:
             return
         yield piece
         sent, seq = sent + len(piece), seq + 1
 
 
-def stream(engine: Engine, stored: StoredCsv, slots: Slots, token_id: uuid.UUID) -> Iterator[bytes]:
-    """:func:`chunks`, giving the slot back when the stream ends, however it ends."""
+class Download:
+    """A download's body: its chunks, and its slot given back exactly once - when the
+    chunks end, fail, or the body is closed or dropped unread (a client gone before the
+    first chunk was asked for leaves a generator that never ran its ``finally``)."""
+
+    def __init__(self, pieces: Iterator[bytes], slots: Slots, token_id: uuid.UUID) -> None:
+        self._pieces, self._slots, self._token_id = pieces, slots, token_id
+        self._open = True
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self
+
+    def __next__(self) -> bytes:
+        try:
+            return next(self._pieces)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._slots.give_back(self._token_id)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def start(engine: Engine, stored: StoredCsv, slots: Slots, owner: TokenOwner) -> Download | None:
+    """The download of ``stored`` for ``owner``, whose slot the caller took: its first
+    chunk read already, so a CSV that is gone (or no longer the owner's to see) answers
+    410 rather than an empty 200. None then, the slot given back."""
     try:
-        yield from chunks(engine, stored)
-    finally:
-        slots.give_back(token_id)
+        with engine.connect() as conn:
+            first = artifacts.read_chunk(conn, owner.token_hash, stored.task_id, stored.key, 0)
+    except BaseException:
+        slots.give_back(owner.token_id)
+        raise
+    if first is None:
+        slots.give_back(owner.token_id)
+        return None
+    rest = chunks(engine, stored, owner.token_hash, seq=1, sent=len(first))
+    return Download(itertools.chain((first,), rest), slots, owner.token_id)

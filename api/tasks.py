@@ -264,18 +264,15 @@ def download_csv(
         "Content-Disposition": f'attachment; filename="export-{task_id}.csv"',
         "Cache-Control": "no-store",
     }
-    if stored.text is not None:  # stored in the row by an earlier release: kept 24 h at most
-        return Response(stored.text.encode(), media_type=CSV_TYPE, headers=headers)
     if not res.downloads.take(caller.token_id):
         raise HTTPException(
             429,
             downloads.MSG_TOO_MANY_DOWNLOADS,
             headers={"Retry-After": str(downloads.RETRY_AFTER_S)},
         )
+    body = downloads.start(res.engine, stored, res.downloads, caller)
+    if body is None:
+        raise HTTPException(410, MSG_EXPIRED)
     if stored.size is not None:
         headers["Content-Length"] = str(stored.size)
-    return StreamingResponse(
-        downloads.stream(res.engine, stored, res.downloads, caller.token_id),
-        media_type=CSV_TYPE,
-        headers=headers,
-    )
+    return StreamingResponse(body, media_type=CSV_TYPE, headers=headers)

@@ -100,8 +100,8 @@ def _set_up_roles(database_url: str, roles: list[tuple[str, str, str | None]]) -
     for (kind, _, _), report in zip(roles, reports, strict=True):
         done = "created" if report.created else "password set" if report.password_set else "kept"
         print(
-            f"{kind} role {report.role}: {done}; grants on {report.tables} tables "
-            f"and {report.sequences} sequences"
+            f"{kind} role {report.role}: {done}; grants on {report.tables} tables, "
+            f"{report.sequences} sequences and {report.functions} functions"
         )
     return 0
 

@@ -8,17 +8,23 @@ under the advisory lock of the application role's grants, re-applying them at ev
 The grants are exactly the statements the API runs (api/tasks.py, api/health.py and the
 ledger functions they call):
 
-- ``api_tokens``: ``SELECT`` (the bearer lookup, ledger/tokens.py ``RESOLVE_TOKEN``) and
-  ``UPDATE`` of ``last_used_at`` only (its touch; ``FOR UPDATE ... SKIP LOCKED`` needs an
-  ``UPDATE`` privilege, this column's is enough). Creating, listing and revoking tokens
-  are operators' commands (``teamdesk-tasks token``), run as the application role;
-- ``background_tasks``: ``SELECT`` (read, list, the quota's counts, where a CSV is);
-  ``INSERT`` of the columns a creation writes only (:data:`CREATED_COLUMNS`: every other
-  column takes its default, so a row the API inserts is WAITING with no result); ``UPDATE``
-  of the columns a retry and a cancel write only (:data:`REOPENED_COLUMNS`): never a
-  CSV, its key, checksum or size, so no statement of this role can plant or swap what a
-  download serves; no ``DELETE``;
-- ``export_chunks``: ``SELECT`` (the download streams them, api/downloads.py); no write;
+- ``api_tokens``: nothing. A bearer token is resolved through the owner's
+  ``teamdesk_resolve_token_v1`` (migration 0014, ledger/tokens.py ``RESOLVE_TOKEN``),
+  which also records its use: the role cannot read the hashes of tokens it was not shown.
+  Creating, listing and revoking tokens are operators' commands (``teamdesk-tasks
+  token``), run as the application role;
+- ``background_tasks``: ``SELECT`` of every column but ``result_csv`` (read, list, the
+  quota's counts, where a CSV is); ``INSERT`` of the columns a creation writes only
+  (:data:`CREATED_COLUMNS`: every other column takes its default, so a row the API
+  inserts is WAITING with no result); ``UPDATE`` of the columns a retry and a cancel write
+  only (:data:`REOPENED_COLUMNS`): never a CSV, its key, checksum or size, so no statement
+  of this role can plant or swap what a download serves; no ``DELETE``;
+- ``export_chunks``: nothing. A download reads each chunk through the owner's
+  ``teamdesk_export_chunk_v1`` (ledger/artifacts.py ``READ_CHUNK``), which gives it only
+  for a live token whose user may see the task now (ledger/permissions.py ``may_see``),
+  as it does a CSV an earlier release stored in ``result_csv``. A compromised API can
+  still queue work in any member's name (within the team's quotas), but it reads no CSV
+  except those the tokens presented to it may download;
 - ``task_audit``: ``INSERT`` only (the ``RETRY`` and ``CANCEL`` rows; it reads none);
 - ``memberships``: ``SELECT`` (who may see or create what, ledger/permissions.py);
 - ``tickets``: ``SELECT`` of ``id`` and ``team_id`` only (a reminder's ticket belongs to
@@ -26,8 +32,8 @@ ledger functions they call):
 - ``users``, ``teams``, ``notifications``, ``system_events``: nothing. Foreign keys are
   checked with the owner's rights, so inserting a task needs no access to ``teams`` or
   ``users``;
-- no sequence (``task_audit.id`` is an identity column: its inserts need none), no
-  ``EXECUTE`` on the dispatcher's ANALYZE and purge functions.
+- no sequence (``task_audit.id`` is an identity column: its inserts need none);
+  ``EXECUTE`` on the two functions above only, not on the dispatcher's ANALYZE and purge.
 
 A table missing from :data:`API_TABLES` gets nothing (tests/unit/test_api_role.py makes a
 new table of ``ledger.models`` choose). Like the application role it must not be the
@@ -41,7 +47,10 @@ from collections.abc import Mapping
 
 from sqlalchemy.engine import Connection
 
+from ledger.artifacts import CHUNK_FUNCTION
+from ledger.models import background_tasks
 from ledger.roles import AppRoleReport, Privilege, RoleSpec, grant_role
+from ledger.tokens import RESOLVE_FUNCTION
 
 API_PASSWORD_VAR = "API_DB_PASSWORD"
 
@@ -67,14 +76,17 @@ REOPENED_COLUMNS = (
     "updated_at",
 )
 
+# What the API reads of a task: everything but a CSV an earlier release stored in the row.
+READ_COLUMNS = tuple(c.name for c in background_tasks.columns if c.name != "result_csv")
+
 API_TABLES: Mapping[str, tuple[Privilege, ...]] = {
-    "api_tokens": (SELECT, Privilege("UPDATE", ("last_used_at",))),
+    "api_tokens": (),
     "background_tasks": (
-        SELECT,
+        Privilege("SELECT", READ_COLUMNS),
         Privilege("INSERT", CREATED_COLUMNS),
         Privilege("UPDATE", REOPENED_COLUMNS),
     ),
-    "export_chunks": (SELECT,),
+    "export_chunks": (),
     "task_audit": (Privilege("INSERT"),),
     "memberships": (SELECT,),
     "tickets": (Privilege("SELECT", ("id", "team_id")),),
@@ -84,7 +96,12 @@ API_TABLES: Mapping[str, tuple[Privilege, ...]] = {
     "system_events": (),
 }
 
-API_ROLE = RoleSpec(API_PASSWORD_VAR, API_TABLES, sequences=False, functions=False)
+API_ROLE = RoleSpec(
+    API_PASSWORD_VAR,
+    API_TABLES,
+    sequences=False,
+    functions=frozenset({RESOLVE_FUNCTION, CHUNK_FUNCTION}),
+)
 
 
 def grant_api_role(conn: Connection, role: str, password: str | None) -> AppRoleReport:

@@ -5,8 +5,9 @@ The worker writes the CSV while its read streams, ``CHUNK_BYTES`` at a time, int
 or late execution writes only under its own key, never into another's CSV. Nothing is
 served until the fenced completion (ledger/lease.py ``complete_export``) names the key,
 with the CSV's size and SHA-256, after every chunk was written. The API then streams
-those chunks one by one
-(:func:`read_chunk`): neither process ever holds a whole CSV.
+those chunks one by one (:func:`read_chunk`, through an owner's function that checks the
+caller's token and the may-see rule for each chunk): neither process ever holds a whole
+CSV.
 
 Chunks of executions that never completed (a lost lease, a crash mid-read, a refused
 CSV) are orphans: :data:`PURGE_ORPHANS` removes them (the dispatcher's retention step),
@@ -41,9 +42,13 @@ LOCAL_TIMEOUT = "SELECT set_config('statement_timeout', %s, true)"
 # end-of-data marker (a field count of -1).
 _COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack("!ii", 0, 0)
 _COPY_TRAILER = struct.pack("!h", -1)
-READ_CHUNK = """
-    SELECT data FROM export_chunks
-     WHERE task_id = %(task_id)s AND execution_id = %(key)s AND seq = %(seq)s
+# A chunk, through the owner's function (migration 0014): given only to a live token whose
+# user may see the task now; the API's role may not read export_chunks.
+CHUNK_FUNCTION = "teamdesk_export_chunk_v1"
+CHUNK_SIGNATURE = "text, uuid, uuid, integer"
+READ_CHUNK = f"""
+    SELECT {CHUNK_FUNCTION}(%(token_hash)s, CAST(%(task_id)s AS uuid),
+                            CAST(%(key)s AS uuid), CAST(%(seq)s AS integer))
 """
 # The CSVs no row names: an execution's chunks when neither a completed CSV (result_key)
 # nor the execution holding a RUNNING row (still writing) is theirs. Walked by each
@@ -160,12 +165,21 @@ def store(conn: Connection, task_id: uuid.UUID, execution_id: uuid.UUID, csv: by
     return writer.finish(conn)
 
 
-def read_chunk(conn: Connection, task_id: uuid.UUID, key: uuid.UUID, seq: int) -> bytes | None:
-    """Chunk ``seq`` of the CSV stored under ``key``; None when it is gone (expired or
-    purged since the download started)."""
-    params = {"task_id": str(task_id), "key": str(key), "seq": seq}
+def read_chunk(
+    conn: Connection, token_hash: str, task_id: uuid.UUID, key: uuid.UUID | None, seq: int
+) -> bytes | None:
+    """Chunk ``seq`` of the task's CSV stored under ``key`` (None: the one an earlier
+    release stored in the row), for the token with ``token_hash``; None past the end, and
+    when the CSV is gone (expired or purged since the download started) or the token's
+    user may not see the task (now)."""
+    params = {
+        "token_hash": token_hash,
+        "task_id": str(task_id),
+        "key": None if key is None else str(key),
+        "seq": seq,
+    }
     row = prepared.execute(conn, READ_CHUNK, params, STATEMENT_TIMEOUT_MS).fetchone()
-    return None if row is None else bytes(row[0])
+    return None if row is None or row[0] is None else bytes(row[0])
 
 
 def purge_orphans(conn: Connection, batch: int) -> int:

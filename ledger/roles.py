@@ -22,7 +22,9 @@ the dispatcher refreshes the ledger's statistics through ``teamdesk_analyze_ledg
 (migration 0006: ``SECURITY DEFINER``, that one statement), on which the role gets
 ``EXECUTE``; it removes what is past its retention through ``teamdesk_purge_ledger()``
 (migration 0007, ledger/retention.py: the only way audit rows leave the trail), on which
-it gets ``EXECUTE`` too.
+it gets ``EXECUTE`` too, as on the two the API's role reads tokens and CSVs through
+(migration 0014: ``teamdesk_resolve_token_v1``, ``teamdesk_export_chunk_v1``; the
+operators' commands and tests use them as the API does).
 
 The grants are re-applied at every run (``REVOKE ALL`` then ``GRANT`` on every listed
 table, in one transaction), not left to ``ALTER DEFAULT PRIVILEGES``: the migrate run that
@@ -48,10 +50,12 @@ from psycopg2 import errors, sql
 from psycopg2.extensions import encrypt_password
 from sqlalchemy.engine import Connection
 
+from ledger.artifacts import CHUNK_FUNCTION, CHUNK_SIGNATURE
 from ledger.errors import LedgerError
 from ledger.models import metadata
 from ledger.retention import PURGE_FUNCTION
 from ledger.retention import SIGNATURE as PURGE_SIGNATURE
+from ledger.tokens import RESOLVE_FUNCTION, RESOLVE_SIGNATURE
 
 ROLE_LOCK = 748_201_114  # pg_advisory_xact_lock key for the roles' grants (app and API)
 ROLE_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -64,6 +68,15 @@ APPEND_ONLY = ("SELECT", "INSERT")
 APPEND_ONLY_TABLES = frozenset({"task_audit"})
 SEQUENCE_PRIVILEGES = ("USAGE", "SELECT")
 ANALYZE_FUNCTION = "teamdesk_analyze_ledger"  # ledger/dispatch.py ANALYZE calls it
+
+# The owner's SECURITY DEFINER functions (migrations 0006, 0007, 0014) and their argument
+# types: every role's EXECUTE on each is granted or revoked at every run.
+OWNER_FUNCTIONS: Mapping[str, str] = {
+    ANALYZE_FUNCTION: "",
+    PURGE_FUNCTION: PURGE_SIGNATURE,
+    RESOLVE_FUNCTION: RESOLVE_SIGNATURE,
+    CHUNK_FUNCTION: CHUNK_SIGNATURE,
+}
 
 # The attributes that would make the role more than a user of the tables.
 ROLE_POWERS = """
@@ -94,6 +107,7 @@ class AppRoleReport:
     password_set: bool
     tables: int  # tables the role holds a privilege on
     sequences: int
+    functions: int  # the owner's functions it may execute
 
 
 @dataclass(frozen=True)
@@ -117,12 +131,13 @@ class Privilege:
 class RoleSpec:
     """What a role may do: ``tables`` maps each project table to its privileges (a table
     missing from it gets none); ``sequences``: USAGE, SELECT on the tables' sequences;
-    ``functions``: EXECUTE on the dispatcher's two owner functions (ANALYZE, purge)."""
+    ``functions``: the owner's functions (of :data:`OWNER_FUNCTIONS`) it may EXECUTE; it
+    may execute none of the others."""
 
     password_var: str
     tables: Mapping[str, tuple[Privilege, ...]]
     sequences: bool
-    functions: bool
+    functions: frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -155,7 +170,7 @@ def app_role_spec() -> RoleSpec:
         name: tuple(Privilege(p) for p in privileges)
         for name, privileges in table_privileges().items()
     }
-    return RoleSpec(APP_PASSWORD_VAR, tables, sequences=True, functions=True)
+    return RoleSpec(APP_PASSWORD_VAR, tables, sequences=True, functions=frozenset(OWNER_FUNCTIONS))
 
 
 def grant_app_role(conn: Connection, role: str, password: str | None) -> AppRoleReport:
@@ -186,7 +201,12 @@ def grant_role(conn: Connection, role: str, password: str | None, spec: RoleSpec
     _refuse_ddl(cur, role, sorted({t.schema for t in tables}))
     granted = sum(1 for t in tables if spec.tables.get(t.name))
     return AppRoleReport(
-        role, created, bool(password), granted, len(sequences) if spec.sequences else 0
+        role,
+        created,
+        bool(password),
+        granted,
+        len(sequences) if spec.sequences else 0,
+        len(spec.functions),
     )
 
 
@@ -270,13 +290,11 @@ def _grant(
     sequence_privileges = tuple(Privilege(p) for p in SEQUENCE_PRIVILEGES) if spec.sequences else ()
     for sequence in sequences:
         _replace(cur, "SEQUENCE", sequence, sequence_privileges, who)
-    action = "GRANT EXECUTE ON FUNCTION {}.{}({}) TO {}"
-    if not spec.functions:
-        action = "REVOKE EXECUTE ON FUNCTION {}.{}({}) FROM {}"
     for schema in sorted({t.schema for t in tables}):
-        # The dispatcher's ANALYZE and retention purge, run with the owner's rights
-        # (migrations 0006 and 0007).
-        for function, signature in ((ANALYZE_FUNCTION, ""), (PURGE_FUNCTION, PURGE_SIGNATURE)):
+        for function, signature in OWNER_FUNCTIONS.items():
+            action = "GRANT EXECUTE ON FUNCTION {}.{}({}) TO {}"
+            if function not in spec.functions:
+                action = "REVOKE EXECUTE ON FUNCTION {}.{}({}) FROM {}"
             cur.execute(
                 sql.SQL(action).format(
                     sql.Identifier(schema), sql.Identifier(function), sql.SQL(signature), who

@@ -47,15 +47,20 @@ ROLE = text("SELECT role FROM memberships WHERE team_id = :team_id AND user_id =
 # The window a reminder's run_at may fall in, by the database's clock (ledger/creation.py).
 RUN_AT_IN_WINDOW = text(f"SELECT CAST(:run_at AS timestamptz) {creation.RUN_AT_WINDOW_SQL}")
 
+# A completed export's CSV is kept (its 24 hours, by the database's clock, have not ended).
+# Never a test of result_csv: the API's role may not read that column (ledger/api_role.py).
+KEPT_CSV_SQL = "(kind = 'EXPORT' AND status = 'COMPLETED' AND coalesce(expires_at > now(), false))"
+
 # A reminder that completes without side effects says why in its summary, after this.
 SKIPPED_PREFIX = "skipped: "
 
 # waiting_s: whole seconds a WAITING run has been ready (run_at passed), by the database's
 # clock; NULL when it is not waiting or is scheduled for later. skipped: a completion
-# without side effects (its summary starts with SKIPPED_PREFIX).
+# without side effects (its summary starts with SKIPPED_PREFIX). has_csv: a completed
+# export's CSV is kept (every completion stores one; it goes when the 24 hours end).
 TASK_COLUMNS = f"""id, kind, team_id, owner_id, scope, filters, status, run, attempts, progress,
     last_error, result_summary, run_at, dispatched_at, recoveries, expires_at, created_at,
-    updated_at, (result_key IS NOT NULL OR result_csv IS NOT NULL) AS has_csv,
+    updated_at, {KEPT_CSV_SQL} AS has_csv,
     (status = 'COMPLETED' AND coalesce(starts_with(result_summary, '{SKIPPED_PREFIX}'), false))
         AS skipped,
     CASE WHEN status = 'WAITING' AND run_at <= now()
@@ -92,13 +97,10 @@ LIST_TASKS = text(f"""
      LIMIT :limit
 """)
 
-# Where the CSV is while it is kept (expiry by the database's clock): its chunks' key and
-# size, or the text an earlier release stored in the row; all NULL once it is gone.
-SELECT_CSV = text("""
-    SELECT CASE WHEN expires_at > now() THEN result_key END AS result_key,
-           result_bytes,
-           CASE WHEN expires_at > now() AND result_key IS NULL THEN result_csv END
-             AS result_csv
+# Where the CSV is while it is kept (expiry by the database's clock): its chunks' key (NULL:
+# an earlier release stored it in the row) and its size (NULL for those).
+SELECT_CSV = text(f"""
+    SELECT {KEPT_CSV_SQL} AS kept, result_key, result_bytes
       FROM background_tasks WHERE id = :task_id
 """)
 
@@ -398,24 +400,24 @@ def list_tasks(
 
 @dataclass(frozen=True)
 class StoredCsv:
-    """Where a kept CSV is: chunks under ``key`` (``size`` bytes in all; read them with
-    ledger.artifacts.read_chunk), or ``text`` an earlier release stored in the row."""
+    """Where a kept CSV is: chunks under ``key`` (None: the text an earlier release stored
+    in the row), ``size`` bytes in all when known; read them with
+    ledger.artifacts.read_chunk."""
 
     task_id: uuid.UUID
     key: uuid.UUID | None
     size: int | None
-    text: str | None
 
 
 def read_csv(
     conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID
 ) -> tuple[RowMapping, StoredCsv | None]:
-    """The task and where its CSV is (None when not produced, expired or purged)."""
+    """The task and where its CSV is (None when not produced or no longer kept)."""
     task = _visible_task(conn, task_id, user_id)
     row = conn.execute(SELECT_CSV, {"task_id": task_id}).one()
-    if row.result_key is None and row.result_csv is None:
+    if not row.kept:
         return task, None
-    return task, StoredCsv(task_id, row.result_key, row.result_bytes, row.result_csv)
+    return task, StoredCsv(task_id, row.result_key, row.result_bytes)
 
 
 def retry(

@@ -39,22 +39,15 @@ INSERT_TOKEN = text("""
     VALUES (:token_hash, :user_id, :name, now() + make_interval(days => :ttl_days))
 """)
 
-# A live token (not revoked, not expired by the database's clock) and its owner. The same
-# statement records the use when the last record is older than TOUCH_EVERY_S; a row another
+# A live token (not revoked, not expired by the database's clock) and its owner, through
+# the owner's function (migration 0014): the API's role may not read api_tokens. The same
+# call records the use when the last record is older than TOUCH_EVERY_S; a row another
 # request is touching right now is skipped (SKIP LOCKED), never waited for.
-RESOLVE_TOKEN = """
-    WITH live AS (
-        SELECT id, user_id FROM api_tokens
-         WHERE token_hash = %(token_hash)s AND revoked_at IS NULL AND expires_at > now()
-    ), stale AS (
-        SELECT t.id FROM api_tokens t JOIN live ON live.id = t.id
-         WHERE t.last_used_at IS NULL
-            OR t.last_used_at < now() - make_interval(secs => %(touch_every_s)s)
-           FOR UPDATE OF t SKIP LOCKED
-    ), touched AS (
-        UPDATE api_tokens SET last_used_at = now() WHERE id IN (SELECT id FROM stale)
-    )
-    SELECT id, user_id FROM live
+RESOLVE_FUNCTION = "teamdesk_resolve_token_v1"
+RESOLVE_SIGNATURE = "text, double precision"
+RESOLVE_TOKEN = f"""
+    SELECT token_id, token_user_id
+      FROM {RESOLVE_FUNCTION}(%(token_hash)s, CAST(%(touch_every_s)s AS double precision))
 """
 
 LIST_TOKENS = text("""
@@ -86,10 +79,12 @@ USER_BY_EMAIL = text("SELECT id FROM users WHERE lower(email) = lower(:email)")
 
 @dataclass(frozen=True)
 class TokenOwner:
-    """Who presented a live token: the token's id (rate limits count per token) and its user."""
+    """Who presented a live token: the token's id (rate limits count per token), its user,
+    and its hash (what a download presents again for each chunk, ledger/artifacts.py)."""
 
     token_id: uuid.UUID
     user_id: uuid.UUID
+    token_hash: str
 
 
 def hash_token(raw: str) -> str:
@@ -121,11 +116,12 @@ def resolve_token(conn: Connection, raw: str) -> TokenOwner | None:
     answer for all three)."""
     if not raw.startswith(TOKEN_PREFIX) or len(raw) > MAX_TOKEN_CHARS:
         return None
-    params = {"token_hash": hash_token(raw), "touch_every_s": TOUCH_EVERY_S}
+    token_hash = hash_token(raw)
+    params = {"token_hash": token_hash, "touch_every_s": TOUCH_EVERY_S}
     row = prepared.execute(conn, RESOLVE_TOKEN, params, STATEMENT_TIMEOUT_MS).fetchone()
     if row is None:
         return None
-    return TokenOwner(uuid.UUID(str(row[0])), uuid.UUID(str(row[1])))
+    return TokenOwner(uuid.UUID(str(row[0])), uuid.UUID(str(row[1])), token_hash)
 
 
 def user_for_token(conn: Connection, raw: str) -> uuid.UUID | None:

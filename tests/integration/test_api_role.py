@@ -31,9 +31,10 @@ from fastapi.testclient import TestClient
 
 from api.app import create_api
 from harness import databases
-from harness.factories import add_ticket, add_tickets, make_world
-from ledger import api_role, lease
-from ledger.tokens import create_token
+from harness.factories import add_member, add_ticket, add_tickets, insert_task, make_world, set_role
+from ledger import api_role, artifacts, lease
+from ledger.permissions import may_see
+from ledger.tokens import create_token, hash_token, revoke_token
 from teamdesk import db
 from teamdesk.config import load_settings
 from tests.conftest import REDIS_URL
@@ -54,15 +55,8 @@ from tests.support.db_roles import (
 PREFIX = f"tdt{os.getpid()}_{uuid.uuid4().hex[:6]}"
 
 # What the API runs, and nothing else (ledger/api_role.py).
-API_TABLE_GRANTS = {
-    "api_tokens": "SELECT",
-    "background_tasks": "SELECT",
-    "export_chunks": "SELECT",
-    "memberships": "SELECT",
-    "task_audit": "INSERT",
-}
+API_TABLE_GRANTS = {"memberships": "SELECT", "task_audit": "INSERT"}
 API_COLUMN_GRANTS = {
-    "api_tokens.last_used_at": "UPDATE",
     "tickets.id": "SELECT",
     "tickets.team_id": "SELECT",
     **{
@@ -70,13 +64,15 @@ API_COLUMN_GRANTS = {
             p
             for p, columns in (
                 ("INSERT", api_role.CREATED_COLUMNS),
+                ("SELECT", api_role.READ_COLUMNS),
                 ("UPDATE", api_role.REOPENED_COLUMNS),
             )
             if c in columns
         )
-        for c in {*api_role.CREATED_COLUMNS, *api_role.REOPENED_COLUMNS}
+        for c in {*api_role.CREATED_COLUMNS, *api_role.READ_COLUMNS, *api_role.REOPENED_COLUMNS}
     },
 }
+API_FUNCTIONS = ["teamdesk_export_chunk_v1", "teamdesk_resolve_token_v1"]
 
 
 @dataclass(frozen=True)
@@ -131,15 +127,18 @@ def test_migrate_creates_the_api_role_with_only_what_the_api_runs(
 ) -> None:
     lines = roles_db.migrated.splitlines()
     assert lines[1:] == [
-        f"app role {roles_db.app}: created; grants on 10 tables and 1 sequences",
-        f"api role {roles_db.api}: created; grants on 6 tables and 0 sequences",
+        f"app role {roles_db.app}: created; grants on 10 tables, 1 sequences and 4 functions",
+        f"api role {roles_db.api}: created; grants on 4 tables, 0 sequences and 2 functions",
     ]
     assert privileges(roles_db.owner_url, roles_db.api) == API_TABLE_GRANTS
     assert column_privileges(roles_db.owner_url, roles_db.api) == API_COLUMN_GRANTS
-    assert executable_functions(roles_db.owner_url, roles_db.api) == []
+    assert "background_tasks.result_csv" not in API_COLUMN_GRANTS
+    assert executable_functions(roles_db.owner_url, roles_db.api) == API_FUNCTIONS
     assert executable_functions(roles_db.owner_url, roles_db.app) == [
         "teamdesk_analyze_ledger",
+        "teamdesk_export_chunk_v1",
         "teamdesk_purge_ledger",
+        "teamdesk_resolve_token_v1",
     ]
     stored = verifier(roles_db.owner_url, roles_db.api)
     assert stored.startswith("SCRAM-SHA-256$") and roles_db.passwords[roles_db.api] not in stored
@@ -150,6 +149,8 @@ DRIFT = [
     "GRANT SELECT ON users TO {role}",
     "GRANT UPDATE (revoked_at, expires_at) ON api_tokens TO {role}",
     "GRANT SELECT (title) ON tickets TO {role}",
+    "GRANT SELECT ON api_tokens, export_chunks TO {role}",
+    "GRANT SELECT (result_csv) ON background_tasks TO {role}",
     "GRANT USAGE ON SEQUENCE task_audit_id_seq TO {role}",
     "GRANT EXECUTE ON FUNCTION teamdesk_purge_ledger(double precision, double precision,"
     " integer) TO {role}",
@@ -170,7 +171,7 @@ def test_migrate_again_puts_drifted_api_grants_back_and_keeps_the_password(
         column_privileges(roles_db.owner_url, roles_db.api),
         executable_functions(roles_db.owner_url, roles_db.api),
         verifier(roles_db.owner_url, roles_db.api),
-    ) == (API_TABLE_GRANTS, API_COLUMN_GRANTS, [], stored)
+    ) == (API_TABLE_GRANTS, API_COLUMN_GRANTS, API_FUNCTIONS, stored)
 
 
 def test_an_api_role_that_inherits_more_is_refused(roles_db: RolesDatabase) -> None:
@@ -262,11 +263,19 @@ FORBIDDEN = [
     " VALUES (gen_random_uuid(), gen_random_uuid(), 0, 'x')",
     "UPDATE export_chunks SET data = 'x'",
     "DELETE FROM export_chunks",
+    # Nor a CSV to read, nor the hashes of tokens it was not shown (the same finding): the
+    # downloads and the token lookup go through the owner's functions.
+    "SELECT data FROM export_chunks",
+    "SELECT result_csv FROM background_tasks",
+    "SELECT * FROM background_tasks",
+    "SELECT token_hash FROM api_tokens",
+    "SELECT user_id FROM api_tokens",
+    "UPDATE api_tokens SET last_used_at = now()",
 ]
 
 
 @pytest.mark.parametrize("statement", FORBIDDEN)
-def test_the_api_role_may_not_write_what_the_api_does_not(
+def test_the_api_role_may_not_do_what_the_api_does_not(
     api_engine: sa.Engine, statement: str
 ) -> None:
     with pytest.raises(sa.exc.ProgrammingError) as denied, api_engine.begin() as conn:
@@ -369,3 +378,179 @@ def test_health_cluster_reads_the_ledger_as_the_api_role(roles_db: RolesDatabase
     report = json.loads(done.stdout)
     assert (done.returncode, report["database"], report["redis"]) == (1, True, True)
     assert report["missing"] == ["dispatcher", "exports worker", "reminders worker"]
+
+
+# --- what a compromised API can read --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Completed:
+    """An export of ``world``'s team completed by a worker (the application role)."""
+
+    task_id: uuid.UUID
+    key: uuid.UUID
+    csv: bytes
+
+
+def _complete(app_engine: sa.Engine, task_id: uuid.UUID, csv: str) -> Completed:
+    with app_engine.begin() as conn:
+        held = lease.claim(conn, task_id, 0, "test-host/api-role")
+        assert held is not None
+        lease.complete_export(conn, held.lease, csv, "rows")
+    return Completed(task_id, held.lease.execution_id, csv.encode())
+
+
+def test_a_compromised_api_reads_no_csv_but_what_its_callers_may_download(
+    roles_db: RolesDatabase, api_engine: sa.Engine
+) -> None:
+    """Finding 4 of the security review: as the API's role, queue an export in another
+    team's staff member's name; a worker completes it. The role cannot read it (the table
+    reads are refused: FORBIDDEN), and the owner's function gives it to no token but one
+    whose user may see it: not the attacker's own (staff of another team), not an unknown
+    or revoked hash, not under another key. Nor does the token lookup answer a guess."""
+    owner = db.make_engine(roles_db.owner_url)
+    app_engine = db.make_engine(roles_db.url(roles_db.app))
+    try:
+        world = make_world(owner)
+        with app_engine.begin() as conn:
+            attacker = hash_token(create_token(conn, world.outsider_id, "attacker"))
+            staff_raw = create_token(conn, world.staff2_id, "victim")
+        staff = hash_token(staff_raw)
+        with api_engine.begin() as conn:  # the row a compromised API may write
+            task_id = conn.execute(
+                sa.text(
+                    "INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters)"
+                    " VALUES ('EXPORT', :t, :o, 'TEAM', '{}') RETURNING id"
+                ),
+                {"t": world.team_id, "o": world.staff_id},
+            ).scalar_one()
+        done = _complete(app_engine, task_id, "id,title\r\n1,Secret\r\n")
+        with api_engine.connect() as conn:
+            reads = {
+                "attacker": artifacts.read_chunk(conn, attacker, task_id, done.key, 0),
+                "unknown hash": artifacts.read_chunk(conn, "0" * 64, task_id, done.key, 0),
+                "another key": artifacts.read_chunk(conn, staff, task_id, uuid.uuid4(), 0),
+                "as if in the row": artifacts.read_chunk(conn, staff, task_id, None, 0),
+                "past the end": artifacts.read_chunk(conn, staff, task_id, done.key, 1),
+                "staff": artifacts.read_chunk(conn, staff, task_id, done.key, 0),
+            }
+            guessed = conn.execute(
+                sa.text("SELECT * FROM teamdesk_resolve_token_v1(:h, 60)"), {"h": "0" * 64}
+            ).all()
+        with app_engine.begin() as conn:  # `teamdesk-tasks token revoke`
+            revoke_token(conn, _token_id(owner, staff))
+        with api_engine.connect() as conn:
+            revoked = artifacts.read_chunk(conn, staff, task_id, done.key, 0)
+    finally:
+        owner.dispose()
+        app_engine.dispose()
+    assert reads == {
+        "attacker": None,
+        "unknown hash": None,
+        "another key": None,
+        "as if in the row": None,
+        "past the end": None,
+        "staff": done.csv,
+    }
+    assert (guessed, revoked) == ([], None)
+
+
+def _token_id(owner: sa.Engine, token_hash: str) -> uuid.UUID:
+    with owner.connect() as conn:
+        query = sa.text("SELECT id FROM api_tokens WHERE token_hash = :h")
+        return uuid.UUID(str(conn.execute(query, {"h": token_hash}).scalar_one()))
+
+
+def test_the_download_function_says_what_may_see_says(roles_db: RolesDatabase) -> None:
+    """The function's rule in SQL (migration 0014) and ledger.permissions.may_see agree for
+    each scope, caller (the creator, another member) and the caller's role now (staff, a
+    customer, not a member)."""
+    owner = db.make_engine(roles_db.owner_url)
+    app_engine = db.make_engine(roles_db.url(roles_db.app))
+    api = db.make_engine(roles_db.url(roles_db.api))
+    answers: dict[tuple[str, str, str | None], tuple[bool, bool]] = {}
+    try:
+        world = make_world(owner)
+        with app_engine.begin() as conn:
+            hashes = {
+                "creator": hash_token(create_token(conn, world.staff_id)),
+                "other": hash_token(create_token(conn, world.staff2_id)),
+            }
+        users = {"creator": world.staff_id, "other": world.staff2_id}
+        exports = {}
+        with owner.begin() as conn:
+            for scope in ("TEAM", "MINE"):
+                exports[scope] = insert_task(conn, world, scope=scope, owner_id=world.staff_id)
+        done = {s: _complete(app_engine, t, f"id,{s}\r\n") for s, t in exports.items()}
+        for caller, user_id in users.items():
+            for role in ("STAFF", "CUSTOMER", None):
+                with owner.begin() as conn:
+                    set_role(conn, world.team_id, user_id, None)
+                    if role is not None:
+                        add_member(conn, world.team_id, user_id, role)
+                for scope, completed in done.items():
+                    with api.connect() as conn:
+                        piece = artifacts.read_chunk(
+                            conn, hashes[caller], completed.task_id, completed.key, 0
+                        )
+                    rule = may_see(scope, world.staff_id, user_id, role)
+                    answers[(scope, caller, role)] = (piece == completed.csv, rule)
+    finally:
+        owner.dispose()
+        app_engine.dispose()
+        api.dispose()
+    assert len(answers) == 12
+    assert all(given == rule for given, rule in answers.values()), answers
+    # TEAM: the creator and the other member while staff; MINE: its creator while a member.
+    assert sum(rule for _, rule in answers.values()) == 4
+
+
+def test_a_csv_an_earlier_release_stored_in_the_row_is_streamed_in_chunks(
+    roles_db: RolesDatabase,
+) -> None:
+    """A CSV the previous release wrote into ``result_csv`` (kept 24 hours) is downloaded
+    through the same function, cut into 1 MiB pieces by bytes (not characters), whole; the
+    role never reads the column."""
+    owner = db.make_engine(roles_db.owner_url)
+    app_engine = db.make_engine(roles_db.url(roles_db.app))
+    line = "7,Café Ünïcode ticket\r\n"
+    legacy = "id,title\r\n" + line * (((3 << 20) // 2) // len(line.encode()))
+    try:
+        world = make_world(owner)
+        with app_engine.begin() as conn:
+            token = create_token(conn, world.staff_id)
+        with owner.begin() as conn:
+            task_id = insert_task(conn, world)
+            conn.execute(
+                sa.text(
+                    "UPDATE background_tasks SET status = 'COMPLETED', result_csv = :csv,"
+                    " expires_at = now() + interval '1 day' WHERE id = :id"
+                ),
+                {"csv": legacy, "id": task_id},
+            )
+        settings = load_settings(
+            {
+                "DATABASE_URL": roles_db.url(roles_db.api),
+                "REDIS_URL": REDIS_URL,
+                "QUEUE_PREFIX": f"{PREFIX}-{uuid.uuid4().hex[:6]}",
+            }
+        )
+        with TestClient(create_api(settings, configure_logging=False)) as client:
+            task = client.get(f"/api/tasks/{task_id}", headers=bearer(token))
+            download = client.get(f"/api/tasks/{task_id}/csv", headers=bearer(token))
+        api = db.make_engine(roles_db.url(roles_db.api))
+        try:
+            with api.connect() as conn:
+                sizes = [
+                    len(artifacts.read_chunk(conn, hash_token(token), task_id, None, seq) or b"")
+                    for seq in range(3)
+                ]
+        finally:
+            api.dispose()
+    finally:
+        owner.dispose()
+        app_engine.dispose()
+    data = legacy.encode()
+    assert (task.status_code, task.json()["has_csv"]) == (200, True)
+    assert download.status_code == 200 and download.content == data
+    assert sizes == [artifacts.CHUNK_BYTES, len(data) - artifacts.CHUNK_BYTES, 0]

@@ -15,10 +15,12 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
+from api import downloads
 from api.errors import MSG_LIMIT, MSG_TASK_NOT_FOUND, MSG_TEAM_NOT_FOUND
 from api.tasks import MSG_EXPIRED, MSG_NOT_AN_EXPORT, MSG_NOT_COMPLETED
 from harness.factories import World, add_ticket, set_role, task_row
 from ledger import permissions, service
+from ledger.tokens import TokenOwner, resolve_token
 from tests.support.api_helpers import bearer, task_in_state
 
 # --- GET /api/teams/{team_id}/tasks -------------------------------------------------------
@@ -303,3 +305,45 @@ def test_csv_is_410_once_expired_or_purged(
         )
     response = client.get(f"/api/tasks/{task_id}/csv", headers=bearer(tokens["staff"]))
     assert (response.status_code, response.json()) == (410, {"detail": MSG_EXPIRED})
+
+
+def tokens_owner(engine: sa.Engine, raw: str) -> TokenOwner:
+    with engine.begin() as conn:
+        owner = resolve_token(conn, raw)
+    assert owner is not None
+    return owner
+
+
+def test_a_download_gives_its_slot_back_however_its_body_ends(
+    engine: sa.Engine, world: World, tokens: dict[str, str]
+) -> None:
+    """api/downloads.py: read to the end, closed half-read, dropped before its first chunk
+    was asked for (a client gone at once: the body never ran), or gone before it started
+    (410): each gives its slot back, once."""
+    task_id = task_in_state(engine, world, "COMPLETED", csv=CSV)
+    owner = tokens_owner(engine, tokens["staff"])
+    with engine.connect() as conn:
+        _, stored = service.read_csv(conn, task_id, world.staff_id)
+    assert stored is not None
+    slots = downloads.Slots(total=3, per_token=3)
+    held = []
+    for _ in range(3):
+        assert slots.take(owner.token_id)
+        body = downloads.start(engine, stored, slots, owner)
+        assert body is not None
+        held.append(body)
+    del body
+    whole = b"".join(held[0])
+    next(held[1])
+    held[1].close()
+    held[1].close()
+    in_use = slots.in_use()
+    del held[2]
+    dropped = slots.in_use()
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE background_tasks SET result_key = NULL WHERE id = :id"), {"id": task_id}
+        )
+    assert slots.take(owner.token_id)
+    gone = downloads.start(engine, stored, slots, owner)
+    assert (whole, in_use, dropped, gone, slots.in_use()) == (CSV.encode(), 1, 0, None, 0)

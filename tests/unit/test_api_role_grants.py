@@ -4,7 +4,7 @@ the role is set up again; and every column a privilege names exists."""
 
 from __future__ import annotations
 
-from ledger.api_role import API_TABLES, CREATED_COLUMNS, REOPENED_COLUMNS
+from ledger.api_role import API_TABLES, CREATED_COLUMNS, READ_COLUMNS, REOPENED_COLUMNS
 from ledger.models import metadata
 
 
@@ -21,10 +21,9 @@ def test_column_privileges_name_existing_columns() -> None:
         for column in privilege.columns
     }
     assert named == {
-        ("api_tokens", "last_used_at"),
         ("tickets", "id"),
         ("tickets", "team_id"),
-        *(("background_tasks", c) for c in CREATED_COLUMNS + REOPENED_COLUMNS),
+        *(("background_tasks", c) for c in CREATED_COLUMNS + REOPENED_COLUMNS + READ_COLUMNS),
     }
     assert all(column in tables[name].c for name, column in named)
 
@@ -35,3 +34,13 @@ def test_the_api_may_write_no_result_of_a_task() -> None:
     results = {"result_csv", "result_key", "result_sha256", "result_bytes"}
     assert not results & set(CREATED_COLUMNS + REOPENED_COLUMNS)
     assert {"team_id", "owner_id", "filters", "scope", "kind"}.isdisjoint(REOPENED_COLUMNS)
+
+
+def test_the_api_reads_no_csv_nor_token_but_through_the_owners_functions() -> None:
+    """The same finding: no SELECT of a CSV (chunks, or the row's own column) nor of the
+    tokens' hashes; downloads and token lookups go through migration 0014's functions."""
+    assert API_TABLES["export_chunks"] == () and API_TABLES["api_tokens"] == ()
+    assert "result_csv" not in READ_COLUMNS
+    assert {c.name for c in metadata.tables["background_tasks"].c} - set(READ_COLUMNS) == {
+        "result_csv"
+    }
