@@ -29,10 +29,13 @@ from sqlalchemy.engine import Engine
 from ledger import artifacts
 from ledger.service import StoredCsv
 from ledger.tokens import TokenOwner
+from teamdesk import s3_store
+from teamdesk.export_store import ObjectLocation, ObjectMissing
 
 MAX_DOWNLOADS = 8
 MAX_DOWNLOADS_PER_TOKEN = 2
 RETRY_AFTER_S = 1
+REDIRECT_TTL_S = 60  # a presigned URL's life (EXPORT_DOWNLOAD=redirect)
 MSG_TOO_MANY_DOWNLOADS = "too many downloads in progress; try again after Retry-After seconds"
 
 
@@ -108,18 +111,47 @@ class Download:
         self.close()
 
 
-def start(engine: Engine, stored: StoredCsv, slots: Slots, owner: TokenOwner) -> Download | None:
-    """The download of ``stored`` for ``owner``, whose slot the caller took: its first
-    chunk read already, so a CSV that is gone (or no longer the owner's to see) answers
-    410 rather than an empty 200. None then, the slot given back."""
+def object_of(engine: Engine, stored: StoredCsv, owner: TokenOwner) -> ObjectLocation | None:
+    """Where the CSV is when an object store keeps it (None: its chunks), asked of the
+    owner's function with the caller's token: the API's role cannot read it otherwise."""
+    with engine.connect() as conn:
+        return artifacts.object_of(conn, owner.token_hash, stored.task_id)
+
+
+def redirect_url(location: ObjectLocation, task_id: uuid.UUID) -> str:
+    """A presigned URL of the object, valid ``REDIRECT_TTL_S`` (EXPORT_DOWNLOAD=redirect)."""
+    filename = f"export-{task_id}.csv"
+    return s3_store.object_store().presign(location, REDIRECT_TTL_S, filename)
+
+
+def start(
+    engine: Engine,
+    stored: StoredCsv,
+    slots: Slots,
+    owner: TokenOwner,
+    location: ObjectLocation | None = None,
+) -> Download | None:
+    """The download of ``stored`` for ``owner``, whose slot the caller took: from its
+    chunks, or from its object at ``location``. Its first chunk is read already, so a CSV
+    that is gone (or no longer the owner's to see) answers 410 rather than an empty 200.
+    None then, the slot given back. ObjectStoreError when the store fails (503)."""
     try:
-        with engine.connect() as conn:
-            first = artifacts.read_chunk(conn, owner.token_hash, stored.task_id, stored.key, 0)
+        if location is None:
+            with engine.connect() as conn:
+                first = artifacts.read_chunk(conn, owner.token_hash, stored.task_id, stored.key, 0)
+            rest: Iterator[bytes] = chunks(
+                engine, stored, owner.token_hash, seq=1, sent=len(first or b"")
+            )
+        else:
+            try:
+                rest = s3_store.object_store().read(location, artifacts.CHUNK_BYTES)
+            except ObjectMissing:
+                rest = iter(())
+            first = next(rest, None)
     except BaseException:
         slots.give_back(owner.token_id)
         raise
     if first is None:
         slots.give_back(owner.token_id)
         return None
-    rest = chunks(engine, stored, owner.token_hash, seq=1, sent=len(first))
     return Download(itertools.chain((first,), rest), slots, owner.token_id)

@@ -49,6 +49,7 @@ from ledger.errors import (
     TeamQuotaExceeded,
 )
 from ledger.filters import MSG_NOT_OBJECT
+from teamdesk.export_store import ObjectStoreError
 
 MSG_TEAM_NOT_FOUND = "Team not found."
 MSG_TASK_NOT_FOUND = NotFound().message
@@ -123,6 +124,16 @@ async def ledger_error(request: Request, exc: Exception) -> JSONResponse:
 async def database_unavailable(request: Request, exc: Exception) -> JSONResponse:
     logger.warning(
         "database unavailable", extra={"error": type(exc).__name__, "path": _route_path(request)}
+    )
+    return error(503, MSG_UNAVAILABLE, headers={"Retry-After": "5"})
+
+
+async def store_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    """The export store (an S3-compatible object store) failed: the same 503 as the
+    database's, its cause logged (the error's class and the store's code, no key)."""
+    logger.warning(
+        "export store unavailable",
+        extra={"error": type(exc).__name__, "cause": str(exc), "path": _route_path(request)},
     )
     return error(503, MSG_UNAVAILABLE, headers={"Retry-After": "5"})
 
@@ -211,3 +222,4 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
     for cls in UNAVAILABLE_ERRORS:
         app.add_exception_handler(cls, database_unavailable)
+    app.add_exception_handler(ObjectStoreError, store_unavailable)

@@ -20,7 +20,7 @@ import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import RedirectResponse, StreamingResponse
 
 from api import downloads
 from api.cluster import explain_waiting, roles_or_none
@@ -73,7 +73,7 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
         429: "too many requests (this token's or this address's rate limit, the team's "
         "cap on unfinished tasks or its daily export quota); nothing was written; "
         "Retry-After says when to try again",
-        503: "the database is unavailable",
+        503: "the database (or the export store) is unavailable",
     }
     return {s: {"model": ErrorOut, "description": meaning[s]} for s in (401, *statuses, 429, 503)}
 
@@ -241,6 +241,10 @@ def cancel_task(
     summary="Download a completed export's CSV (kept 24 hours), streamed",
     responses={
         200: {"content": {"text/csv": {"schema": {"type": "string"}}}, "description": "the CSV"},
+        307: {
+            "description": "EXPORT_DOWNLOAD=redirect with an object store: the CSV is at "
+            "the presigned URL in Location, for 60 seconds"
+        },
         **_errors(404, 409, 410),
     },
 )
@@ -264,13 +268,17 @@ def download_csv(
         "Content-Disposition": f'attachment; filename="export-{task_id}.csv"',
         "Cache-Control": "no-store",
     }
+    location = downloads.object_of(res.engine, stored, caller)
+    if location is not None and res.settings.export_download == "redirect":
+        target = downloads.redirect_url(location, task_id)
+        return RedirectResponse(target, 307, headers={"Cache-Control": "no-store"})
     if not res.downloads.take(caller.token_id):
         raise HTTPException(
             429,
             downloads.MSG_TOO_MANY_DOWNLOADS,
             headers={"Retry-After": str(downloads.RETRY_AFTER_S)},
         )
-    body = downloads.start(res.engine, stored, res.downloads, caller)
+    body = downloads.start(res.engine, stored, res.downloads, caller, location)
     if body is None:
         raise HTTPException(410, MSG_EXPIRED)
     if stored.size is not None:

@@ -55,6 +55,8 @@ class Cluster:
     settings: Settings
     engine: Engine = field(default=None)  # type: ignore[assignment]
     results: redis.Redis = field(default=None)  # type: ignore[assignment]
+    # Where the object store's orphan sweep goes on from (dispatcher/objects.py).
+    object_sweep_after: str = ""
 
     def __post_init__(self) -> None:
         if self.engine is None:

@@ -13,16 +13,20 @@ ledger functions they call):
   which also records its use: the role cannot read the hashes of tokens it was not shown.
   Creating, listing and revoking tokens are operators' commands (``teamdesk-tasks
   token``), run as the application role;
-- ``background_tasks``: ``SELECT`` of every column but ``result_csv`` (read, list, the
-  quota's counts, where a CSV is); ``INSERT`` of the columns a creation writes only
-  (:data:`CREATED_COLUMNS`: every other column takes its default, so a row the API
-  inserts is WAITING with no result); ``UPDATE`` of the columns a retry and a cancel write
-  only (:data:`REOPENED_COLUMNS`): never a CSV, its key, checksum or size, so no statement
-  of this role can plant or swap what a download serves; no ``DELETE``;
+- ``background_tasks``: ``SELECT`` of every column but ``result_csv`` and
+  ``result_object`` (read, list, the quota's counts, where a CSV is); ``INSERT`` of the
+  columns a creation writes only (:data:`CREATED_COLUMNS`: every other column takes its
+  default, so a row the API inserts is WAITING with no result); ``UPDATE`` of the
+  columns a retry and a cancel write only (:data:`REOPENED_COLUMNS`): never a CSV, its
+  key, checksum, size or object, so no statement of this role can plant or swap what a
+  download serves; no ``DELETE``;
 - ``export_chunks``: nothing. A download reads each chunk through the owner's
   ``teamdesk_export_chunk_v1`` (ledger/artifacts.py ``READ_CHUNK``), which gives it only
   for a live token whose user may see the task now (ledger/permissions.py ``may_see``),
-  as it does a CSV an earlier release stored in ``result_csv``. A compromised API can
+  as it does a CSV an earlier release stored in ``result_csv``; the object of a CSV an
+  object store keeps is asked of ``teamdesk_export_object_v1`` the same way (its key ends
+  in 128 random bits: the API's store credentials need ``GetObject`` only, never a
+  listing, deploy/README.md). A compromised API can
   still queue work in any member's name (within the team's quotas), but it reads no CSV
   except those the tokens presented to it may download;
 - ``task_audit``: ``INSERT`` only (the ``RETRY`` and ``CANCEL`` rows; it reads none);
@@ -33,7 +37,7 @@ ledger functions they call):
   checked with the owner's rights, so inserting a task needs no access to ``teams`` or
   ``users``;
 - no sequence (``task_audit.id`` is an identity column: its inserts need none);
-  ``EXECUTE`` on the two functions above only, not on the dispatcher's ANALYZE and purge.
+  ``EXECUTE`` on the three functions above only, not on the dispatcher's ANALYZE and purge.
 
 A table missing from :data:`API_TABLES` gets nothing (tests/unit/test_api_role.py makes a
 new table of ``ledger.models`` choose). Like the application role it must not be the
@@ -47,7 +51,7 @@ from collections.abc import Mapping
 
 from sqlalchemy.engine import Connection
 
-from ledger.artifacts import CHUNK_FUNCTION
+from ledger.artifacts import CHUNK_FUNCTION, OBJECT_FUNCTION
 from ledger.models import background_tasks
 from ledger.roles import AppRoleReport, Privilege, RoleSpec, grant_role
 from ledger.tokens import RESOLVE_FUNCTION
@@ -76,8 +80,11 @@ REOPENED_COLUMNS = (
     "updated_at",
 )
 
-# What the API reads of a task: everything but a CSV an earlier release stored in the row.
-READ_COLUMNS = tuple(c.name for c in background_tasks.columns if c.name != "result_csv")
+# What the API reads of a task: everything but a CSV an earlier release stored in the row
+# and where an object store keeps one (its key is a capability: downloads ask for it
+# through the owner's function).
+UNREAD_COLUMNS = frozenset({"result_csv", "result_object"})
+READ_COLUMNS = tuple(c.name for c in background_tasks.columns if c.name not in UNREAD_COLUMNS)
 
 API_TABLES: Mapping[str, tuple[Privilege, ...]] = {
     "api_tokens": (),
@@ -100,7 +107,7 @@ API_ROLE = RoleSpec(
     API_PASSWORD_VAR,
     API_TABLES,
     sequences=False,
-    functions=frozenset({RESOLVE_FUNCTION, CHUNK_FUNCTION}),
+    functions=frozenset({RESOLVE_FUNCTION, CHUNK_FUNCTION, OBJECT_FUNCTION}),
 )
 
 

@@ -32,6 +32,7 @@ import psycopg2
 from sqlalchemy.engine import Connection
 
 from ledger import prepared
+from teamdesk.export_store import ObjectLocation, ObjectWriter, OpenUpload, StoredObject
 
 CHUNK_BYTES = 1 << 20  # 1 MiB: what a worker buffers and an API request holds at once
 STATEMENT_TIMEOUT_MS = 60_000
@@ -75,12 +76,14 @@ PURGE_ORPHANS = """
 
 @dataclass(frozen=True)
 class Artifact:
-    """A CSV stored as chunks: whose, how large, in how many pieces, its SHA-256."""
+    """A stored CSV: whose (the execution that wrote it), how large, in how many pieces,
+    its SHA-256, and, in an object store, its object (``s3://BUCKET/KEY``; None: chunks)."""
 
     key: uuid.UUID
     size: int
     chunks: int
     sha256: str
+    location: str | None = None
 
 
 class ChunkWriter:
@@ -111,6 +114,10 @@ class ChunkWriter:
             self._send(conn, piece)
         return Artifact(self.execution_id, self.size, self.chunks, self._sha256.hexdigest())
 
+    def abort(self) -> None:
+        """Nothing now: chunks no completion names are orphans, which the dispatcher's
+        retention step removes (:data:`PURGE_ORPHANS`)."""
+
     def _send(self, conn: Connection, piece: bytes) -> None:
         """One chunk, as one row of a binary ``COPY``: the bytes as they are (a bytea
         literal would send each byte as two hex digits and have the server parse them)."""
@@ -138,6 +145,25 @@ class ChunkWriter:
         self._sha256.update(piece)
         self.size += len(piece)
         self.chunks += 1
+
+
+class ObjectSink:
+    """An execution's CSV uploaded to the object store (teamdesk/export_store.py) as its
+    read streams: the calls of :class:`ChunkWriter`, so the export writes either the same
+    way. :meth:`abort` removes the upload (a refused CSV, a failed read, a lost lease)."""
+
+    def __init__(self, writer: ObjectWriter, execution_id: uuid.UUID) -> None:
+        self.writer, self.execution_id = writer, execution_id
+
+    def write(self, conn_of: Callable[[], Connection], data: bytes) -> None:
+        self.writer.write(conn_of, data)
+
+    def finish(self, conn: Connection) -> Artifact:
+        size, parts, sha256 = self.writer.finish_upload()
+        return Artifact(self.execution_id, size, parts, sha256, self.writer.location.url)
+
+    def abort(self) -> None:
+        self.writer.abort()
 
 
 def _copy_row(task_id: uuid.UUID, execution_id: uuid.UUID, seq: int, piece: bytes) -> bytes:
@@ -186,3 +212,87 @@ def purge_orphans(conn: Connection, batch: int) -> int:
     """Remove the chunks of up to ``batch`` executions no row names; how many chunks."""
     params = {"batch": batch}
     return int(prepared.execute(conn, PURGE_ORPHANS, params, STATEMENT_TIMEOUT_MS).rowcount)
+
+
+# The object of a kept CSV, through the owner's function (migration 0015): given only to a
+# live token whose user may see the task now; NULL when the CSV is not in an object store.
+OBJECT_FUNCTION = "teamdesk_export_object_v1"
+OBJECT_SIGNATURE = "text, uuid"
+OBJECT_OF = f"SELECT {OBJECT_FUNCTION}(%(token_hash)s, CAST(%(task_id)s AS uuid))"
+
+# Objects of CSVs past their 24 h (ix_background_tasks_objects_expiring), locked while the
+# caller deletes them from the store, then forgotten in the same transaction.
+EXPIRED_OBJECTS = """
+    SELECT id, result_object FROM background_tasks
+     WHERE result_object IS NOT NULL AND expires_at < now()
+     ORDER BY expires_at
+     LIMIT %(batch)s
+       FOR UPDATE SKIP LOCKED
+"""
+FORGET_OBJECTS = """
+    UPDATE background_tasks
+       SET result_object = NULL, result_key = NULL, result_sha256 = NULL, updated_at = now()
+     WHERE id = ANY(CAST(CAST(%(ids)s AS text[]) AS uuid[]))
+"""
+# Of objects found in the store, those no row names: older than the grace by the
+# database's clock (an execution's object appears when its upload ends, just before its
+# completion names it), and not the CSV their task's row names. Looked up by the task's
+# primary key (the key names it).
+UNNAMED_OBJECTS = """
+    SELECT o.url FROM unnest(CAST(%(urls)s AS text[]),
+                             CAST(CAST(%(tasks)s AS text[]) AS uuid[]),
+                             CAST(%(at)s AS timestamptz[])) AS o(url, task_id, at)
+     WHERE o.at < now() - make_interval(secs => %(grace_s)s)
+       AND NOT EXISTS (SELECT FROM background_tasks t
+                        WHERE t.id = o.task_id AND t.result_object = o.url)
+"""
+# Of multipart uploads found open, those older than the grace by the database's clock.
+STALE_UPLOADS = """
+    SELECT o.n FROM unnest(CAST(%(at)s AS timestamptz[])) WITH ORDINALITY AS o(at, n)
+     WHERE o.at < now() - make_interval(secs => %(grace_s)s)
+"""
+
+
+def object_of(conn: Connection, token_hash: str, task_id: uuid.UUID) -> ObjectLocation | None:
+    """The object of the task's kept CSV, for the token with ``token_hash``; None when its
+    CSV is not in an object store, is gone, or the token's user may not see the task."""
+    params = {"token_hash": token_hash, "task_id": str(task_id)}
+    row = prepared.execute(conn, OBJECT_OF, params, STATEMENT_TIMEOUT_MS).fetchone()
+    return None if row is None or row[0] is None else ObjectLocation.parse(row[0])
+
+
+def expired_objects(conn: Connection, batch: int) -> dict[uuid.UUID, ObjectLocation]:
+    """Up to ``batch`` expired CSVs' objects, their rows locked until the caller's
+    transaction ends (:func:`forget_objects` in it, after the store deleted them)."""
+    rows = prepared.execute(conn, EXPIRED_OBJECTS, {"batch": batch}, STATEMENT_TIMEOUT_MS)
+    return {uuid.UUID(str(r[0])): ObjectLocation.parse(r[1]) for r in rows.fetchall()}
+
+
+def forget_objects(conn: Connection, task_ids: list[uuid.UUID]) -> None:
+    params = {"ids": [str(t) for t in task_ids]}
+    prepared.execute(conn, FORGET_OBJECTS, params, STATEMENT_TIMEOUT_MS)
+
+
+def unnamed_objects(
+    conn: Connection, found: list[StoredObject], grace_s: float
+) -> list[ObjectLocation]:
+    """Of ``found``, the objects no row names (orphans: executions that never completed)."""
+    if not found:
+        return []
+    params = {
+        "urls": [o.location.url for o in found],
+        "tasks": [str(o.task_id) for o in found],
+        "at": [o.modified for o in found],
+        "grace_s": grace_s,
+    }
+    rows = prepared.execute(conn, UNNAMED_OBJECTS, params, STATEMENT_TIMEOUT_MS).fetchall()
+    return [ObjectLocation.parse(r[0]) for r in rows]
+
+
+def stale_uploads(conn: Connection, uploads: list[OpenUpload], grace_s: float) -> list[OpenUpload]:
+    """Of ``uploads``, those opened longer ago than the grace (by the database's clock)."""
+    if not uploads:
+        return []
+    params = {"at": [u.initiated for u in uploads], "grace_s": grace_s}
+    rows = prepared.execute(conn, STALE_UPLOADS, params, STATEMENT_TIMEOUT_MS).fetchall()
+    return [uploads[int(r[0]) - 1] for r in rows]

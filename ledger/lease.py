@@ -134,6 +134,7 @@ COMPLETE_EXPORT = (
         UPDATE background_tasks
            SET status = 'COMPLETED', progress = 100, result_key = %(execution_id)s,
                result_sha256 = %(sha256)s, result_bytes = %(csv_bytes)s,
+               result_object = %(object)s,
                result_summary = %(summary)s, expires_at = now() + interval '24 hours',
                execution_id = NULL, lease_holder = NULL, last_error = NULL, updated_at = now()
          WHERE {_LEASE} AND {MAY_EXPORT_SQL}""",
@@ -350,9 +351,9 @@ def report_progress(conn: Connection, lease: Lease, progress: int, durable_after
 def complete_export(
     conn: Connection, lease: Lease, csv: artifacts.Artifact | bytes | str, summary: str
 ) -> None:
-    """COMPLETED with the CSV the execution stored as chunks (``csv``: what its writer
-    says it stored, ledger/artifacts.py), or, given the CSV itself (a small one), stored
-    now under the lease's key and then completed."""
+    """COMPLETED with the CSV the execution stored (``csv``: what its writer says it
+    stored, as chunks or as an object, ledger/artifacts.py), or, given the CSV itself (a
+    small one), stored now as chunks under the lease's key and then completed."""
     if not isinstance(csv, artifacts.Artifact):
         data = csv.encode() if isinstance(csv, str) else bytes(csv)
         csv = artifacts.store(conn, lease.task_id, lease.execution_id, data)
@@ -360,6 +361,7 @@ def complete_export(
         **lease.params(),
         "sha256": csv.sha256,
         "csv_bytes": csv.size,
+        "object": csv.location,
         "summary": summary,
     }
     if _execute(conn, COMPLETE_EXPORT, params).rowcount != 1:

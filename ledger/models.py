@@ -131,6 +131,9 @@ background_tasks = sa.Table(
     # The execution whose chunks (export_chunks) are the CSV, and their SHA-256 (0013).
     sa.Column("result_key", UUID(as_uuid=True), nullable=True),
     sa.Column("result_sha256", sa.Text, nullable=True),
+    # Where the CSV is when EXPORT_STORE is an object store (s3://BUCKET/KEY; 0015); NULL:
+    # in export_chunks.
+    sa.Column("result_object", sa.Text, nullable=True),
     sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True),
     _created_at(),
     sa.Column(
@@ -219,6 +222,12 @@ sa.Index(
     "ix_background_tasks_results_expiring",
     background_tasks.c.expires_at,
     postgresql_where=sa.text("result_key IS NOT NULL"),
+)
+# Dispatcher step 5: CSVs held as objects, by expiry (0015).
+sa.Index(
+    "ix_background_tasks_objects_expiring",
+    background_tasks.c.expires_at,
+    postgresql_where=sa.text("result_object IS NOT NULL"),
 )
 # API: a team's task list, newest first.
 sa.Index(

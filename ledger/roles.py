@@ -22,9 +22,9 @@ the dispatcher refreshes the ledger's statistics through ``teamdesk_analyze_ledg
 (migration 0006: ``SECURITY DEFINER``, that one statement), on which the role gets
 ``EXECUTE``; it removes what is past its retention through ``teamdesk_purge_ledger()``
 (migration 0007, ledger/retention.py: the only way audit rows leave the trail), on which
-it gets ``EXECUTE`` too, as on the two the API's role reads tokens and CSVs through
-(migration 0014: ``teamdesk_resolve_token_v1``, ``teamdesk_export_chunk_v1``; the
-operators' commands and tests use them as the API does).
+it gets ``EXECUTE`` too, as on the three the API's role reads tokens and CSVs through
+(migrations 0014 and 0015: ``teamdesk_resolve_token_v1``, ``teamdesk_export_chunk_v1``,
+``teamdesk_export_object_v1``; tests use them as the API does).
 
 The grants are re-applied at every run (``REVOKE ALL`` then ``GRANT`` on every listed
 table, in one transaction), not left to ``ALTER DEFAULT PRIVILEGES``: the migrate run that
@@ -50,7 +50,7 @@ from psycopg2 import errors, sql
 from psycopg2.extensions import encrypt_password
 from sqlalchemy.engine import Connection
 
-from ledger.artifacts import CHUNK_FUNCTION, CHUNK_SIGNATURE
+from ledger.artifacts import CHUNK_FUNCTION, CHUNK_SIGNATURE, OBJECT_FUNCTION, OBJECT_SIGNATURE
 from ledger.errors import LedgerError
 from ledger.models import metadata
 from ledger.retention import PURGE_FUNCTION
@@ -69,13 +69,14 @@ APPEND_ONLY_TABLES = frozenset({"task_audit"})
 SEQUENCE_PRIVILEGES = ("USAGE", "SELECT")
 ANALYZE_FUNCTION = "teamdesk_analyze_ledger"  # ledger/dispatch.py ANALYZE calls it
 
-# The owner's SECURITY DEFINER functions (migrations 0006, 0007, 0014) and their argument
+# The owner's SECURITY DEFINER functions (migrations 0006, 0007, 0014, 0015) and their argument
 # types: every role's EXECUTE on each is granted or revoked at every run.
 OWNER_FUNCTIONS: Mapping[str, str] = {
     ANALYZE_FUNCTION: "",
     PURGE_FUNCTION: PURGE_SIGNATURE,
     RESOLVE_FUNCTION: RESOLVE_SIGNATURE,
     CHUNK_FUNCTION: CHUNK_SIGNATURE,
+    OBJECT_FUNCTION: OBJECT_SIGNATURE,
 }
 
 # The attributes that would make the role more than a user of the tables.

@@ -4,7 +4,8 @@ PostgreSQL renders the CSV (``COPY (query) TO STDOUT WITH (FORMAT csv, FORCE_QUO
 one statement in a REPEATABLE READ, READ ONLY transaction of its own (one snapshot), bounded
 to ``EXPORT_READ_BUDGET_S`` by ``statement_timeout``. Python writes the records to the
 export's chunks as they arrive (ledger/artifacts.py: a chunk at a time, under this
-execution's key), counting rows, and reports progress every ``EXPORT_BATCH_SIZE`` rows; the
+execution's key) or, with ``EXPORT_STORE=s3://...``, to its object's multipart upload
+(teamdesk/s3_store.py: parts sent while the read goes on), counting rows, and reports progress every ``EXPORT_BATCH_SIZE`` rows; the
 completion names the chunks (ledger/lease.py, ``complete_export``), so memory holds one
 chunk and nothing per row. The statement counts the matching rows before it sends the
 first one, so an export over ``EXPORT_MAX_ROWS`` transfers no row and stores no CSV; one
@@ -44,7 +45,7 @@ from ledger.filters import ExportFilters, validate_filters
 from ledger.permissions import export_refusal
 from tasks import watchdog
 from tasks.execution import Context
-from teamdesk import hooks
+from teamdesk import export_store, hooks, s3_store
 
 HEADER = "id,title,status,priority,requester_id,assignee_id,due_at,created_at,updated_at\n"
 
@@ -259,8 +260,7 @@ class CsvStream:
         self.rows = 0
         self.too_large = False
         self._progress: Connection | None = None
-        held = ctx.lease
-        self.writer = artifacts.ChunkWriter(held.task_id, held.execution_id)
+        self.writer = _writer(ctx)
         self.size = len(HEADER)
         self.writer.write(self._progress_conn, HEADER.encode())
 
@@ -293,9 +293,24 @@ class CsvStream:
         what was stored."""
         return self.writer.finish(self.ctx.conn)
 
+    def abort(self) -> None:
+        """Remove what was stored (an object store's upload; chunks are left to the purge)."""
+        self.writer.abort()
+
     def close(self) -> None:
         if self._progress is not None:
             self._progress.close()
+
+
+def _writer(ctx: Context) -> artifacts.ChunkWriter | artifacts.ObjectSink:
+    """Where this execution's CSV goes (EXPORT_STORE): chunks beside the row, or an object
+    under a key of its own (teamdesk/export_store.py)."""
+    held = ctx.lease
+    target = export_store.parse_store(ctx.settings.export_store)
+    if target is None:
+        return artifacts.ChunkWriter(held.task_id, held.execution_id)
+    upload = s3_store.object_store().writer(target, held.task_id, held.execution_id)
+    return artifacts.ObjectSink(upload, held.execution_id)
 
 
 def read_csv(ctx: Context, where: str, params: dict[str, Any]) -> CsvStream:
@@ -320,16 +335,20 @@ def read_csv(ctx: Context, where: str, params: dict[str, Any]) -> CsvStream:
             ctx, ctx.settings.export_batch_size, watch.touch, ctx.settings.export_max_bytes
         )
         try:
-            cursor.copy_expert(cursor.mogrify(query, params).decode(), stream)
-        except psycopg2.errors.QueryCanceled as exc:
-            raise (ExportReadSilent() if watch.disarm() else ExportReadTimeout()) from exc
-        finally:
-            watch.disarm()  # the read has returned: no cancel may reach the completion
-            stream.close()
-    if stream.total is None or stream.total > limit:
-        raise TooManyRows(MSG_TOO_MANY.format(limit=limit))
-    if stream.too_large:
-        raise CsvTooLarge(MSG_TOO_LARGE.format(limit=ctx.settings.export_max_bytes))
+            try:
+                cursor.copy_expert(cursor.mogrify(query, params).decode(), stream)
+            except psycopg2.errors.QueryCanceled as exc:
+                raise (ExportReadSilent() if watch.disarm() else ExportReadTimeout()) from exc
+            finally:
+                watch.disarm()  # the read has returned: no cancel may reach the completion
+                stream.close()
+            if stream.total is None or stream.total > limit:
+                raise TooManyRows(MSG_TOO_MANY.format(limit=limit))
+            if stream.too_large:
+                raise CsvTooLarge(MSG_TOO_LARGE.format(limit=ctx.settings.export_max_bytes))
+        except BaseException:
+            stream.abort()
+            raise
     return stream
 
 
@@ -346,7 +365,11 @@ def run_export(ctx: Context) -> str:
         hooks.fire("export.after_read", claim=claim, done=stream.rows, total=stream.rows)
     hooks.fire("export.before_result_write", claim=claim)
     summary = f"{stream.rows} rows"
-    lease.complete_export(ctx.conn, claim.lease, stream.finish(), summary)
+    try:
+        lease.complete_export(ctx.conn, claim.lease, stream.finish(), summary)
+    except BaseException:
+        stream.abort()  # not completed: nothing may keep what this execution stored
+        raise
     return summary
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple, TypeVar
 from urllib.parse import quote, unquote, urlsplit
 
+from teamdesk import export_store
+
 LOG_LEVELS = ("fatal", "error", "warn", "info", "debug", "trace", "silent")
 
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/teamdesk"
@@ -138,6 +140,11 @@ class Settings:
     # How long an export's read (one COPY statement) may take in all; its silences (no
     # progress written) are bounded apart, by half of STALE_AFTER_S (tasks/watchdog.py).
     export_read_budget_s: float = 60.0
+    # Where exports' CSVs are kept (teamdesk/export_store.py): "postgres" or
+    # "s3://BUCKET[/PREFIX]"; how the API hands one out: "stream" (through the API) or,
+    # with an object store, "redirect" (to a short-lived presigned URL).
+    export_store: str = "postgres"
+    export_download: str = "stream"
 
     @property
     def listen_url(self) -> str | None:
@@ -360,8 +367,32 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             redis_sentinel_master=master,
             redis_sentinel_password=sentinel_password,
             export_read_budget_s=_duration(env, "EXPORT_READ_BUDGET_S", 60.0),
+            export_store=_export_store(env),
+            export_download=_choice(env, "EXPORT_DOWNLOAD", DOWNLOAD_MODES),
         )
     )
+
+
+DOWNLOAD_MODES = ("stream", "redirect")
+
+
+def _export_store(env: Mapping[str, str]) -> str:
+    """EXPORT_STORE, as ``postgres`` or ``s3://BUCKET/PREFIX/`` (checked and normalized)."""
+    try:
+        target = export_store.parse_store(env.get("EXPORT_STORE", ""))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return export_store.POSTGRES if target is None else target.url
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (the first when unset)."""
+    raw = (env.get(name) or "").strip().lower()
+    if not raw:
+        return choices[0]
+    if raw not in choices:
+        raise ConfigError(f"{name} must be one of {'|'.join(choices)}, got {env.get(name)!r}")
+    return raw
 
 
 def _checked(settings: Settings) -> Settings:
@@ -372,6 +403,11 @@ def _checked(settings: Settings) -> Settings:
         raise ConfigError(
             "EXPORT_MAX_BYTES must be above 0 while TEAM_EXPORT_BYTES_PER_DAY is on "
             "(each unfinished export reserves EXPORT_MAX_BYTES of the quota)"
+        )
+    if settings.export_download == "redirect" and settings.export_store == export_store.POSTGRES:
+        raise ConfigError(
+            "EXPORT_DOWNLOAD=redirect needs an object store (EXPORT_STORE=s3://BUCKET): a CSV "
+            "kept in PostgreSQL can only be streamed"
         )
     if 0 < quota < most:
         raise ConfigError(

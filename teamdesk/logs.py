@@ -50,6 +50,7 @@ EVENTS = frozenset(
         "dispatcher.leader",
         "dispatcher.listen",
         "dispatcher.no_consumers",
+        "dispatcher.store_failed",
         "heartbeat.failed",
     }
 )

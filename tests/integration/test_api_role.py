@@ -37,6 +37,7 @@ from ledger.permissions import may_see
 from ledger.tokens import create_token, hash_token, revoke_token
 from teamdesk import db
 from teamdesk.config import load_settings
+from teamdesk.export_store import ObjectLocation
 from tests.conftest import REDIS_URL
 from tests.support.api_helpers import bearer, exports_url, reminders_url
 from tests.support.db_roles import (
@@ -72,7 +73,11 @@ API_COLUMN_GRANTS = {
         for c in {*api_role.CREATED_COLUMNS, *api_role.READ_COLUMNS, *api_role.REOPENED_COLUMNS}
     },
 }
-API_FUNCTIONS = ["teamdesk_export_chunk_v1", "teamdesk_resolve_token_v1"]
+API_FUNCTIONS = [
+    "teamdesk_export_chunk_v1",
+    "teamdesk_export_object_v1",
+    "teamdesk_resolve_token_v1",
+]
 
 
 @dataclass(frozen=True)
@@ -127,16 +132,18 @@ def test_migrate_creates_the_api_role_with_only_what_the_api_runs(
 ) -> None:
     lines = roles_db.migrated.splitlines()
     assert lines[1:] == [
-        f"app role {roles_db.app}: created; grants on 10 tables, 1 sequences and 4 functions",
-        f"api role {roles_db.api}: created; grants on 4 tables, 0 sequences and 2 functions",
+        f"app role {roles_db.app}: created; grants on 10 tables, 1 sequences and 5 functions",
+        f"api role {roles_db.api}: created; grants on 4 tables, 0 sequences and 3 functions",
     ]
     assert privileges(roles_db.owner_url, roles_db.api) == API_TABLE_GRANTS
     assert column_privileges(roles_db.owner_url, roles_db.api) == API_COLUMN_GRANTS
     assert "background_tasks.result_csv" not in API_COLUMN_GRANTS
+    assert "background_tasks.result_object" not in API_COLUMN_GRANTS
     assert executable_functions(roles_db.owner_url, roles_db.api) == API_FUNCTIONS
     assert executable_functions(roles_db.owner_url, roles_db.app) == [
         "teamdesk_analyze_ledger",
         "teamdesk_export_chunk_v1",
+        "teamdesk_export_object_v1",
         "teamdesk_purge_ledger",
         "teamdesk_resolve_token_v1",
     ]
@@ -267,6 +274,8 @@ FORBIDDEN = [
     # downloads and the token lookup go through the owner's functions.
     "SELECT data FROM export_chunks",
     "SELECT result_csv FROM background_tasks",
+    "SELECT result_object FROM background_tasks",
+    "UPDATE background_tasks SET result_object = 's3://elsewhere/x.csv'",
     "SELECT * FROM background_tasks",
     "SELECT token_hash FROM api_tokens",
     "SELECT user_id FROM api_tokens",
@@ -437,6 +446,17 @@ def test_a_compromised_api_reads_no_csv_but_what_its_callers_may_download(
             guessed = conn.execute(
                 sa.text("SELECT * FROM teamdesk_resolve_token_v1(:h, 60)"), {"h": "0" * 64}
             ).all()
+        with owner.begin() as conn:  # as if an object store kept it (its key is a secret)
+            conn.execute(
+                sa.text("UPDATE background_tasks SET result_object = :o WHERE id = :id"),
+                {"o": "s3://exports/exports/x.csv", "id": task_id},
+            )
+        with api_engine.connect() as conn:
+            objects = {
+                "attacker": artifacts.object_of(conn, attacker, task_id),
+                "unknown hash": artifacts.object_of(conn, "0" * 64, task_id),
+                "staff": artifacts.object_of(conn, staff, task_id),
+            }
         with app_engine.begin() as conn:  # `teamdesk-tasks token revoke`
             revoke_token(conn, _token_id(owner, staff))
         with api_engine.connect() as conn:
@@ -453,6 +473,11 @@ def test_a_compromised_api_reads_no_csv_but_what_its_callers_may_download(
         "staff": done.csv,
     }
     assert (guessed, revoked) == ([], None)
+    assert objects == {
+        "attacker": None,
+        "unknown hash": None,
+        "staff": ObjectLocation("exports", "exports/x.csv"),
+    }
 
 
 def _token_id(owner: sa.Engine, token_hash: str) -> uuid.UUID:
