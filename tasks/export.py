@@ -5,9 +5,10 @@ one statement in a REPEATABLE READ, READ ONLY transaction of its own (one snapsh
 to ``EXPORT_READ_BUDGET_S`` by ``statement_timeout``. Python writes the records to the
 export's chunks as they arrive (ledger/artifacts.py: a chunk at a time, under this
 execution's key) or, with ``EXPORT_STORE=s3://...``, to its object's multipart upload
-(teamdesk/s3_store.py: parts sent while the read goes on), counting rows, and reports progress every ``EXPORT_BATCH_SIZE`` rows; the
-completion names the chunks (ledger/lease.py, ``complete_export``), so memory holds one
-chunk and nothing per row. The statement counts the matching rows before it sends the
+(teamdesk/s3_store.py: parts sent while the read goes on), counting rows, and reports
+progress every ``EXPORT_BATCH_SIZE`` rows; the completion names the chunks or the object
+(ledger/lease.py, ``complete_export``), so memory holds one chunk (two parts) and nothing
+per row. The statement counts the matching rows before it sends the
 first one, so an export over ``EXPORT_MAX_ROWS`` transfers no row and stores no CSV; one
 whose CSV would pass ``EXPORT_MAX_BYTES`` stops writing there, and completes none.
 
