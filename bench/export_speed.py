@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from bench import FLUSH_EVERY_S
 from bench.env import BenchEnv, Part, read_stats, stop, wait_until
 from bench.throughput import publish_ready
+from harness.s3_server import s3_server
 from ledger import service
 from tasks.export import COPY_OPTIONS, csv_columns
 
@@ -182,11 +183,13 @@ def run_p2(env: BenchEnv) -> dict[str, Any]:
     copies = copier.times[1:]
     copy_s = statistics.median(copies)
     identical = same_rows(result_csv(part.engine, ids[-1]), copier.text)
+    s3 = run_p2_s3(env, part, small_team, small_user)
     _, big_stats, big_ids = run_exports(
         env, part, "p2-100k", big_team, big_user, 1, EXPORT_MAX_ROWS=BIG_ROWS
     )
     big = big_stats[0]
     return {
+        **s3,
         "p2_export_ratio_to_copy": round(copy_s / export_s, 3),
         "p2_export_10k_ms": round(export_s * 1000, 1),
         "p2_copy_10k_ms": round(copy_s * 1000, 1),
@@ -200,5 +203,46 @@ def run_p2(env: BenchEnv) -> dict[str, Any]:
             "rss_before_first_task_mib_100k": round((big["hwm_before_kib"] or 0) / 1024, 1),
             "export_100k_ms": round(big["execute_s"][0] * 1000, 1),
             "csv_bytes_100k": len(result_csv(part.engine, big_ids[0]).encode()),
+        },
+    }
+
+
+def run_p2_s3(env: BenchEnv, part: Part, team: uuid.UUID, user: uuid.UUID) -> dict[str, Any]:
+    """The same 10k-row exports with ``EXPORT_STORE=s3://...`` against moto's S3 server on
+    127.0.0.1 (harness/s3_server.py), export and COPY taking turns as above. The server is
+    a Python process on the same two cores: what it costs is in the figure."""
+    copier = Copier(part.database_url, team)
+    try:
+        with s3_server() as server:
+            bucket = server.new_bucket()
+            durations, _, ids = run_exports(
+                env,
+                part,
+                "p2-10k-s3",
+                team,
+                user,
+                REPEATS + 1,
+                between=copier,
+                EXPORT_STORE=f"s3://{bucket}/bench",
+                **server.env,
+            )
+            with part.engine.connect() as conn:
+                location = conn.execute(
+                    sa.text("SELECT result_object FROM background_tasks WHERE id = :id"),
+                    {"id": ids[-1]},
+                ).scalar_one()
+            key = str(location).removeprefix(f"s3://{bucket}/")
+            stored = server.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+    finally:
+        copier.close()
+    export_s = statistics.median(durations[1:])
+    copy_s = statistics.median(copier.times[1:])
+    return {
+        "p2_export_ratio_to_copy_s3": round(copy_s / export_s, 3),
+        "p2_export_10k_s3_ms": round(export_s * 1000, 1),
+        "p2_s3_detail": {
+            "export_10k_ms_all": [round(d * 1000, 1) for d in durations],
+            "copy_10k_ms_all": [round(c * 1000, 1) for c in copier.times[1:]],
+            "export_csv_equals_copy": same_rows(stored.decode(), copier.text),
         },
     }

@@ -28,6 +28,11 @@ GOALS: list[tuple[str, str, Any]] = [
         lambda r: r["p1_export_vs_procrastinate"] >= 1.0,
     ),
     ("p2_export_ratio_to_copy", ">= 0.6", lambda r: r["p2_export_ratio_to_copy"] >= 0.6),
+    (
+        "p2_export_ratio_to_copy_s3",
+        ">= 0.6",
+        lambda r: r["p2_export_ratio_to_copy_s3"] >= 0.6,
+    ),
     ("p3_scan_ratio_1m_10k", "<= 1.5", lambda r: r["p3_scan_ratio_1m_10k"] <= 1.5),
     ("p3_scan_ms_1m", "< 10 ms", lambda r: r["p3_scan_ms_1m"] < 10),
     ("p4_recovery_s", "<= 26 s", lambda r: r["p4_recovery_s"] <= 26),
@@ -83,6 +88,11 @@ ROWS: list[tuple[str, str, str]] = [  # key, what, unit
     ("p1_metrics_us_per_task", "P1 metrics' CPU per task in the pool child (direct)", "us"),
     ("p1_metrics_share", "P1 that CPU / a pool child's time per small export", "ratio"),
     ("p2_export_ratio_to_copy", "P2 COPY time / 10k-row export execution time", "ratio"),
+    (
+        "p2_export_ratio_to_copy_s3",
+        "P2 the same, EXPORT_STORE=s3:// (moto's server on 127.0.0.1)",
+        "ratio",
+    ),
     ("p2_export_10k_ms", "P2 10k-row export, claim to completion", "ms"),
     ("p2_copy_10k_ms", "P2 COPY (same query, same CSV options) TO STDOUT", "ms"),
     ("p2_peak_rss_mib", "P2 peak RSS of the process running a 100k-row export", "MiB"),

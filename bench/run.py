@@ -52,6 +52,7 @@ REQUIRED_KEYS = (
     "p1_body_us_reminder",
     "p1_body_cpu_us_reminder",
     "p2_export_ratio_to_copy",
+    "p2_export_ratio_to_copy_s3",
     "p2_peak_rss_mib",
     "p3_scan_ms_10k",
     "p3_scan_ms_1m",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
+from teamdesk.config import Settings
 from teamdesk.export_store import (
     EXPORTS_FOLDER,
     ObjectLocation,
@@ -38,6 +40,7 @@ from teamdesk.export_store import (
     StoreTarget,
     names_of,
     object_key,
+    parse_store,
 )
 
 PART_BYTES = 8 << 20  # S3's parts are 5 MiB at least (but the last)
@@ -310,3 +313,44 @@ def forget_object_store() -> None:
     then (tests that start their own S3 server)."""
     with _stores_lock:
         _stores.pop(os.getpid(), None)
+
+
+def unusable(settings: Settings) -> str | None:
+    """Why ``EXPORT_STORE`` cannot be used, in one line, or None: its bucket answers
+    (``HeadBucket``) with the credentials this process found. Run at a process's start."""
+    target = parse_store(settings.export_store)
+    if target is None:
+        return None
+    client = object_store().client
+    where = f"EXPORT_STORE={target.url}"
+    try:
+        client.head_bucket(Bucket=target.bucket)
+    except botocore.exceptions.NoCredentialsError:
+        return (
+            f"{where}: no AWS credentials were found (AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or a role)"
+        )
+    except botocore.exceptions.EndpointConnectionError:
+        return f"{where}: the object store at {client.meta.endpoint_url} cannot be reached"
+    except botocore.exceptions.ClientError as exc:
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        if code in ("404", "NoSuchBucket"):
+            return f"{where}: bucket {target.bucket} does not exist"
+        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            return (
+                f"{where}: the credentials may not use bucket {target.bucket} ({code}): check "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the role's policy"
+            )
+        return f"{where}: the object store answered {code or type(exc).__name__}"
+    except botocore.exceptions.BotoCoreError as exc:
+        return f"{where}: {type(exc).__name__}"
+    return None
+
+
+def store_or_exit(settings: Settings, command: str) -> None:
+    """For a process's start: one line on stderr and exit code 2 when the store cannot be
+    used (a missing bucket, bad credentials, an endpoint that does not answer)."""
+    problem = unusable(settings)
+    if problem is not None:
+        print(f"{command}: configuration error: {problem}", file=sys.stderr)
+        raise SystemExit(2)

@@ -51,7 +51,7 @@ from ledger.errors import TaskRejected
 from tasks import export
 from tasks.execution import TaskFailed
 from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
-from teamdesk import db, hooks
+from teamdesk import db, hooks, s3_store
 from teamdesk.config import get_settings
 from teamdesk.logs import log_event
 from teamdesk.version import version
@@ -166,6 +166,7 @@ def _on_init(
     sender: Any = None, instance: Any = None, options: dict[str, Any] | None = None, **_: Any
 ) -> None:
     _refuse_unknown_queues((options or {}).get("queues"))
+    s3_store.store_or_exit(get_settings(), "celery worker")  # EXPORT_STORE answers
     export.guard()  # built here, before the pool forks: no pool process pays for it
     # The startup banner is plain text on stdout; worker.started carries its facts as JSON.
     if instance is not None:

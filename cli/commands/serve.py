@@ -15,6 +15,7 @@ from types import FrameType
 from typing import Any
 
 from cli.commands.common import port_arg
+from teamdesk import s3_store
 from teamdesk.config import ConfigError, settings_or_exit, trusted_proxies
 from teamdesk.logs import setup_logging
 
@@ -42,7 +43,9 @@ def cmd_api(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"teamdesk-tasks api: {exc}", file=sys.stderr)
         return 2
-    setup_logging("api", settings_or_exit().log_level)
+    settings = settings_or_exit()
+    s3_store.store_or_exit(settings, "teamdesk-tasks api")  # downloads read EXPORT_STORE
+    setup_logging("api", settings.log_level)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _note_signal)
     # No "server: uvicorn" header: it tells a scanner what to try.

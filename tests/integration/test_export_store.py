@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import subprocess
+import sys
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,7 +27,7 @@ from dispatcher import objects
 from dispatcher.context import Cluster
 from harness.csv_reference import expected_csv
 from harness.factories import World, add_tickets, audit_events
-from harness.processes import free_port
+from harness.processes import free_port, settings_env
 from harness.waiting import wait_for
 from ledger import artifacts, lease, service
 from teamdesk import export_store, hooks, s3_store
@@ -33,6 +35,7 @@ from teamdesk.config import Settings, get_settings
 from tests.support.api_helpers import api_client, bearer, make_tokens
 from tests.support.dispatching import running_cluster
 from tests.support.s3 import S3Server, s3_environment, s3_server
+from tests.support.tcp_proxy import tcp_proxy
 
 PART_BYTES = 5 << 20  # S3's smallest part: a CSV of ~11 MB goes up in three parts
 TITLE = "t" * 1800  # ~1.9 KB a row: 6000 rows make a CSV of ~11.5 MB
@@ -316,3 +319,158 @@ def test_a_store_that_cannot_be_reached_answers_503_and_the_purge_goes_on(
     assert answer.json() == {"detail": "the service is temporarily unavailable; try again shortly"}
     assert done.expired == 0 and done.error is not None and "EndpointConnectionError" in done.error
     assert _row(engine, task_id)["result_object"] is not None
+
+
+@pytest.mark.parametrize("store", ["postgres", "s3"])
+def test_both_stores_complete_and_serve_the_same_export(
+    engine: sa.Engine,
+    world: World,
+    settings: Settings,
+    bucket: str,
+    make_app: Callable[..., Celery],
+    store: str,
+) -> None:
+    """The same export, through the same API, from either store: the CSV the reference
+    says, its size and SHA-256 in the row, and it is where EXPORT_STORE says (chunks, or
+    one object and no chunk)."""
+    with engine.begin() as conn:
+        add_tickets(conn, world.team_id, world.customer_id, 120, title='Café; "=1+1"')
+    where = "postgres" if store == "postgres" else f"s3://{bucket}/both"
+    app = make_app(export_store=where, export_batch_size=50)
+    task_id = _export(engine, world)
+    with running_cluster(app):
+        wait_for(lambda: _row(engine, task_id)["status"] == "COMPLETED", what="the export")
+    tokens = make_tokens(engine, world)
+    with api_client(settings.with_overrides(export_store=where)) as client:
+        download = client.get(f"/api/tasks/{task_id}/csv", headers=bearer(tokens["staff"]))
+    expected = expected_csv(engine, world.team_id, world.staff_id, "TEAM", {}).encode()
+    row = _row(engine, task_id)
+    assert download.status_code == 200 and download.content == expected
+    assert (row["result_bytes"], row["result_sha256"]) == (
+        len(expected),
+        hashlib.sha256(expected).hexdigest(),
+    )
+    if store == "postgres":
+        assert row["result_object"] is None and _chunk_rows(engine, task_id) == 1
+    else:
+        assert str(row["result_object"]).startswith(f"s3://{bucket}/both/exports/{task_id}/")
+        assert _chunk_rows(engine, task_id) == 0
+
+
+def test_a_store_lost_mid_upload_fails_the_attempt_and_the_retry_completes(
+    engine: sa.Engine,
+    world: World,
+    server: S3Server,
+    bucket: str,
+    make_app: Callable[..., Celery],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store's connections break while the first attempt uploads (a gate after the
+    first part): the attempt fails and is retried; its half-done upload is never named,
+    and (its abort failing too, the store being gone) the sweep aborts it later. The retry
+    uploads the whole CSV, which is the one served."""
+    _big_tickets(engine, world)
+    port = int(server.endpoint.rsplit(":", 1)[1])
+    claims: list[uuid.UUID] = []
+    with tcp_proxy("127.0.0.1", port) as proxy:
+        through = S3Server(f"http://127.0.0.1:{proxy.port}")
+        with s3_environment(through):
+            app = make_app(
+                export_store=f"s3://{bucket}", export_batch_size=1000, retry_base_delay_s=0.2
+            )
+            task_id = _export(engine, world)
+
+            def claimed(claim: lease.Claim) -> None:
+                claims.append(claim.lease.execution_id)
+                proxy.accept_new()  # the retry finds the store again
+
+            def after_read(claim: lease.Claim, done: int, total: int) -> None:
+                if len(claims) == 1 and done == 5000:  # a part went up: the store goes away
+                    proxy.cut()
+
+            with (
+                hooks.installed("task.claimed", claimed),
+                hooks.installed("export.after_read", after_read),
+                running_cluster(app),
+            ):
+                wait_for(lambda: _row(engine, task_id)["status"] == "COMPLETED", what="the retry")
+        row = _row(engine, task_id)
+        first, second = claims
+        assert audit_events(engine, task_id) == ["CLAIM", "WAIT", "CLAIM", "COMPLETE"]
+        assert row["result_key"] == second and f"/{second}-" in row["result_object"]
+        left_open = server.open_uploads(bucket)
+        assert [k for k in left_open if f"/{first}-" in k] == left_open and len(left_open) == 1
+        assert server.keys(bucket) == [str(row["result_object"]).removeprefix(f"s3://{bucket}/")]
+        monkeypatch.setattr(objects, "GRACE_S", -get_settings().export_read_budget_s)
+        cluster = Cluster(app, get_settings())
+        try:
+            swept = objects.purge_objects(cluster)
+        finally:
+            cluster.close()
+    assert (swept.orphans, swept.error, server.open_uploads(bucket)) == (1, None, [])
+    expected = expected_csv(engine, world.team_id, world.staff_id, "TEAM", {}).encode()
+    key = str(row["result_object"]).removeprefix(f"s3://{bucket}/")
+    assert server.client().get_object(Bucket=bucket, Key=key)["Body"].read() == expected
+
+
+@pytest.mark.parametrize(
+    ("command", "argv"),
+    [
+        ("celery worker", ["-m", "celery", "-A", "tasks", "worker", "--pool", "solo"]),
+        ("celery beat", ["-m", "celery", "-A", "tasks", "beat"]),
+        ("teamdesk-tasks api", ["-m", "cli.main", "api", "--port", str(free_port())]),
+    ],
+)
+def test_a_missing_bucket_stops_every_process_at_its_start(
+    settings: Settings, server: S3Server, command: str, argv: list[str]
+) -> None:
+    """One line naming the setting, exit code 2, before the process serves anything."""
+    missing = f"td-missing-{uuid.uuid4().hex[:8]}"
+    env = settings_env(settings, EXPORT_STORE=f"s3://{missing}/x", **server.env)
+    done = subprocess.run(
+        [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"{command}: configuration error: EXPORT_STORE=s3://{missing}/x/: bucket {missing} "
+        "does not exist"
+    )
+
+
+def test_bad_credentials_and_an_unreachable_store_are_said_in_one_line(
+    settings: Settings, bucket: str
+) -> None:
+    """A store that checks credentials (this server refuses unknown keys) and an endpoint
+    where nothing listens: the API's start says which, and exits 2."""
+    with s3_server(require_auth=True) as strict:
+        strict_bucket = "td-strict"
+        env = settings_env(settings, EXPORT_STORE=f"s3://{strict_bucket}", **strict.env)
+        refused = subprocess.run(
+            [sys.executable, "-m", "cli.main", "api", "--port", str(free_port())],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    nowhere = S3Server(f"http://127.0.0.1:{free_port()}")
+    env = settings_env(settings, EXPORT_STORE=f"s3://{bucket}", **nowhere.env)
+    unreachable = subprocess.run(
+        [sys.executable, "-m", "cli.main", "api", "--port", str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (refused.returncode, refused.stderr.strip().splitlines()[-1]) == (
+        2,
+        f"teamdesk-tasks api: configuration error: EXPORT_STORE=s3://{strict_bucket}/: the "
+        f"credentials may not use bucket {strict_bucket} (403): check AWS_ACCESS_KEY_ID and "
+        "AWS_SECRET_ACCESS_KEY, or the role's policy",
+    )
+    assert (unreachable.returncode, unreachable.stderr.strip().splitlines()[-1]) == (
+        2,
+        f"teamdesk-tasks api: configuration error: EXPORT_STORE=s3://{bucket}/: the object "
+        f"store at {nowhere.endpoint} cannot be reached",
+    )

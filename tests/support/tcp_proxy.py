@@ -37,6 +37,15 @@ class TcpProxy:
     def accept_new(self) -> None:
         self._refusing.clear()
 
+    def cut(self) -> None:
+        """Refuse new connections and break the open ones (a server gone mid-exchange)."""
+        self._refusing.set()
+        with self._lock:
+            for sock in self._sockets:
+                with suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            self._sockets.clear()
+
     def close(self) -> None:
         with suppress(OSError):
             self._listener.close()

@@ -1,0 +1,95 @@
+"""A real S3 API server for tests and the bench: moto's standalone server over HTTP on
+127.0.0.1 (a process of its own, on a free port), reached by the product's own client
+(boto3) through the standard AWS variables. The product's code knows nothing of moto."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import boto3
+
+from harness.processes import free_port
+
+START_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class S3Server:
+    endpoint: str
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The standard variables a process of the cluster reads (teamdesk/s3_store.py)."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "teamdesk-test",
+            "AWS_SECRET_ACCESS_KEY": "teamdesk-test-secret",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def client(self) -> Any:
+        """A client of the test's own (what an operator's aws CLI would see)."""
+        env = self.env
+        return boto3.session.Session().client(
+            "s3",
+            endpoint_url=env["AWS_ENDPOINT_URL"],
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+            region_name=env["AWS_DEFAULT_REGION"],
+        )
+
+    def new_bucket(self) -> str:
+        name = f"td-{uuid.uuid4().hex[:20]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def keys(self, bucket: str) -> list[str]:
+        listed = self.client().list_objects_v2(Bucket=bucket)
+        return sorted(item["Key"] for item in listed.get("Contents", []))
+
+    def open_uploads(self, bucket: str) -> list[str]:
+        listed = self.client().list_multipart_uploads(Bucket=bucket)
+        return sorted(u["Key"] for u in listed.get("Uploads", []))
+
+
+@contextmanager
+def s3_server(*, require_auth: bool = False) -> Iterator[S3Server]:
+    """moto's server, until the block ends. ``require_auth``: it refuses every request
+    whose credentials it does not know (as a real store does; by default it takes any)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    env = dict(os.environ)
+    if require_auth:
+        env["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the S3 server exited ({process.returncode})")
+            try:
+                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
+                break
+            except (urllib.error.URLError, ConnectionError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the S3 server did not answer") from None
+                time.sleep(0.1)  # polling a port for a start, not ordering a test
+        yield S3Server(endpoint)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
