@@ -14,8 +14,13 @@ CSV) are orphans: :data:`PURGE_ORPHANS` removes them (the dispatcher's retention
 and the expiry step removes a completed CSV's chunks after its 24 hours
 (ledger/dispatch.py). Deleting a task deletes its chunks (``ON DELETE CASCADE``).
 
-Durability: each chunk commits on its own, synchronously, before the completion is sent,
-so a completed CSV never misses a chunk.
+Durability: each chunk commits on its own before the completion is sent, without
+waiting for its WAL to reach the disk (``synchronous_commit = off`` for that transaction
+only). The completion's commit is synchronous, and the write-ahead log is flushed (and,
+with synchronous standbys, replicated) in order, up to the completion's record: so once
+a completion is durable every chunk it names is too. A crash before it loses at most the
+chunks of an execution that never completed, which nothing names. One flush per export,
+not one per chunk.
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ STATEMENT_TIMEOUT_MS = 60_000
 
 COPY_CHUNK = "COPY export_chunks (task_id, execution_id, seq, data) FROM STDIN WITH (FORMAT binary)"
 LOCAL_TIMEOUT = "SELECT set_config('statement_timeout', %s, true)"
+# A chunk's own transaction: bounded, and its commit does not wait for the disk (the
+# completion's does, for every chunk before it: the module's docstring).
+OWN_CHUNK_TRANSACTION = (
+    "BEGIN; SELECT set_config('statement_timeout', %s, true),"
+    " set_config('synchronous_commit', 'off', true)"
+)
 # PostgreSQL's binary COPY framing: the signature, flags and header extension, and the
 # end-of-data marker (a field count of -1).
 _COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack("!ii", 0, 0)
@@ -132,7 +143,10 @@ class ChunkWriter:
             conn.begin()
         cursor = dbapi.cursor()
         row = _copy_row(self.task_id, self.execution_id, self.chunks, piece)
-        cursor.execute(("BEGIN; " if own else "") + LOCAL_TIMEOUT, (f"{STATEMENT_TIMEOUT_MS}ms",))
+        # In the caller's transaction only the bound is set: its commit (a completion
+        # with it, perhaps) keeps the caller's durability.
+        opening = OWN_CHUNK_TRANSACTION if own else LOCAL_TIMEOUT
+        cursor.execute(opening, (f"{STATEMENT_TIMEOUT_MS}ms",))
         try:
             cursor.copy_expert(COPY_CHUNK, io.BytesIO(row), size=len(row))
         except BaseException:

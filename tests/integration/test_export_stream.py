@@ -22,7 +22,7 @@ from harness.factories import (
     task_row,
 )
 from harness.waiting import wait_for
-from ledger import lease, service
+from ledger import artifacts, lease, service
 from tasks import export
 from teamdesk import hooks
 from teamdesk.config import get_settings
@@ -176,3 +176,50 @@ def test_progress_written_during_the_stream_leaves_its_session_untouched(
         wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="COMPLETED")
     assert bounds == ["0", "0"]  # rows 2 and 4 of 5; the last batch goes with the role read
     assert task_row(engine, task_id)["result_summary"] == "5 rows"
+
+
+def test_chunks_commit_without_waiting_for_the_disk_and_leave_the_session_as_it_was(
+    engine: sa.Engine, world: World
+) -> None:
+    """Each chunk is its own transaction with ``synchronous_commit = off`` (ledger/
+    artifacts.py: the completion's synchronous commit flushes the log past them), seen
+    from inside by a trigger this test puts on the table; the setting and the bound are
+    the transaction's only, so the session - behind PgBouncer, another client's next -
+    keeps its own. A chunk written in the caller's transaction keeps the caller's
+    durability. The chunks are all there, in order."""
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE chunk_commits (seq int, synchronous_commit text)")
+        conn.exec_driver_sql("""
+            CREATE FUNCTION record_commit_mode() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO chunk_commits VALUES (NEW.seq, current_setting('synchronous_commit'));
+                RETURN NEW;
+            END $$""")
+        conn.exec_driver_sql(
+            "CREATE TRIGGER record_commit_mode BEFORE INSERT ON export_chunks"
+            " FOR EACH ROW EXECUTE FUNCTION record_commit_mode()"
+        )
+    task_id = insert_task_committed(engine, world)
+    execution = uuid.uuid4()
+    writer = artifacts.ChunkWriter(task_id, execution, chunk_bytes=4)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        writer.write(lambda: conn, b"id\r\n1\r\n2\r\n")
+        stored = writer.finish(conn)
+        session = conn.exec_driver_sql(
+            "SELECT current_setting('statement_timeout'), current_setting('synchronous_commit')"
+        ).one()
+    with engine.begin() as conn:  # the caller's own transaction
+        artifacts.store(conn, task_id, uuid.uuid4(), b"id\r\n")
+    with engine.connect() as conn:
+        modes = conn.exec_driver_sql("SELECT seq, synchronous_commit FROM chunk_commits").all()
+        pieces = conn.execute(
+            sa.text(
+                "SELECT data FROM export_chunks WHERE task_id = :t AND execution_id = :e"
+                " ORDER BY seq"
+            ),
+            {"t": task_id, "e": execution},
+        ).scalars()
+        data = b"".join(bytes(p) for p in pieces)
+    assert tuple(session) == ("0", "on")
+    assert [tuple(m) for m in modes] == [(0, "off"), (1, "off"), (2, "off"), (0, "on")]
+    assert (stored.chunks, stored.size, data) == (3, 10, b"id\r\n1\r\n2\r\n")

@@ -97,8 +97,11 @@ def test_the_cluster_runs_behind_pgbouncer_in_transaction_pooling(
             # A fresh client of PgBouncer gets a server session some worker used: no
             # setting of theirs is left on it.
             with psycopg2.connect(through(direct, port)) as conn, conn.cursor() as cur:
-                cur.execute("SHOW statement_timeout")
-                assert cur.fetchone() == ("0",)
+                cur.execute(
+                    "SELECT current_setting('statement_timeout'),"
+                    " current_setting('synchronous_commit')"
+                )
+                assert cur.fetchone() == ("0", "on")
             w1.send(signal.SIGTERM)
             assert w1.wait(timeout=30) == 0
         assert not [e for e in w1.lines() if e.get("level") in ("error", "critical")]
