@@ -3,9 +3,13 @@
 A CSV is streamed from its chunks (ledger/artifacts.py) one chunk at a time, each read
 through the owner's function that gives it only to a token whose user may see the task
 (the API's role reads no CSV otherwise, ledger/api_role.py), on a pooled connection of
-its own that goes back to the pool before the chunk is sent:
-a download holds at most one chunk (1 MiB) and no connection while the client reads, so
-an API process's memory stays flat however large the CSVs and however slow the clients.
+its own that goes back to the pool before the chunk is sent: a download holds at most
+one chunk (1 MiB) and no connection while the client reads, so an API process's memory
+stays flat however large the CSVs and however slow the clients. A CSV an object store
+keeps (EXPORT_STORE=s3://...) is read from its object 1 MiB at a time the same way, its
+location asked of the owner's function with the caller's token; with
+EXPORT_DOWNLOAD=redirect the route answers 307 to a presigned URL instead
+(:func:`redirect_url`).
 ``Content-Length`` is the stored size: a download cut short (its CSV expired or purged
 in the middle, a database error) ends early and the client sees a short body, never a
 CSV that looks whole.
