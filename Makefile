@@ -31,21 +31,24 @@ services: $(STAMP) ## check that PostgreSQL and Redis answer
 
 # pytest-xdist processes for the parallel runs: the tests mostly wait on servers and
 # subprocesses, so more than the 2 cores pay (docs/decisions.md, "A test suite a person
-# can wait for").
-TEST_JOBS ?= 4
+# can wait for"). The unit, integration and process tiers run in one session (the process
+# tests' waits are the integration tests' time; work stealing moves queued tests to a
+# process that ran out), then the few tests that measure a time run alone.
+TEST_JOBS ?= 5
+CHECK_JOBS ?= 4
+PYTEST_PARALLEL = $(PY) -m pytest --dist worksteal
 
-test: install services ## install, check services, run the whole test suite (each tier in parallel, then the timed tests alone)
+test: install services ## install, check services, run the whole test suite (all tiers in parallel, then the timed tests alone)
 	TEAMDESK_CHECK_RABBITMQ=1 $(PY) scripts/check_services.py
 	bash scripts/ensure_chromium.sh
 	bash scripts/ensure_debian.sh faketime faketime
 	bash scripts/ensure_debian.sh prometheus prometheus
 	bash scripts/ensure_debian.sh pgbouncer pgbouncer
-	$(PY) -m pytest -n $(TEST_JOBS) -m "not alone" tests/unit tests/integration
-	$(PY) -m pytest -n $(TEST_JOBS) -m "not alone" tests/process
+	$(PYTEST_PARALLEL) -n $(TEST_JOBS) -m "not alone" tests/unit tests/integration tests/process
 	$(PY) -m pytest -m alone
 
 check: lint services ## the edit-test loop: lint, then the unit and integration tests in parallel (no process tests)
-	$(PY) -m pytest -n $(TEST_JOBS) tests/unit tests/integration
+	$(PYTEST_PARALLEL) -n $(CHECK_JOBS) tests/unit tests/integration
 
 lint: install ## ruff, mypy, the import contracts (lint-imports), the alert rules (promtool)
 	$(VENV)/bin/ruff check .

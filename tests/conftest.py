@@ -35,15 +35,28 @@ def _answers(url: str, default_port: int) -> bool:
 
 # The longest tests, started first so that a parallel run (pytest-xdist, ``make test``)
 # does not end waiting for one of them alone: module names, longest first.
-LONGEST_FIRST = ("test_soak_short", "test_upgrade", "test_autoscaling_backlog")
+LONGEST_FIRST = (
+    "test_soak_short",
+    "test_upgrade",
+    "test_autoscaling_backlog",
+    "test_dispatch_loop",  # the longest integration tests: first in ``make check`` too
+    "test_api_fuzz",
+)
+# Then tier by tier: the process tests (long, mostly waiting on their subprocesses, TTLs
+# and scans) before the short, CPU-bound integration and unit tests, which fill the
+# processes' waits and the end of the run (``make test`` runs the tiers in one session).
+TIERS_FIRST_TO_LAST = ("process", "integration", "unit")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the longest tests first (a stable sort: the rest keep their order)."""
+    """Run the longest tests first, then the process tier (a stable sort: the rest keep
+    their order)."""
 
-    def rank(item: pytest.Item) -> int:
-        module = item.path.stem
-        return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        module, tier = item.path.stem, item.path.parent.name
+        first = LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+        order = TIERS_FIRST_TO_LAST
+        return first, order.index(tier) if tier in order else len(order)
 
     items.sort(key=rank)
 
@@ -69,12 +82,21 @@ def template_db(services: None) -> Iterator[str]:
     databases.drop_api_role()
 
 
+@pytest.fixture(scope="session")
+def test_databases(template_db: str) -> Iterator[databases.Databases]:
+    """This session's per-test databases: each a fresh clone of the template, or one a
+    finished test left that is made a clone again (harness/databases.py says how)."""
+    handed = databases.Databases(template_db, RUN_ID)
+    yield handed
+    handed.close()
+
+
 @pytest.fixture
-def database_url(template_db: str) -> Iterator[str]:
-    name, url = databases.clone_database(template_db, RUN_ID)
+def database_url(test_databases: databases.Databases) -> Iterator[str]:
+    name, url = test_databases.take()
     yield url
     db.reset_engine()
-    databases.drop_database(name)
+    test_databases.give_back(name)
 
 
 @pytest.fixture
