@@ -15,7 +15,6 @@ from types import FrameType
 from typing import Any
 
 from cli.commands.common import port_arg
-from teamdesk import s3_store
 from teamdesk.config import ConfigError, settings_or_exit, trusted_proxies
 from teamdesk.logs import setup_logging
 
@@ -32,6 +31,8 @@ def _note_signal(signum: int, frame: FrameType | None) -> None:
 
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
+
+    from teamdesk import s3_store
 
     # FORWARDED_ALLOW_IPS names the proxies whose X-Forwarded-For is believed; the app
     # reads it (api/middleware.py, ForwardedClient), uvicorn's own handling is off. '*' or
