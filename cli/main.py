@@ -65,6 +65,11 @@ def _roles_to_set_up(args: argparse.Namespace) -> list[tuple[str, str, str | Non
             return None
         if role:
             roles.append((kind, role, password))
+    if args.previous_api_grants and not args.api_role:
+        print("teamdesk-tasks migrate: --previous-api-grants needs --api-role", file=sys.stderr)
+        return None
+    if args.previous_api_grants:
+        roles = [("api+previous" if k == "api" else k, r, p) for k, r, p in roles]
     if args.app_role and args.app_role == args.api_role:
         print(
             "teamdesk-tasks migrate: --api-role must name another role than --app-role",
@@ -97,7 +102,8 @@ def _set_up_roles(database_url: str, roles: list[tuple[str, str, str | None]]) -
         return 1
     except Exception as exc:
         return _migrate_failed(exc)
-    for (kind, _, _), report in zip(roles, reports, strict=True):
+    for (granted, _, _), report in zip(roles, reports, strict=True):
+        kind = granted.split("+", 1)[0]
         done = "created" if report.created else "password set" if report.password_set else "kept"
         print(
             f"{kind} role {report.role}: {done}; grants on {report.tables} tables, "
@@ -214,8 +220,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         type=_role_name,
         help="after migrating, create or update this LOGIN role (e.g. teamdesk_api) for the "
-        "API: reads what it serves, writes tasks and their audit rows and its tokens' "
-        f"last use, nothing else (ledger/api_role.py); password from {API_PASSWORD_VAR}",
+        "API: reads tasks, writes tasks and their audit rows, reads tokens and CSVs only "
+        f"through the owner's functions (ledger/api_role.py); password from {API_PASSWORD_VAR}",
+    )
+    migrate.add_argument(
+        "--previous-api-grants",
+        action="store_true",
+        help="with --api-role, during a rolling upgrade: also keep what the previous "
+        "release's API reads (its token lookup, CSVs in the row) until it is replaced; run "
+        "migrate again without it afterwards (CHANGELOG.md, Upgrading)",
     )
     migrate.set_defaults(handler=cmd_migrate)
     health = sub.add_parser(

@@ -10,7 +10,8 @@ a new one.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -55,8 +56,12 @@ class Cluster:
     settings: Settings
     engine: Engine = field(default=None)  # type: ignore[assignment]
     results: redis.Redis = field(default=None)  # type: ignore[assignment]
-    # Where the object store's orphan sweep goes on from (dispatcher/objects.py).
+    # Where the object store's orphan sweep goes on from, and the thread its passes run
+    # on (dispatcher/objects.py).
     object_sweep_after: str = ""
+    object_purges: OnePassAtATime = field(
+        default_factory=lambda: OnePassAtATime("teamdesk-object-purge")
+    )
 
     def __post_init__(self) -> None:
         if self.engine is None:
@@ -65,8 +70,41 @@ class Cluster:
             self.results = results_redis(self.settings)
 
     def close(self) -> None:
+        self.object_purges.close(PASS_JOIN_S)  # a scan command ends with its purge done
         self.engine.dispose()
         self.results.close()
+
+
+PASS_JOIN_S = 60.0  # how long closing waits for a pass under way (its calls are bounded)
+
+
+class OnePassAtATime:
+    """Runs a callable on a thread of its own, one run at a time: a poke while one runs
+    is skipped (the caller pokes again at its next turn)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def poke(self, run: Callable[[], None]) -> bool:
+        """Start ``run`` unless a run is under way; True when it started."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return False
+            self._thread = threading.Thread(target=run, name=self.name, daemon=True)
+            self._thread.start()
+            return True
+
+    def running(self) -> bool:
+        with self._lock:
+            return self._thread is not None and self._thread.is_alive()
+
+    def close(self, timeout_s: float) -> None:
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
 
 
 @contextmanager

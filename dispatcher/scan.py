@@ -46,7 +46,7 @@ from celery import Celery
 
 from dispatcher.context import Cluster, error_class, transaction
 from dispatcher.errors import ScanUnavailable
-from dispatcher.objects import purge_objects
+from dispatcher.objects import purge_objects_quietly
 from dispatcher.window import Published, Window, fill, publish
 from ledger import dispatch
 from ledger.dispatch import RunRef
@@ -85,8 +85,6 @@ class ScanCounts:
     dispatched: int = 0
     publish_failed: int = 0
     purged: int = 0
-    orphan_objects: int = 0  # objects (and open uploads) no row names, removed
-    store_error: str | None = None  # the object store's failure in the purge, if any
     retired_tasks: int = 0  # finished tasks removed past their retention
     retired_audit: int = 0  # audit rows removed past their retention
     heartbeat_rule: bool = False
@@ -175,9 +173,7 @@ def _purge(cluster: Cluster, counts: ScanCounts) -> None:
     batch, until a batch comes back short or the budget is spent."""
     with transaction(cluster.engine) as conn:
         counts.purged = dispatch.purge_expired(conn, batch=PURGE_BATCH)
-    objects = purge_objects(cluster)
-    counts.purged += objects.expired
-    counts.orphan_objects, counts.store_error = objects.orphans, objects.error
+    cluster.object_purges.poke(lambda: purge_objects_quietly(cluster))  # its own thread
     keep = Retention.of(cluster.settings)
     deadline = time.monotonic() + RETENTION_BUDGET_S
     while True:

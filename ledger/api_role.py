@@ -111,7 +111,34 @@ API_ROLE = RoleSpec(
 )
 
 
+# What the previous release's API (1.0.0) reads that this one does not: its token lookup
+# (SELECT on api_tokens, UPDATE of last_used_at) and the CSV in the row. Granted only with
+# ``migrate --previous-api-grants``, for a rolling upgrade: the 1.0 API keeps answering
+# until it is replaced, then a plain ``migrate --api-role`` takes them back (CHANGELOG.md,
+# "Upgrading"; docs/decisions.md, "Expand and contract").
+PREVIOUS_API_TABLES: Mapping[str, tuple[Privilege, ...]] = {
+    **API_TABLES,
+    "api_tokens": (SELECT, Privilege("UPDATE", ("last_used_at",))),
+    "background_tasks": (
+        Privilege("SELECT", (*READ_COLUMNS, "result_csv")),
+        Privilege("INSERT", CREATED_COLUMNS),
+        Privilege("UPDATE", REOPENED_COLUMNS),
+    ),
+}
+PREVIOUS_API_ROLE = RoleSpec(
+    API_PASSWORD_VAR, PREVIOUS_API_TABLES, sequences=False, functions=API_ROLE.functions
+)
+
+
 def grant_api_role(conn: Connection, role: str, password: str | None) -> AppRoleReport:
     """Create ``role`` (or set its password) and give it exactly the API's grants, in the
     caller's transaction; refused like ledger.roles.grant_app_role."""
     return grant_role(conn, role, password, API_ROLE)
+
+
+def grant_api_role_with_previous(
+    conn: Connection, role: str, password: str | None
+) -> AppRoleReport:
+    """:func:`grant_api_role`, plus what the previous release's API reads
+    (:data:`PREVIOUS_API_TABLES`), for the time of a rolling upgrade."""
+    return grant_role(conn, role, password, PREVIOUS_API_ROLE)

@@ -234,19 +234,21 @@ OBJECT_FUNCTION = "teamdesk_export_object_v1"
 OBJECT_SIGNATURE = "text, uuid"
 OBJECT_OF = f"SELECT {OBJECT_FUNCTION}(%(token_hash)s, CAST(%(task_id)s AS uuid))"
 
-# Objects of CSVs past their 24 h (ix_background_tasks_objects_expiring), locked while the
-# caller deletes them from the store, then forgotten in the same transaction.
+# Objects of CSVs past their 24 h (ix_background_tasks_objects_expiring); read, not locked:
+# the caller deletes them from the store with no transaction open...
 EXPIRED_OBJECTS = """
     SELECT id, result_object FROM background_tasks
      WHERE result_object IS NOT NULL AND expires_at < now()
      ORDER BY expires_at
      LIMIT %(batch)s
-       FOR UPDATE SKIP LOCKED
 """
+# ... then the rows forget them: those still naming the object that was deleted.
 FORGET_OBJECTS = """
-    UPDATE background_tasks
+    UPDATE background_tasks t
        SET result_object = NULL, result_key = NULL, result_sha256 = NULL, updated_at = now()
-     WHERE id = ANY(CAST(CAST(%(ids)s AS text[]) AS uuid[]))
+      FROM unnest(CAST(CAST(%(ids)s AS text[]) AS uuid[]), CAST(%(urls)s AS text[]))
+           AS gone(id, url)
+     WHERE t.id = gone.id AND t.result_object = gone.url
 """
 # Of objects found in the store, those no row names: older than the grace by the
 # database's clock (an execution's object appears when its upload ends, just before its
@@ -276,15 +278,20 @@ def object_of(conn: Connection, token_hash: str, task_id: uuid.UUID) -> ObjectLo
 
 
 def expired_objects(conn: Connection, batch: int) -> dict[uuid.UUID, ObjectLocation]:
-    """Up to ``batch`` expired CSVs' objects, their rows locked until the caller's
-    transaction ends (:func:`forget_objects` in it, after the store deleted them)."""
+    """Up to ``batch`` expired CSVs' objects, by task (read only: the store deletes them,
+    then :func:`forget_objects`)."""
     rows = prepared.execute(conn, EXPIRED_OBJECTS, {"batch": batch}, STATEMENT_TIMEOUT_MS)
     return {uuid.UUID(str(r[0])): ObjectLocation.parse(r[1]) for r in rows.fetchall()}
 
 
-def forget_objects(conn: Connection, task_ids: list[uuid.UUID]) -> None:
-    params = {"ids": [str(t) for t in task_ids]}
-    prepared.execute(conn, FORGET_OBJECTS, params, STATEMENT_TIMEOUT_MS)
+def forget_objects(conn: Connection, deleted: dict[uuid.UUID, ObjectLocation]) -> int:
+    """The rows forget the objects the store deleted (each only if it still names that
+    object); how many did."""
+    params = {
+        "ids": [str(t) for t in deleted],
+        "urls": [loc.url for loc in deleted.values()],
+    }
+    return int(prepared.execute(conn, FORGET_OBJECTS, params, STATEMENT_TIMEOUT_MS).rowcount)
 
 
 def unnamed_objects(

@@ -276,7 +276,7 @@ RESTAMP = text("""
 PURGE_EXPIRED_CHUNKS = text("""
     WITH expired AS (
         SELECT id, result_key FROM background_tasks
-         WHERE result_key IS NOT NULL AND expires_at < now()
+         WHERE result_key IS NOT NULL AND result_object IS NULL AND expires_at < now()
          ORDER BY expires_at
          LIMIT :batch
            FOR UPDATE SKIP LOCKED

@@ -12,7 +12,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 
-from ledger.api_role import grant_api_role
+from ledger.api_role import grant_api_role, grant_api_role_with_previous
 from ledger.roles import AppRoleReport, grant_app_role
 from teamdesk.db import sqlalchemy_url
 
@@ -55,7 +55,11 @@ def set_up_app_role(database_url: str, role: str, password: str | None) -> AppRo
         engine.dispose()
 
 
-ROLE_KINDS = {"app": grant_app_role, "api": grant_api_role}
+ROLE_KINDS = {
+    "app": grant_app_role,
+    "api": grant_api_role,
+    "api+previous": grant_api_role_with_previous,
+}
 
 
 def set_up_roles(

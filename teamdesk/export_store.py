@@ -105,7 +105,7 @@ def parse_store(value: str) -> StoreTarget | None:
     """``EXPORT_STORE``: None for ``postgres``, else the bucket and prefix. ValueError (with
     :data:`MSG_STORE`) for anything else."""
     text = value.strip()
-    if text in ("", POSTGRES):
+    if text.lower() in ("", POSTGRES):
         return None
     if not text.startswith(SCHEME):
         raise ValueError(MSG_STORE.format(value=value))

@@ -51,6 +51,7 @@ EVENTS = frozenset(
         "dispatcher.listen",
         "dispatcher.no_consumers",
         "dispatcher.store_failed",
+        "dispatcher.objects_purged",
         "heartbeat.failed",
     }
 )
@@ -171,10 +172,10 @@ def setup_logging(service: str, level: str = "info", stream: Any = None) -> None
     root.addHandler(handler)
     root.setLevel(LEVELS[level])
     logging.captureWarnings(True)  # Python warnings become JSON lines too
-    # Libraries chatter at INFO (kombu connections, amqp heartbeats); keep them at WARNING
-    # unless the operator asked for debug or trace.
+    # Libraries chatter at INFO (kombu connections, amqp heartbeats, botocore's "found
+    # credentials"); keep them at WARNING unless the operator asked for debug or trace.
     quiet = logging.WARNING if LEVELS[level] > logging.DEBUG else LEVELS[level]
-    for name in ("kombu", "amqp", "urllib3", "alembic"):
+    for name in ("kombu", "amqp", "urllib3", "alembic", "botocore", "boto3", "s3transfer"):
         logging.getLogger(name).setLevel(max(quiet, LEVELS[level]))
     for name in NEVER_BELOW_WARNING:
         logging.getLogger(name).setLevel(max(logging.WARNING, LEVELS[level]))

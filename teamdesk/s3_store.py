@@ -5,7 +5,7 @@ Configured the way every AWS tool is: ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_UR
 a store that is not AWS, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
 ``AWS_DEFAULT_REGION``, and the rest of boto3's credential chain (a web identity token in
 Kubernetes, an instance role). Signatures are SigV4 (presigned URLs included). Every call
-is bounded: 5 s to connect, 30 s per read, three attempts in all.
+is bounded: 5 s to connect, 20 s per read, two attempts in all.
 
 An upload overlaps the export's read: :class:`S3Writer` sends each full part
 (``PART_BYTES``) from a thread of its own while the COPY goes on filling the next, one
@@ -45,8 +45,8 @@ from teamdesk.export_store import (
 
 PART_BYTES = 8 << 20  # S3's parts are 5 MiB at least (but the last)
 CONNECT_TIMEOUT_S = 5
-READ_TIMEOUT_S = 30
-MAX_ATTEMPTS = 3
+READ_TIMEOUT_S = 20
+MAX_ATTEMPTS = 2
 DELETE_BATCH = 1000  # S3's DeleteObjects takes at most 1000 keys
 CSV_TYPE = "text/csv; charset=utf-8"
 
@@ -315,35 +315,58 @@ def forget_object_store() -> None:
         _stores.pop(os.getpid(), None)
 
 
+PROBE_KEY = "exports/.teamdesk-start-check"  # never written: reading it needs no right
+PROBE_CONNECT_TIMEOUT_S = 5
+PROBE_READ_TIMEOUT_S = 10
+
+
 def unusable(settings: Settings) -> str | None:
-    """Why ``EXPORT_STORE`` cannot be used, in one line, or None: its bucket answers
-    (``HeadBucket``) with the credentials this process found. Run at a process's start."""
-    target = parse_store(settings.export_store)
+    """Why ``EXPORT_STORE`` cannot be used, in one line, or None. Run at a process's start,
+    with no right of its own: it reads a key nobody writes. "No such key" (or, for a role
+    that may not list the bucket, "access denied") means the endpoint answers, the bucket
+    exists and the credentials are known; a missing bucket, unknown credentials, a bad
+    signature and an endpoint that does not answer in time are said, naming the setting."""
+    try:
+        target = parse_store(settings.export_store)
+    except ValueError as exc:
+        return str(exc)
     if target is None:
         return None
-    client = object_store().client
     where = f"EXPORT_STORE={target.url}"
+    config = botocore.config.Config(
+        signature_version="s3v4",
+        connect_timeout=PROBE_CONNECT_TIMEOUT_S,
+        read_timeout=PROBE_READ_TIMEOUT_S,
+        retries={"max_attempts": 1, "mode": "standard"},
+    )
     try:
-        client.head_bucket(Bucket=target.bucket)
+        client = boto3.session.Session().client("s3", config=config)
+    except ValueError as exc:  # an empty or malformed AWS_DEFAULT_REGION, AWS_ENDPOINT_URL
+        return f"{where}: the AWS settings do not make an endpoint ({exc})"
+    endpoint = client.meta.endpoint_url
+    try:
+        client.get_object(Bucket=target.bucket, Key=target.prefix + PROBE_KEY)
     except botocore.exceptions.NoCredentialsError:
         return (
             f"{where}: no AWS credentials were found (AWS_ACCESS_KEY_ID and "
             "AWS_SECRET_ACCESS_KEY, or a role)"
         )
-    except botocore.exceptions.EndpointConnectionError:
-        return f"{where}: the object store at {client.meta.endpoint_url} cannot be reached"
     except botocore.exceptions.ClientError as exc:
         code = str(exc.response.get("Error", {}).get("Code", ""))
-        if code in ("404", "NoSuchBucket"):
+        if code in ("NoSuchKey", "404", "AccessDenied", "403"):
+            return None
+        if code == "NoSuchBucket":
             return f"{where}: bucket {target.bucket} does not exist"
-        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"):
             return (
-                f"{where}: the credentials may not use bucket {target.bucket} ({code}): check "
-                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the role's policy"
+                f"{where}: the object store at {endpoint} does not accept these credentials "
+                f"({code}): check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the role"
             )
-        return f"{where}: the object store answered {code or type(exc).__name__}"
+        return f"{where}: the object store at {endpoint} answered {code or 'an error'}"
+    except botocore.exceptions.EndpointConnectionError:
+        return f"{where}: the object store at {endpoint} cannot be reached"
     except botocore.exceptions.BotoCoreError as exc:
-        return f"{where}: {type(exc).__name__}"
+        return f"{where}: the object store at {endpoint} did not answer ({type(exc).__name__})"
     return None
 
 

@@ -579,3 +579,47 @@ def test_a_csv_an_earlier_release_stored_in_the_row_is_streamed_in_chunks(
     assert (task.status_code, task.json()["has_csv"]) == (200, True)
     assert download.status_code == 200 and download.content == data
     assert sizes == [artifacts.CHUNK_BYTES, len(data) - artifacts.CHUNK_BYTES, 0]
+
+
+# The previous release's (1.0.0's) token lookup and CSV read, as its API sends them.
+PREVIOUS_API_READS = [
+    "SELECT id, user_id FROM api_tokens WHERE token_hash = 'h' AND revoked_at IS NULL"
+    " AND expires_at > now()",
+    "UPDATE api_tokens SET last_used_at = now() WHERE id = gen_random_uuid()",
+    "SELECT result_csv FROM background_tasks WHERE id = gen_random_uuid()",
+]
+
+
+def test_a_rolling_upgrade_keeps_the_previous_apis_reads_until_the_second_migrate(
+    roles_db: RolesDatabase, api_engine: sa.Engine
+) -> None:
+    """Expand and contract (an operator's review found the 1.0 API answering 500 once
+    this version's migrate ran): ``migrate --previous-api-grants`` keeps what the 1.0 API
+    reads beside this version's grants; the plain ``migrate`` after the rollout takes it
+    back. Nothing else changes either way."""
+
+    def reads() -> list[bool]:
+        allowed = []
+        for statement in PREVIOUS_API_READS:
+            try:
+                with api_engine.begin() as conn:
+                    conn.execute(sa.text(statement))
+                allowed.append(True)
+            except sa.exc.ProgrammingError as exc:
+                assert getattr(exc.orig, "pgcode", None) == INSUFFICIENT_PRIVILEGE
+                allowed.append(False)
+        return allowed
+
+    expanded = finished(
+        migrate(roles_db.owner_url, "--api-role", roles_db.api, "--previous-api-grants")
+    )
+    during = (reads(), privileges(roles_db.owner_url, roles_db.api))
+    contracted = finished(migrate(roles_db.owner_url, "--api-role", roles_db.api))
+    after = (reads(), privileges(roles_db.owner_url, roles_db.api))
+    refused = _migrate_refused(roles_db, "--previous-api-grants")
+    assert f"api role {roles_db.api}: kept; grants on 5 tables" in expanded
+    assert during == ([True, True, True], {**API_TABLE_GRANTS, "api_tokens": "SELECT"})
+    assert f"api role {roles_db.api}: kept; grants on 4 tables" in contracted
+    assert after == ([False, False, False], API_TABLE_GRANTS)
+    assert column_privileges(roles_db.owner_url, roles_db.api) == API_COLUMN_GRANTS
+    assert refused == (2, "teamdesk-tasks migrate: --previous-api-grants needs --api-role\n")

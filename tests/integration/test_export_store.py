@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -24,7 +25,9 @@ import sqlalchemy as sa
 from celery import Celery
 
 from dispatcher import objects
+from dispatcher import scan as scan_module
 from dispatcher.context import Cluster
+from dispatcher.window import Window
 from harness.csv_reference import expected_csv
 from harness.factories import World, add_tickets, audit_events
 from harness.processes import free_port, settings_env
@@ -466,11 +469,65 @@ def test_bad_credentials_and_an_unreachable_store_are_said_in_one_line(
     assert (refused.returncode, refused.stderr.strip().splitlines()[-1]) == (
         2,
         f"teamdesk-tasks api: configuration error: EXPORT_STORE=s3://{strict_bucket}/: the "
-        f"credentials may not use bucket {strict_bucket} (403): check AWS_ACCESS_KEY_ID and "
-        "AWS_SECRET_ACCESS_KEY, or the role's policy",
+        f"object store at {strict.endpoint} does not accept these credentials "
+        "(InvalidAccessKeyId): check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the role",
     )
     assert (unreachable.returncode, unreachable.stderr.strip().splitlines()[-1]) == (
         2,
         f"teamdesk-tasks api: configuration error: EXPORT_STORE=s3://{bucket}/: the object "
         f"store at {nowhere.endpoint} cannot be reached",
     )
+
+
+def test_a_silent_store_holds_neither_a_scan_nor_a_row_lock(
+    engine: sa.Engine,
+    world: World,
+    bucket: str,
+    make_app: Callable[..., Celery],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store that accepts connections and never answers (found by an operator's review:
+    each purge held the dispatcher, and a row lock, for two minutes). The scan starts the
+    object purge on its own thread and returns while that pass waits on the store; the
+    expired row it read is not locked meanwhile. When the store's connection breaks, the
+    pass fails, logs it, and the row still names its object for the next pass."""
+    app = make_app(export_store=f"s3://{bucket}")
+    task_id = _completed_in_store(engine, world, export_store.StoreTarget(bucket), b"id\r\n")
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE background_tasks SET expires_at = now() - interval '1 s' WHERE id = :id"
+            ),
+            {"id": task_id},
+        )
+    monkeypatch.setattr(s3_store, "READ_TIMEOUT_S", 60)  # the pass waits: the gate ends it
+    monkeypatch.setattr(s3_store, "MAX_ATTEMPTS", 1)
+    silent = socket.create_server(("127.0.0.1", 0))
+    silent.settimeout(30)
+    try:
+        with s3_environment(S3Server(f"http://127.0.0.1:{silent.getsockname()[1]}")):
+            cluster = Cluster(app, get_settings())
+            try:
+                scan_module.scan(cluster, Window(cluster), purge=True)
+                waiting, _ = silent.accept()  # the gate: the pass is in its store call
+                try:
+                    held = cluster.object_purges.running()
+                    with engine.begin() as conn:
+                        locked = conn.execute(
+                            sa.text(
+                                "SELECT 1 FROM background_tasks WHERE id = :id FOR UPDATE NOWAIT"
+                            ),
+                            {"id": task_id},
+                        ).scalar_one()
+                finally:
+                    silent.close()  # the store goes away: the pass fails at once
+                    waiting.close()
+            finally:
+                cluster.close()  # waits for the pass
+    finally:
+        silent.close()
+    assert (held, locked) == (True, 1)
+    assert _row(engine, task_id)["result_object"] is not None
+    failures = [r for r in caplog.records if getattr(r, "event", "") == "dispatcher.store_failed"]
+    assert failures, [r.getMessage() for r in caplog.records]

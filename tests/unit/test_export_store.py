@@ -17,6 +17,7 @@ from teamdesk.export_store import MSG_STORE, ObjectLocation, StoreTarget
     [
         ("", "postgres"),
         ("postgres", "postgres"),
+        ("Postgres", "postgres"),
         ("s3://teamdesk-exports", "s3://teamdesk-exports/"),
         ("s3://teamdesk-exports/", "s3://teamdesk-exports/"),
         ("s3://teamdesk.exports/prod/eu-1", "s3://teamdesk.exports/prod/eu-1/"),
