@@ -237,13 +237,18 @@ def all_completed(engine: sa.Engine) -> bool:
 
 def fail_over(top: Topology, w1: Proc, keepers: list[Keeper]) -> float:
     """Kill the primary, let every parked execution go, wait until the worker saw that no
-    server takes writes, promote the standby; returns when (monotonic) it was promoted."""
+    server takes writes and paused its intake, promote the standby; returns when
+    (monotonic) it was promoted."""
     top.engine.dispose()
     top.primary.stop("immediate")
     for keeper in keepers:
         keeper.open()
     outage = w1.wait_event("heartbeat.failed", timeout=30)
     assert outage["stage"] == "database"
+    # The gate: the worker has stopped taking messages (its database check is stale). Not
+    # waited for, a promotion quicker than that bound (a busy machine's scheduling) let
+    # the next check succeed first, and the pause the test asserts never came.
+    w1.wait_event("worker.consuming_paused", timeout=30)
     top.standby.promote()
     return time.monotonic()
 
