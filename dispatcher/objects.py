@@ -86,8 +86,16 @@ def _sweep(cluster: Cluster, store: s3_store.S3Store, target: StoreTarget) -> in
 
 def purge_objects_quietly(cluster: Cluster) -> None:
     """:func:`purge_objects` for the purger's thread (dispatcher/context.py,
-    ``Cluster.object_purges``): a database error is logged, the next purge tries again."""
+    ``Cluster.object_purges``): a database error (the store's are handled inside) is
+    logged as the scans' are, and the next purge tries again."""
     try:
         purge_objects(cluster)
     except Exception as exc:
-        log_event(log, "dispatcher.store_failed", logging.WARNING, error=type(exc).__name__)
+        log_event(
+            log,
+            "dispatcher.failed",
+            logging.WARNING,
+            service="PostgreSQL",
+            error=type(exc).__name__,
+            reason="the object store's purge could not read or write the ledger",
+        )
