@@ -30,6 +30,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def end_process(process: subprocess.Popen[Any], timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL when it has not exited within ``timeout``; reaped either way."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=timeout)
+
+
 def settings_env(settings: Settings, **extra: object) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TEAMDESK_", "CELERY_"))}
     env.update(

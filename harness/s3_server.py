@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -18,7 +17,8 @@ from typing import Any
 
 import boto3
 
-from harness.processes import free_port
+from harness.processes import end_process, free_port
+from harness.waiting import wait_for
 
 START_TIMEOUT_S = 30.0
 
@@ -73,23 +73,18 @@ def s3_server(*, require_auth: bool = False) -> Iterator[S3Server]:
         env["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
     process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
+
+    def answers() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError(f"the S3 server exited ({process.returncode})")
+        try:
+            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
+        except (urllib.error.URLError, ConnectionError):
+            return False
+        return True
+
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the S3 server exited ({process.returncode})")
-            try:
-                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-                break
-            except (urllib.error.URLError, ConnectionError):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the S3 server did not answer") from None
-                time.sleep(0.1)  # polling a port for a start, not ordering a test
+        wait_for(answers, START_TIMEOUT_S, 0.1, "the S3 server to answer")
         yield S3Server(endpoint)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        end_process(process)

@@ -121,8 +121,7 @@ PREVIOUS_API_TABLES: Mapping[str, tuple[Privilege, ...]] = {
     "api_tokens": (SELECT, Privilege("UPDATE", ("last_used_at",))),
     "background_tasks": (
         Privilege("SELECT", (*READ_COLUMNS, "result_csv")),
-        Privilege("INSERT", CREATED_COLUMNS),
-        Privilege("UPDATE", REOPENED_COLUMNS),
+        *API_TABLES["background_tasks"][1:],  # its writes: this version's
     ),
 }
 PREVIOUS_API_ROLE = RoleSpec(

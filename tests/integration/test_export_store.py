@@ -18,7 +18,6 @@ import sys
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -29,7 +28,7 @@ from dispatcher import scan as scan_module
 from dispatcher.context import Cluster
 from dispatcher.window import Window
 from harness.csv_reference import expected_csv
-from harness.factories import World, add_tickets, audit_events
+from harness.factories import World, add_tickets, audit_events, task_row
 from harness.processes import free_port, settings_env
 from harness.waiting import wait_for
 from ledger import artifacts, lease, service
@@ -43,6 +42,7 @@ from tests.support.tcp_proxy import tcp_proxy
 PART_BYTES = 5 << 20  # S3's smallest part: a CSV of ~11 MB goes up in three parts
 TITLE = "t" * 1800  # ~1.9 KB a row: 6000 rows make a CSV of ~11.5 MB
 ROWS = 6000
+API_START = ["-m", "cli.main", "api", "--port", str(free_port())]  # stops at its start
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +58,22 @@ def bucket(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         yield server.new_bucket()
 
 
-def _row(engine: sa.Engine, task_id: uuid.UUID) -> dict[str, Any]:
-    with engine.connect() as conn:
-        query = sa.text("SELECT * FROM background_tasks WHERE id = :id")
-        return dict(conn.execute(query, {"id": task_id}).mappings().one())
+def _expire(engine: sa.Engine, task_id: uuid.UUID) -> None:
+    """The CSV's 24 hours ended a second ago, by the database's clock."""
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE background_tasks SET expires_at = now() - interval '1 s' WHERE id = :id"
+            ),
+            {"id": task_id},
+        )
+
+
+def _start(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """A process of the cluster started as an operator would; it is expected to stop."""
+    return subprocess.run(
+        [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def _chunk_rows(engine: sa.Engine, task_id: uuid.UUID) -> int:
@@ -107,8 +119,8 @@ def test_an_export_is_uploaded_while_it_reads_and_the_api_streams_or_redirects_i
             uploaded_during_read.append(len(server.open_uploads(bucket)))
 
     with hooks.installed("export.after_read", during_read), running_cluster(app):
-        wait_for(lambda: _row(engine, task_id)["status"] == "COMPLETED", what="the export")
-    row = _row(engine, task_id)
+        wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="the export")
+    row = task_row(engine, task_id)
     expected = expected_csv(engine, world.team_id, world.staff_id, "TEAM", {}).encode()
     key = str(row["result_object"]).removeprefix(f"s3://{bucket}/")
     stored = server.client().get_object(Bucket=bucket, Key=key)["Body"].read()
@@ -174,12 +186,12 @@ def test_an_execution_that_loses_its_lease_after_uploading_leaves_no_object(
         wait_for(
             lambda: (
                 audit_events(engine, task_id) == ["CLAIM", "CANCEL"]
-                and _row(engine, task_id)["execution_id"] is None
+                and task_row(engine, task_id)["execution_id"] is None
             ),
             what="the cancel",
         )
         wait_for(lambda: server.keys(bucket) == [], what="the late upload's removal")
-    row = _row(engine, task_id)
+    row = task_row(engine, task_id)
     assert (row["status"], row["result_object"], row["result_key"]) == ("CANCELLED", None, None)
     assert server.keys(bucket) == [] and server.open_uploads(bucket) == []
 
@@ -197,8 +209,8 @@ def test_a_refused_csv_aborts_its_multipart_upload(
     app = make_app(export_store=f"s3://{bucket}", export_max_bytes=7 << 20)
     task_id = _export(engine, world)
     with running_cluster(app):
-        wait_for(lambda: _row(engine, task_id)["status"] == "FAILED", what="the refusal")
-    row = _row(engine, task_id)
+        wait_for(lambda: task_row(engine, task_id)["status"] == "FAILED", what="the refusal")
+    row = task_row(engine, task_id)
     assert row["last_error"] == (
         f"The export's CSV would be larger than {7 << 20} bytes; narrow the filters."
     )
@@ -243,20 +255,14 @@ def test_the_purge_removes_expired_objects_then_orphans_and_open_uploads_past_th
     target = export_store.StoreTarget(bucket, "a/")
     kept = _completed_in_store(engine, world, target, b"id\r\n1\r\n")
     expired = _completed_in_store(engine, world, target, b"id\r\n2\r\n")
-    with engine.begin() as conn:
-        conn.execute(
-            sa.text(
-                "UPDATE background_tasks SET expires_at = now() - interval '1 s' WHERE id = :id"
-            ),
-            {"id": expired},
-        )
+    _expire(engine, expired)
     client = server.client()
     orphan = export_store.object_key(target, kept, uuid.uuid4())  # a crashed execution's
     client.put_object(Bucket=bucket, Key=orphan, Body=b"id\r\n")
     stranger = f"b/exports/{kept}/{uuid.uuid4()}-{'0' * 32}.csv"  # another cluster's prefix
     client.put_object(Bucket=bucket, Key=stranger, Body=b"id\r\n")
-    expired_key = str(_row(engine, expired)["result_object"]).removeprefix(f"s3://{bucket}/")
-    named_key = str(_row(engine, kept)["result_object"]).removeprefix(f"s3://{bucket}/")
+    expired_key = str(task_row(engine, expired)["result_object"]).removeprefix(f"s3://{bucket}/")
+    named_key = str(task_row(engine, kept)["result_object"]).removeprefix(f"s3://{bucket}/")
     cluster = Cluster(app, get_settings())
     try:
         young = objects.purge_objects(cluster)
@@ -276,7 +282,7 @@ def test_the_purge_removes_expired_objects_then_orphans_and_open_uploads_past_th
     assert server.keys(bucket) == sorted([named_key, stranger])
     assert server.open_uploads(bucket) == []
     assert expired_key not in after_young
-    gone, named = _row(engine, expired), _row(engine, kept)
+    gone, named = task_row(engine, expired), task_row(engine, kept)
     assert (gone["result_object"], gone["result_key"], gone["status"]) == (None, None, "COMPLETED")
     assert named["result_object"] == f"s3://{bucket}/{named_key}"
 
@@ -295,24 +301,11 @@ def test_a_store_that_cannot_be_reached_answers_503_and_the_purge_goes_on(
     app = make_app(export_store=f"s3://{bucket}")
     target = export_store.StoreTarget(bucket)
     task_id = _completed_in_store(engine, world, target, b"id\r\n1\r\n")
-    with engine.begin() as conn:
-        conn.execute(
-            sa.text(
-                "UPDATE background_tasks SET expires_at = now() + interval '1 s' WHERE id = :id"
-            ),
-            {"id": task_id},
-        )
     tokens = make_tokens(engine, world)
     with s3_environment(S3Server(f"http://127.0.0.1:{free_port()}")):  # nothing listens
         with api_client(settings.with_overrides(export_store=f"s3://{bucket}")) as client:
             answer = client.get(f"/api/tasks/{task_id}/csv", headers=bearer(tokens["staff"]))
-        with engine.begin() as conn:
-            conn.execute(
-                sa.text(
-                    "UPDATE background_tasks SET expires_at = now() - interval '1 s' WHERE id = :id"
-                ),
-                {"id": task_id},
-            )
+        _expire(engine, task_id)
         cluster = Cluster(app, get_settings())
         try:
             done = objects.purge_objects(cluster)
@@ -321,7 +314,7 @@ def test_a_store_that_cannot_be_reached_answers_503_and_the_purge_goes_on(
     assert (answer.status_code, answer.headers.get("retry-after")) == (503, "5")
     assert answer.json() == {"detail": "the service is temporarily unavailable; try again shortly"}
     assert done.expired == 0 and done.error is not None and "EndpointConnectionError" in done.error
-    assert _row(engine, task_id)["result_object"] is not None
+    assert task_row(engine, task_id)["result_object"] is not None
 
 
 @pytest.mark.parametrize("store", ["postgres", "s3"])
@@ -342,12 +335,12 @@ def test_both_stores_complete_and_serve_the_same_export(
     app = make_app(export_store=where, export_batch_size=50)
     task_id = _export(engine, world)
     with running_cluster(app):
-        wait_for(lambda: _row(engine, task_id)["status"] == "COMPLETED", what="the export")
+        wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="the export")
     tokens = make_tokens(engine, world)
     with api_client(settings.with_overrides(export_store=where)) as client:
         download = client.get(f"/api/tasks/{task_id}/csv", headers=bearer(tokens["staff"]))
     expected = expected_csv(engine, world.team_id, world.staff_id, "TEAM", {}).encode()
-    row = _row(engine, task_id)
+    row = task_row(engine, task_id)
     assert download.status_code == 200 and download.content == expected
     assert (row["result_bytes"], row["result_sha256"]) == (
         len(expected),
@@ -396,8 +389,10 @@ def test_a_store_lost_mid_upload_fails_the_attempt_and_the_retry_completes(
                 hooks.installed("export.after_read", after_read),
                 running_cluster(app),
             ):
-                wait_for(lambda: _row(engine, task_id)["status"] == "COMPLETED", what="the retry")
-        row = _row(engine, task_id)
+                wait_for(
+                    lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="the retry"
+                )
+        row = task_row(engine, task_id)
         first, second = claims
         assert audit_events(engine, task_id) == ["CLAIM", "WAIT", "CLAIM", "COMPLETE"]
         assert row["result_key"] == second and f"/{second}-" in row["result_object"]
@@ -421,7 +416,7 @@ def test_a_store_lost_mid_upload_fails_the_attempt_and_the_retry_completes(
     [
         ("celery worker", ["-m", "celery", "-A", "tasks", "worker", "--pool", "solo"]),
         ("celery beat", ["-m", "celery", "-A", "tasks", "beat"]),
-        ("teamdesk-tasks api", ["-m", "cli.main", "api", "--port", str(free_port())]),
+        ("teamdesk-tasks api", API_START),
     ],
 )
 def test_a_missing_bucket_stops_every_process_at_its_start(
@@ -430,9 +425,7 @@ def test_a_missing_bucket_stops_every_process_at_its_start(
     """One line naming the setting, exit code 2, before the process serves anything."""
     missing = f"td-missing-{uuid.uuid4().hex[:8]}"
     env = settings_env(settings, EXPORT_STORE=f"s3://{missing}/x", **server.env)
-    done = subprocess.run(
-        [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=60, check=False
-    )
+    done = _start(argv, env)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"{command}: configuration error: EXPORT_STORE=s3://{missing}/x/: bucket {missing} "
@@ -448,24 +441,10 @@ def test_bad_credentials_and_an_unreachable_store_are_said_in_one_line(
     with s3_server(require_auth=True) as strict:
         strict_bucket = "td-strict"
         env = settings_env(settings, EXPORT_STORE=f"s3://{strict_bucket}", **strict.env)
-        refused = subprocess.run(
-            [sys.executable, "-m", "cli.main", "api", "--port", str(free_port())],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        refused = _start(API_START, env)
     nowhere = S3Server(f"http://127.0.0.1:{free_port()}")
     env = settings_env(settings, EXPORT_STORE=f"s3://{bucket}", **nowhere.env)
-    unreachable = subprocess.run(
-        [sys.executable, "-m", "cli.main", "api", "--port", str(free_port())],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    unreachable = _start(API_START, env)
     assert (refused.returncode, refused.stderr.strip().splitlines()[-1]) == (
         2,
         f"teamdesk-tasks api: configuration error: EXPORT_STORE=s3://{strict_bucket}/: the "
@@ -494,13 +473,7 @@ def test_a_silent_store_holds_neither_a_scan_nor_a_row_lock(
     pass fails, logs it, and the row still names its object for the next pass."""
     app = make_app(export_store=f"s3://{bucket}")
     task_id = _completed_in_store(engine, world, export_store.StoreTarget(bucket), b"id\r\n")
-    with engine.begin() as conn:
-        conn.execute(
-            sa.text(
-                "UPDATE background_tasks SET expires_at = now() - interval '1 s' WHERE id = :id"
-            ),
-            {"id": task_id},
-        )
+    _expire(engine, task_id)
     monkeypatch.setattr(s3_store, "READ_TIMEOUT_S", 60)  # the pass waits: the gate ends it
     monkeypatch.setattr(s3_store, "MAX_ATTEMPTS", 1)
     silent = socket.create_server(("127.0.0.1", 0))
@@ -528,6 +501,6 @@ def test_a_silent_store_holds_neither_a_scan_nor_a_row_lock(
     finally:
         silent.close()
     assert (held, locked) == (True, 1)
-    assert _row(engine, task_id)["result_object"] is not None
+    assert task_row(engine, task_id)["result_object"] is not None
     failures = [r for r in caplog.records if getattr(r, "event", "") == "dispatcher.store_failed"]
     assert failures, [r.getMessage() for r in caplog.records]

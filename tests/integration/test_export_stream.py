@@ -19,6 +19,7 @@ from harness.factories import (
     add_tickets,
     audit_events,
     insert_task,
+    stored_csv,
     task_row,
 )
 from harness.waiting import wait_for
@@ -212,14 +213,7 @@ def test_chunks_commit_without_waiting_for_the_disk_and_leave_the_session_as_it_
         artifacts.store(conn, task_id, uuid.uuid4(), b"id\r\n")
     with engine.connect() as conn:
         modes = conn.exec_driver_sql("SELECT seq, synchronous_commit FROM chunk_commits").all()
-        pieces = conn.execute(
-            sa.text(
-                "SELECT data FROM export_chunks WHERE task_id = :t AND execution_id = :e"
-                " ORDER BY seq"
-            ),
-            {"t": task_id, "e": execution},
-        ).scalars()
-        data = b"".join(bytes(p) for p in pieces)
+        data = stored_csv(conn, task_id, execution).encode()
     assert tuple(session) == ("0", "on")
     assert [tuple(m) for m in modes] == [(0, "off"), (1, "off"), (2, "off"), (0, "on")]
     assert (stored.chunks, stored.size, data) == (3, 10, b"id\r\n1\r\n2\r\n")

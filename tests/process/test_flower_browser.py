@@ -110,7 +110,7 @@ def render_until(
             raise AssertionError(
                 f"{redact(url)} never showed {what} within {timeout} s; last render: {page!r}"
             )
-        time.sleep(0.2)
+        time.sleep(0.2)  # polling the render for Flower to catch up, bounded by the deadline
 
 
 @pytest.fixture

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from harness.processes import end_process
+
 START_TIMEOUT_S = 10.0
 SERVICE_USER = "postgres"
 
@@ -78,12 +80,7 @@ def pgbouncer(
         _wait_listening(port, process, directory)
         yield port
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+        end_process(process)
         log.close()
         shutil.rmtree(directory, ignore_errors=True)
 
