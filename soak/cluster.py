@@ -5,9 +5,9 @@ stopped, and (like Compose's ``restart: unless-stopped``) restarts any process t
 exits on its own. Every exit is counted: the ones the soak caused (a kill, a SIGTERM)
 and the others, which are violations (a worker or beat must ride out Redis and
 PostgreSQL outages). Every process writes its output to its own file per incarnation
-(``w2.3.log`` = the third start of worker w2). A member may run under Debian's
-``faketime`` (the ``skew`` fault): its incarnations remember the offset, so their log
-times can be read on the real clock.
+(``w2.3.log`` = the third start of worker w2). A member may run with libfaketime
+preloaded (the ``skew`` fault, harness/clock_skew.py): its incarnations remember the
+offset, so their log times can be read on the real clock.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.clock_skew import skewed_env
 from harness.processes import Proc, celery_argv, worker_argv
 from soak.timeline import DRAINING, Timeline
 
@@ -31,11 +32,6 @@ RESTART_BACKOFF_S = 1.0  # before restarting a process that exited on its own
 SUPERVISE_EVERY_S = 0.5
 KILL_WAIT_S = 10.0
 WORKER_QUEUES = "exports,reminders"
-# libfaketime fakes the wall clock only: sleeps, timeouts and Celery's timers keep real
-# time, as on a host whose clock is simply set wrong; soak/faketime_fix works around
-# libfaketime's broken time.sleep in that mode (its docstring says how).
-FAKETIME_FIX = Path(__file__).resolve().parent / "faketime_fix"
-FAKETIME_ENV = {"FAKETIME_DONT_FAKE_MONOTONIC": "1"}
 
 
 @dataclass
@@ -57,18 +53,9 @@ class Incarnation:
 
     @property
     def main_pid(self) -> int:
-        """The Celery main process, for signals meant for it alone. Under ``faketime`` that
-        is the wrapper's child: faketime forks, waits and passes no signal on, so a SIGTERM
-        sent to it killed the wrapper (exit -15 at once) and left the worker running, its
-        drain never tested. The process group (``proc.pid``) is the same either way."""
-        pid = self.proc.pid
-        if not self.skew_s:
-            return pid
-        try:
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        except OSError:
-            return pid
-        return int(children[0]) if children else pid
+        """The Celery main process, for signals meant for it alone (a skewed one too:
+        harness/clock_skew.py preloads libfaketime, no wrapper process stands between)."""
+        return self.proc.pid
 
 
 @dataclass
@@ -98,15 +85,6 @@ class Member:
     @property
     def logs(self) -> list[Path]:
         return [inc.log for inc in self.incarnations]
-
-
-def skewed(argv: list[str], skew_s: int) -> list[str]:
-    return ["faketime", "-f", f"{skew_s:+d}s", *argv] if skew_s else argv
-
-
-def skewed_env(env: dict[str, str]) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(FAKETIME_FIX), env.get("PYTHONPATH", "")) if p)
-    return {**env, **FAKETIME_ENV, "PYTHONPATH": path}
 
 
 class Cluster:
@@ -150,9 +128,8 @@ class Cluster:
         with self.lock:
             member = self.members[name]
             number = len(member.incarnations) + 1
-            env = skewed_env(self.env) if member.skew_s else self.env
-            argv = skewed(member.argv(number), member.skew_s)
-            proc = Proc(f"{name}.{number}", argv, env, self.logdir)
+            env = skewed_env(self.env, member.skew_s) if member.skew_s else self.env
+            proc = Proc(f"{name}.{number}", member.argv(number), env, self.logdir)
             member.incarnations.append(Incarnation(proc.name, name, proc, member.skew_s))
             return proc.start()
 

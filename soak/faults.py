@@ -19,7 +19,7 @@ the details):
                 seconds: keys with a TTL are evicted, writes may be refused.
 - ``failover``  SIGKILL of the Redis master under Sentinel: the replica is promoted; the old
                 master's port comes back as its replica, in sync before the fault ends.
-- ``skew``      a worker, or the dispatcher (beat), restarted under ``faketime`` 150 s ahead
+- ``skew``      a worker, or the dispatcher (beat), restarted under libfaketime 150 s ahead
                 or behind; restarted on the real clock later.
 - ``txfreeze``  SIGSTOP of the pool process inside a reminder's transaction (its team's
                 advisory lock held) for longer than ``STALE_AFTER_S``; SIGCONT.

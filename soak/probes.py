@@ -1,9 +1,9 @@
 """Faults that need to know what a process is doing, or to change its clock.
 
 - ``skew``: a worker (or the dispatcher, every other time) is SIGTERMed and started again
-  under ``faketime -f +150s`` (or ``-150s``) for 10-30 s, then SIGTERMed and started on the
-  real clock. Every threshold is the database's clock, so nothing may change: no lease
-  taken from a live worker, no reminder early or late by 150 s.
+  with libfaketime preloaded, 150 s ahead (or behind), for 10-30 s, then SIGTERMed and
+  started on the real clock. Every threshold is the database's clock, so nothing may
+  change: no lease taken from a live worker, no reminder early or late by 150 s.
 - ``txfreeze``: the fault creates a reminder marked ``freeze``; its first execution lights a
   beacon inside its transaction (soak/hooks.py), and the soak SIGSTOPs that pool process
   (only it: the worker's main process keeps its heartbeat) for ``STALE_AFTER_S + 1`` ..

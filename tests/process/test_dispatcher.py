@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ import redis
 import sqlalchemy as sa
 
 from dispatcher.leader import leader_key
+from harness.clock_skew import skewed_env
 from harness.factories import World, add_ticket, add_tickets, task_row
 from harness.processes import Proc, celery_argv, cluster, settings_env, worker_argv
 from harness.remote_gates import RemoteGate
@@ -311,44 +311,29 @@ def finished(engine: sa.Engine, rows: list[uuid.UUID]) -> int:
         )
 
 
-def faketime_argv(offset: str, argv: list[str]) -> list[str]:
-    return ["faketime", "-f", offset, *argv]
-
-
-@pytest.fixture
-def faketime() -> Callable[[str, list[str]], list[str]]:
-    if subprocess.run(["which", "faketime"], capture_output=True).returncode != 0:
-        pytest.fail("faketime is not installed: make test installs it (scripts/ensure_debian.sh)")
-    return faketime_argv
-
-
-@pytest.mark.parametrize(("beat_skew", "worker_skew"), [("+150s", "-150s"), ("-150s", "+150s")])
+@pytest.mark.parametrize(("beat_skew", "worker_skew"), [(150, -150), (-150, 150)])
 def test_skewed_clocks_never_take_a_live_lease_and_reminders_start_on_database_time(
     engine: sa.Engine,
     seeded: World,
     settings: Settings,
     redis_client: redis.Redis,
     tmp_path: Path,
-    faketime: Callable[[str, list[str]], list[str]],
-    beat_skew: str,
-    worker_skew: str,
+    beat_skew: int,
+    worker_skew: int,
 ) -> None:
     """STALE_AFTER_S 20 and scans every 0.5 s: a host clock 150 s off in either direction
     would call the parked export's lease stale at once (or never start the reminder for
     150 s). With every threshold on the database's clock neither happens."""
     s = fast(settings, stale_after_s=20.0)
     gate = RemoteGate(redis_client, s.queue_prefix, "export.after_read")
-    skewed = {"FAKETIME_DONT_FAKE_MONOTONIC": "1"}
-    worker_env = settings_env(
-        s, TEAMDESK_TEST_HOOKS=GATES, TEAMDESK_TEST_GATES="export.after_read", **skewed
-    )
+    worker_env = settings_env(s, TEAMDESK_TEST_HOOKS=GATES, TEAMDESK_TEST_GATES="export.after_read")
     started = datetime.now(UTC)
     with cluster(tmp_path) as procs:
         worker = Proc(
-            "w", faketime(worker_skew, worker_argv("w", concurrency=2)), worker_env, tmp_path
+            "w", worker_argv("w", concurrency=2), skewed_env(worker_env, worker_skew), tmp_path
         ).start()
         beat = Proc(
-            "beat", faketime(beat_skew, celery_argv("beat")), settings_env(s, **skewed), tmp_path
+            "beat", celery_argv("beat"), skewed_env(settings_env(s), beat_skew), tmp_path
         ).start()
         procs += [worker, beat]
         worker.wait_event("worker.started", timeout=60)
@@ -369,7 +354,7 @@ def test_skewed_clocks_never_take_a_live_lease_and_reminders_start_on_database_t
         logged = datetime.fromisoformat(
             proc.events("dispatcher.leader" if proc is beat else "worker.started")[0]["time"]
         )
-        assert abs((logged - started).total_seconds() - int(skew[:-1])) < 30, (proc.name, logged)
+        assert abs((logged - started).total_seconds() - skew) < 30, (proc.name, logged)
     assert events_of(engine, task_id) == ["CLAIM", "COMPLETE"]  # never recovered
     claim_at = dict(audit(engine, due))["CLAIM"]
     assert claim_at >= run_at  # never early by the skew

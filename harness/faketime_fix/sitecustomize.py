@@ -1,4 +1,4 @@
-"""Loaded (through PYTHONPATH) only by processes the soak runs under ``faketime``.
+"""Loaded (through PYTHONPATH) only by processes harness/clock_skew.py starts skewed.
 
 Debian 12's libfaketime 0.9.10 with ``FAKETIME_DONT_FAKE_MONOTONIC=1`` breaks Python
 3.11's ``time.sleep``: Python sleeps with ``clock_nanosleep(CLOCK_MONOTONIC,
