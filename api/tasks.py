@@ -11,16 +11,20 @@ creations its daily export quota, to the ledger, which checks them under a lock
 (ledger/quota.py); every refusal answers 429 with ``Retry-After``. Creating a task only
 writes its WAITING row: the dispatcher publishes it at once (its insert notifies the
 dispatcher), the API never waits on a worker. Visibility is the ledger's: whatever the
-caller cannot see answers 404, the same as something missing.
+caller cannot see answers 404, the same as something missing. Creations and retries take
+an ``Idempotency-Key`` (ledger/idempotency.py): sent again with the same request, they
+answer what the first did with ``Idempotent-Replayed: true``.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, Response
+from fastapi import APIRouter, Header, HTTPException, Query, Response
 from fastapi.responses import RedirectResponse, StreamingResponse
+from sqlalchemy.engine import Connection
 
 from api import downloads
 from api.cluster import explain_waiting, roles_or_none
@@ -39,7 +43,10 @@ from api.schemas import (
 )
 from ledger import service
 from ledger.errors import InvalidState
+from ledger.idempotency import HEADER as KEY_HEADER
+from ledger.idempotency import KeyInUse
 from ledger.quota import ExportQuota
+from ledger.service import TaskView
 from teamdesk.db import autocommit
 
 MSG_NOT_AN_EXPORT = "only export tasks have a CSV"
@@ -51,6 +58,20 @@ MSG_NO_CSV = {
 }
 MSG_EXPIRED = "the export's CSV has expired (it is kept 24 hours); create a new export"
 CSV_TYPE = "text/csv; charset=utf-8"
+
+# A creation or retry sent again with its Idempotency-Key answers what the first did, with
+# this header (ledger/idempotency.py).
+REPLAYED_HEADER = "Idempotent-Replayed"
+KeyHeader = Annotated[
+    str | None,
+    Header(
+        alias=KEY_HEADER,
+        description="a key of your choosing (a new UUID per request): the same request "
+        "sent again with it within 24 hours answers what the first did "
+        f"({REPLAYED_HEADER}: true) and creates nothing; another request with it "
+        "answers 422",
+    ),
+]
 
 EXPORTS_PATH = "/teams/{team_id}/exports"
 REMINDERS_PATH = "/teams/{team_id}/reminders"
@@ -102,6 +123,7 @@ def create_export(
     token: TokenDep,
     res: ResourcesDep,
     limits: LimitsDep,
+    idempotency_key: KeyHeader = None,
 ) -> dict[str, Any]:
     settings = res.settings
     quota = ExportQuota.of(settings)
@@ -109,14 +131,39 @@ def create_export(
     with autocommit(res.engine) as conn:  # two round trips, each its own transaction
         caller = authenticate(conn, token)
         limits.throttle_token(caller)
-        args = (team_id, caller.user_id, body.scope, body.filters, cap, quota)
-        task = service.try_submit_export(conn, *args)
-    if task is None:  # a rule refused it: the same rules, one at a time, say which
+        args = (team_id, caller.user_id, body.scope, body.filters, cap, quota, idempotency_key)
+        task = _first_try(lambda: service.try_submit_export(conn, *args))
+    if task is None:  # a rule refused it (the same rules, one at a time, say which) or a key
+        task = _checked(res, lambda conn: service.submit_export_checked(conn, *args))
+    return _created(task, response, res)
+
+
+def _first_try(attempt: Callable[[], TaskView | None]) -> TaskView | None:
+    """The one-statement creation; None when it inserted nothing, also when a concurrent
+    request with the same Idempotency-Key won (on an autocommit connection nothing of
+    this statement stays)."""
+    try:
+        return attempt()
+    except KeyInUse:
+        return None
+
+
+def _checked(res: Resources, submit: Callable[[Connection], TaskView]) -> TaskView:
+    """The sequential path in a transaction of its own, once more if a concurrent request
+    with the same Idempotency-Key committed first (the second time finds its task)."""
+    try:
         with res.engine.begin() as conn:
-            task = service.submit_export_checked(conn, *args)
-    view = task.as_dict()
+            return submit(conn)
+    except KeyInUse:
+        with res.engine.begin() as conn:
+            return submit(conn)
+
+
+def _created(task: TaskView, response: Response, res: Resources) -> dict[str, Any]:
     response.headers["Location"] = f"/api/tasks/{task.id}"
-    return _explained([view], res)[0]
+    if task.replayed:
+        response.headers[REPLAYED_HEADER] = "true"
+    return _explained([task.as_dict()], res)[0]
 
 
 @router.post(
@@ -133,19 +180,17 @@ def create_reminder(
     token: TokenDep,
     res: ResourcesDep,
     limits: LimitsDep,
+    idempotency_key: KeyHeader = None,
 ) -> dict[str, Any]:
     cap = res.settings.team_max_unfinished
     with autocommit(res.engine) as conn:  # two round trips, each its own transaction
         caller = authenticate(conn, token)
         limits.throttle_token(caller)
-        args = (team_id, caller.user_id, body.ticket_id, body.run_at, cap)
-        task = service.try_submit_reminder(conn, *args)
-    if task is None:  # a rule refused it: the same rules, one at a time, say which
-        with res.engine.begin() as conn:
-            task = service.submit_reminder_checked(conn, *args)
-    view = task.as_dict()
-    response.headers["Location"] = f"/api/tasks/{task.id}"
-    return _explained([view], res)[0]
+        args = (team_id, caller.user_id, body.ticket_id, body.run_at, cap, idempotency_key)
+        task = _first_try(lambda: service.try_submit_reminder(conn, *args))
+    if task is None:  # a rule refused it (the same rules, one at a time, say which) or a key
+        task = _checked(res, lambda conn: service.submit_reminder_checked(conn, *args))
+    return _created(task, response, res)
 
 
 @router.get(
@@ -201,17 +246,30 @@ def get_task(
 )
 def retry_task(
     task_id: uuid.UUID,
+    response: Response,
     token: TokenDep,
     res: ResourcesDep,
     limits: LimitsDep,
+    idempotency_key: KeyHeader = None,
 ) -> dict[str, Any]:
     cap = res.settings.team_max_unfinished
-    with res.engine.begin() as conn:
-        caller = authenticate(conn, token)
-        limits.throttle_token(caller)
-        run = service.retry(conn, task_id, caller.user_id, cap, ExportQuota.of(res.settings))
-        run_at = service.get_task(conn, task_id, caller.user_id).row["run_at"]
-    return {"task_id": task_id, "run": run, "status": "WAITING", "run_at": run_at}
+    quota = ExportQuota.of(res.settings)
+
+    def reopen(conn: Connection, user_id: uuid.UUID) -> tuple[service.Retried, Any]:
+        done = service.reopen(conn, task_id, user_id, cap, quota, idempotency_key)
+        return done, service.get_task(conn, task_id, user_id).row["run_at"]
+
+    try:
+        with res.engine.begin() as conn:
+            caller = authenticate(conn, token)
+            limits.throttle_token(caller)
+            retried, run_at = reopen(conn, caller.user_id)
+    except KeyInUse:  # a concurrent retry with the same key committed first: its run
+        with res.engine.begin() as conn:
+            retried, run_at = reopen(conn, caller.user_id)
+    if retried.replayed:
+        response.headers[REPLAYED_HEADER] = "true"
+    return {"task_id": task_id, "run": retried.run, "status": "WAITING", "run_at": run_at}
 
 
 @router.post(

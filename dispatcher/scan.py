@@ -48,7 +48,7 @@ from dispatcher.context import Cluster, error_class, transaction
 from dispatcher.errors import ScanUnavailable
 from dispatcher.objects import purge_objects_quietly
 from dispatcher.window import Published, Window, fill, publish
-from ledger import dispatch
+from ledger import dispatch, idempotency
 from ledger.dispatch import RunRef
 from ledger.retention import Retention, purge_retired
 from ledger.states import KINDS
@@ -87,6 +87,7 @@ class ScanCounts:
     purged: int = 0
     retired_tasks: int = 0  # finished tasks removed past their retention
     retired_audit: int = 0  # audit rows removed past their retention
+    forgotten_keys: int = 0  # idempotency keys removed past their 24 hours
     heartbeat_rule: bool = False
     redis_error: str | None = None
     no_consumers: list[str] = field(default_factory=list)
@@ -169,10 +170,11 @@ def scan(
 
 
 def _purge(cluster: Cluster, counts: ScanCounts) -> None:
-    """Step 4: expired CSVs, then what is past its retention, one short transaction per
-    batch, until a batch comes back short or the budget is spent."""
+    """Step 4: expired CSVs and idempotency keys, then what is past its retention, one
+    short transaction per batch, until a batch comes back short or the budget is spent."""
     with transaction(cluster.engine) as conn:
         counts.purged = dispatch.purge_expired(conn, batch=PURGE_BATCH)
+        counts.forgotten_keys = idempotency.purge_expired(conn, batch=PURGE_BATCH)
     cluster.object_purges.poke(lambda: purge_objects_quietly(cluster))  # its own thread
     keep = Retention.of(cluster.settings)
     deadline = time.monotonic() + RETENTION_BUDGET_S

@@ -29,6 +29,9 @@ ledger functions they call):
   listing, deploy/README.md). A compromised API can
   still queue work in any member's name (within the team's quotas), but it reads no CSV
   except those the tokens presented to it may download;
+- ``idempotency_keys``: ``SELECT``, ``INSERT`` and ``DELETE`` (ledger/idempotency.py: a
+  creation's or retry's key, read when it is sent again, and its expired row removed
+  before the key is taken again); no ``UPDATE``;
 - ``task_audit``: ``INSERT`` only (the ``RETRY`` and ``CANCEL`` rows; it reads none);
 - ``memberships``: ``SELECT`` (who may see or create what, ledger/permissions.py);
 - ``tickets``: ``SELECT`` of ``id`` and ``team_id`` only (a reminder's ticket belongs to
@@ -94,6 +97,7 @@ API_TABLES: Mapping[str, tuple[Privilege, ...]] = {
         Privilege("UPDATE", REOPENED_COLUMNS),
     ),
     "export_chunks": (),
+    "idempotency_keys": (SELECT, Privilege("INSERT"), Privilege("DELETE")),
     "task_audit": (Privilege("INSERT"),),
     "memberships": (SELECT,),
     "tickets": (Privilege("SELECT", ("id", "team_id")),),

@@ -12,6 +12,9 @@ the team that committed before, as the sequential path's do. The insert returns 
 task's view, or no row when a rule refused it: the caller then runs the sequential path,
 which says which rule (and creates the task after all if nothing refuses it any more).
 
+With an Idempotency-Key the same statement also holds the key (ledger/idempotency.py): the
+task is inserted only while no live row holds it, and the key's row with the task.
+
 The rules are the sequential path's own SQL: ``ledger/permissions.py`` (``MAY_CREATE_*``)
 and ``ledger/quota.py`` (``UNFINISHED_SQL``, ``EXPORTS_OF_THE_DAY_SQL``).
 """
@@ -23,9 +26,18 @@ import uuid
 from datetime import datetime
 from typing import Any
 
+import psycopg2
 from sqlalchemy.engine import Connection
 
 from ledger import prepared
+from ledger.idempotency import (
+    CLAIM_SQL,
+    FORGET_EXPIRED_KEY_SQL,
+    KEY_FREE_SQL,
+    IdempotencyKey,
+    KeyInUse,
+    is_key_taken,
+)
 from ledger.permissions import MAY_CREATE_EXPORT_SQL, MAY_CREATE_REMINDER_SQL
 from ledger.quota import (
     EXPORTS_OF_THE_DAY_SQL,
@@ -55,17 +67,34 @@ _INSERT = """
      WHERE {conditions}
     RETURNING {returning}"""
 
+# With an Idempotency-Key (ledger/idempotency.py): the task only while no live row holds
+# the key, and the key's row with it; a concurrent insert of the same key fails on the
+# primary key, and this statement's task with it.
+_KEYED = """
+    WITH task AS ({insert}
+    ), claimed AS ({claim}
+    )
+    SELECT * FROM task"""
+
 _STATEMENTS: dict[tuple[Any, ...], str] = {}
 
 
-def _statement(kind: str, conditions: tuple[str, ...], locked: bool, returning: str) -> str:
-    key = (kind, conditions, locked, returning)
+def _statement(
+    kind: str, conditions: tuple[str, ...], locked: bool, returning: str, keyed: bool
+) -> str:
+    key = (kind, conditions, locked, returning, keyed)
     sql = _STATEMENTS.get(key)
     if sql is None:
+        if keyed:
+            conditions = (*conditions, KEY_FREE_SQL)
         insert = _INSERT.format(
             kind=kind, conditions="\n       AND ".join(conditions), returning=returning
         )
-        sql = _STATEMENTS[key] = f"{LOCK_TEAM_SQL};{insert}" if locked else insert
+        prefix = [LOCK_TEAM_SQL] if locked else []
+        if keyed:
+            insert = _KEYED.format(insert=insert, claim=CLAIM_SQL)
+            prefix.insert(0, FORGET_EXPIRED_KEY_SQL)
+        sql = _STATEMENTS[key] = ";".join([*prefix, insert])
     return sql
 
 
@@ -78,9 +107,12 @@ def insert_export(
     cap: int,
     quota: ExportQuota,
     returning: str,
+    key: IdempotencyKey | None = None,
 ) -> dict[str, Any] | None:
     """Insert a WAITING export when every rule allows it (the caller validated ``scope``
-    and ``filters``); its ``returning`` columns, or None when a rule refused it."""
+    and ``filters``); its ``returning`` columns, or None when a rule refused it or a live
+    row holds ``key`` (``returning`` then names ``id``, ``team_id``, ``owner_id`` and
+    ``run``); :class:`KeyInUse` when a concurrent request with ``key`` won."""
     conditions = [MAY_CREATE_EXPORT_SQL]
     if cap > NO_CAP:
         conditions.append(f"{UNFINISHED_SQL} < %(cap)s")
@@ -91,7 +123,9 @@ def insert_export(
         day.append(f"{HELD_BYTES_SQL} + %(reserve_bytes)s <= %(bytes_per_day)s")
     if day:
         conditions.append(f"(SELECT {' AND '.join(day)} {EXPORTS_OF_THE_DAY_SQL})")
-    sql = _statement("EXPORT", tuple(conditions), cap > NO_CAP or bool(day), returning)
+    sql = _statement(
+        "EXPORT", tuple(conditions), cap > NO_CAP or bool(day), returning, key is not None
+    )
     params = {
         "team_id": str(team_id),
         "owner_id": str(owner_id),
@@ -103,7 +137,7 @@ def insert_export(
         "bytes_per_day": quota.bytes_per_day,
         "reserve_bytes": quota.reserve_bytes,
     }
-    return _insert(conn, sql, params)
+    return _insert(conn, sql, params, key)
 
 
 def insert_reminder(
@@ -114,9 +148,11 @@ def insert_reminder(
     run_at: datetime | None,
     cap: int,
     returning: str,
+    key: IdempotencyKey | None = None,
 ) -> dict[str, Any] | None:
     """Insert a WAITING reminder when every rule allows it (the caller validated
-    ``run_at``'s time zone); its ``returning`` columns, or None when a rule refused it."""
+    ``run_at``'s time zone); its ``returning`` columns, or None when a rule refused it or
+    a live row holds ``key``, as :func:`insert_export`."""
     conditions = [
         MAY_CREATE_REMINDER_SQL,
         f"EXISTS ({TICKET_IN_TEAM_SQL})",
@@ -125,7 +161,7 @@ def insert_reminder(
     ]
     if cap > NO_CAP:
         conditions.append(f"{UNFINISHED_SQL} < %(cap)s")
-    sql = _statement("REMINDER", tuple(conditions), cap > NO_CAP, returning)
+    sql = _statement("REMINDER", tuple(conditions), cap > NO_CAP, returning, key is not None)
     params = {
         "team_id": str(team_id),
         "owner_id": str(owner_id),
@@ -135,10 +171,19 @@ def insert_reminder(
         "run_at": run_at,
         "cap": cap,
     }
-    return _insert(conn, sql, params)
+    return _insert(conn, sql, params, key)
 
 
-def _insert(conn: Connection, sql: str, params: dict[str, Any]) -> dict[str, Any] | None:
-    cursor = prepared.execute(conn, sql, params, STATEMENT_TIMEOUT_MS)
+def _insert(
+    conn: Connection, sql: str, params: dict[str, Any], key: IdempotencyKey | None
+) -> dict[str, Any] | None:
+    if key is not None:
+        params = {**params, **key.params()}
+    try:
+        cursor = prepared.execute(conn, sql, params, STATEMENT_TIMEOUT_MS)
+    except psycopg2.IntegrityError as exc:
+        if is_key_taken(exc):
+            raise KeyInUse() from exc
+        raise
     row = cursor.fetchone()
     return None if row is None else prepared.row_dict(cursor, row)

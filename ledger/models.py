@@ -319,3 +319,21 @@ api_tokens = sa.Table(
 )
 # `token list EMAIL` and demo-seed's revocation read a user's tokens.
 sa.Index("ix_api_tokens_user_id", api_tokens.c.user_id)
+
+# Idempotency keys (0016, ledger/idempotency.py): a request's key, per team, names the
+# task it created (or the run it retried) for 24 hours; a key sent again with the same
+# request answers that task, with another request a 422.
+idempotency_keys = sa.Table(
+    "idempotency_keys",
+    metadata,
+    sa.Column("team_id", UUID(as_uuid=True), nullable=False),
+    sa.Column("key", sa.Text, nullable=False),
+    sa.Column("user_id", UUID(as_uuid=True), nullable=False),
+    sa.Column("fingerprint", sa.LargeBinary, nullable=False),
+    sa.Column("task_id", UUID(as_uuid=True), nullable=False),
+    sa.Column("run", sa.Integer, nullable=False),
+    _created_at(),
+    sa.PrimaryKeyConstraint("team_id", "key"),
+)
+# The dispatcher's purge: the expired keys, oldest first.
+sa.Index("ix_idempotency_keys_created_at", idempotency_keys.c.created_at)

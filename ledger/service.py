@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -16,9 +16,10 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Connection, RowMapping
 
-from ledger import creation
+from ledger import creation, idempotency
 from ledger.errors import InvalidInput, InvalidState, NotAllowed, NotFound
 from ledger.filters import validate_filters
+from ledger.idempotency import IdempotencyKey, KeyInUse, Remembered
 from ledger.permissions import (
     MSG_REMINDER_NEEDS_STAFF,
     MSG_TEAM_EXPORT_NEEDS_STAFF,
@@ -149,9 +150,11 @@ TICKET_IN_TEAM = as_text(creation.TICKET_IN_TEAM_SQL)
 
 @dataclass(frozen=True)
 class TaskView:
-    """A task as its owner may see it (everything but the CSV body)."""
+    """A task as its owner may see it (everything but the CSV body); ``replayed``: the
+    answer to a request whose Idempotency-Key created it earlier (ledger/idempotency.py)."""
 
     row: Mapping[Any, Any]
+    replayed: bool = False
 
     @property
     def id(self) -> uuid.UUID:
@@ -240,19 +243,77 @@ def submit_export(
     filters: Any,
     max_unfinished: int = NO_CAP,
     export_quota: ExportQuota = NO_EXPORT_QUOTA,
+    idempotency_key: str | None = None,
 ) -> TaskView:
     """Validate and insert a WAITING export; nothing is written when anything is wrong,
     when the team already has ``max_unfinished`` unfinished tasks, or when it used its
     daily ``export_quota`` (ledger/quota.py). Returns the new task as its creator sees it
-    (read back by the insert itself). Inside the caller's transaction: the rules are
+    (read back by the insert itself), or, for an ``idempotency_key`` this request sent
+    before, that task (``replayed``). Inside the caller's transaction: the rules are
     checked in one statement (ledger/creation.py), and again one at a time, to say which
     refused, only when that statement inserted nothing."""
-    view = try_submit_export(conn, team_id, user_id, scope, filters, max_unfinished, export_quota)
-    if view is not None:
-        return view
-    return submit_export_checked(
-        conn, team_id, user_id, scope, filters, max_unfinished, export_quota
-    )
+    args = (conn, team_id, user_id, scope, filters, max_unfinished, export_quota)
+    view = _fast(lambda: try_submit_export(*args, idempotency_key), conn, idempotency_key)
+    return view if view is not None else submit_export_checked(*args, idempotency_key)
+
+
+def _fast(
+    attempt: Callable[[], TaskView | None], conn: Connection, key: str | None
+) -> TaskView | None:
+    """The one-statement ``attempt`` inside the caller's transaction; with a key, under a
+    savepoint, so a concurrent request's win (:class:`KeyInUse`) leaves the transaction
+    usable for the sequential path, which then finds the key."""
+    if key is None:
+        return attempt()
+    try:
+        with conn.begin_nested():
+            return attempt()
+    except KeyInUse:
+        return None
+
+
+def export_key(
+    raw: str, team_id: uuid.UUID, user_id: uuid.UUID, scope: Any, filters: Any
+) -> IdempotencyKey:
+    """An export request's key (ledger/idempotency.py), validated."""
+    request = {"route": "export", "team": team_id, "user": user_id, "scope": scope}
+    return IdempotencyKey.of(raw, {**request, "filters": filters})
+
+
+def reminder_key(
+    raw: str, team_id: uuid.UUID, user_id: uuid.UUID, ticket: uuid.UUID, run_at: datetime | None
+) -> IdempotencyKey:
+    """A reminder request's key; ``run_at`` is compared as an instant (any time zone)."""
+    when = None if run_at is None else run_at.astimezone(UTC).isoformat()
+    request = {"route": "reminder", "team": team_id, "user": user_id, "ticket": ticket}
+    return IdempotencyKey.of(raw, {**request, "run_at": when})
+
+
+def _replay(
+    conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID, key: IdempotencyKey | None
+) -> TaskView | None:
+    """The sequential path's first step with a key: the key's lock, then the task it
+    created, as its creator may see it now (None: none, or no key)."""
+    if key is None:
+        return None
+    done = idempotency.hold(conn, team_id, key)
+    if done is None:
+        return None
+    return TaskView(_visible_task(conn, done.task_id, user_id), replayed=True)
+
+
+def _created(
+    conn: Connection,
+    team_id: uuid.UUID,
+    user_id: uuid.UUID,
+    key: IdempotencyKey | None,
+    insert: Callable[[], TaskView],
+) -> TaskView:
+    """The sequential path's insert, and the key's row with it."""
+    view = insert()
+    if key is not None:
+        idempotency.remember(conn, team_id, key, user_id, Remembered(view.id, int(view.row["run"])))
+    return view
 
 
 def submit_export_checked(
@@ -263,13 +324,28 @@ def submit_export_checked(
     filters: Any,
     max_unfinished: int = NO_CAP,
     export_quota: ExportQuota = NO_EXPORT_QUOTA,
+    idempotency_key: str | None = None,
 ) -> TaskView:
     """The rules one at a time, in the caller's transaction, after the one statement
-    refused: raises the first that refuses, or inserts when none does any more."""
-    if not may_export(scope, _member_role(conn, team_id, user_id)):
+    refused: raises the first that refuses, or inserts when none does any more. With a
+    key: the key's lock first, and what it created if it created anything."""
+    role = _member_role(conn, team_id, user_id)
+    key = None
+    if idempotency_key is not None:
+        key = export_key(idempotency_key, team_id, user_id, scope, filters)
+    replay = _replay(conn, team_id, user_id, key)
+    if replay is not None:
+        return replay
+    if not may_export(scope, role):
         raise NotAllowed(MSG_TEAM_EXPORT_NEEDS_STAFF)
     ensure_export_room(conn, team_id, max_unfinished, export_quota)
-    return _insert(conn, "EXPORT", team_id, user_id, scope, dict(filters), None)
+    return _created(
+        conn,
+        team_id,
+        user_id,
+        key,
+        lambda: _insert(conn, "EXPORT", team_id, user_id, scope, dict(filters), None),
+    )
 
 
 def try_submit_export(
@@ -280,15 +356,30 @@ def try_submit_export(
     filters: Any,
     max_unfinished: int = NO_CAP,
     export_quota: ExportQuota = NO_EXPORT_QUOTA,
+    idempotency_key: str | None = None,
 ) -> TaskView | None:
     """:func:`submit_export` in one round trip, on any connection (an autocommit one
-    too): :class:`InvalidInput` for a bad scope or filters, None when a rule refused it
-    (then :func:`submit_export`, in a transaction, says which)."""
+    too): :class:`InvalidInput` for a bad scope, filters or key, None when a rule refused
+    it or the key is held (then :func:`submit_export_checked`, in a transaction, says
+    which, or answers the key's task); :class:`KeyInUse` when a concurrent request with
+    the key won (in a transaction, that spoils it: :func:`submit_export` uses a
+    savepoint)."""
     if scope not in SCOPES:
         raise InvalidInput(MSG_SCOPE)
     validate_filters(filters)
+    key = None
+    if idempotency_key is not None:
+        key = export_key(idempotency_key, team_id, user_id, scope, filters)
     row = creation.insert_export(
-        conn, team_id, user_id, scope, dict(filters), max_unfinished, export_quota, TASK_COLUMNS
+        conn,
+        team_id,
+        user_id,
+        scope,
+        dict(filters),
+        max_unfinished,
+        export_quota,
+        TASK_COLUMNS,
+        key,
     )
     return None if row is None else TaskView(row)
 
@@ -312,14 +403,15 @@ def submit_reminder(
     ticket_id: Any,
     run_at: datetime | None = None,
     max_unfinished: int = NO_CAP,
+    idempotency_key: str | None = None,
 ) -> TaskView:
     """Validate and insert a WAITING reminder for one ticket, due at ``run_at`` (default now);
     refused like :func:`submit_export` when the team is at ``max_unfinished``. Returns the
-    new task as its creator sees it. Checked as :func:`submit_export` checks."""
-    view = try_submit_reminder(conn, team_id, user_id, ticket_id, run_at, max_unfinished)
-    if view is not None:
-        return view
-    return submit_reminder_checked(conn, team_id, user_id, ticket_id, run_at, max_unfinished)
+    new task as its creator sees it (or a key's, as :func:`submit_export` does). Checked
+    as :func:`submit_export` checks."""
+    args = (conn, team_id, user_id, ticket_id, run_at, max_unfinished)
+    view = _fast(lambda: try_submit_reminder(*args, idempotency_key), conn, idempotency_key)
+    return view if view is not None else submit_reminder_checked(*args, idempotency_key)
 
 
 def submit_reminder_checked(
@@ -329,17 +421,34 @@ def submit_reminder_checked(
     ticket_id: Any,
     run_at: datetime | None = None,
     max_unfinished: int = NO_CAP,
+    idempotency_key: str | None = None,
 ) -> TaskView:
     """The reminder's rules one at a time, as :func:`submit_export_checked`."""
     ticket = _ticket(ticket_id)
+    if run_at is not None and run_at.tzinfo is None:
+        raise InvalidInput(MSG_RUN_AT)
+    role = _member_role(conn, team_id, user_id)
+    key = None
+    if idempotency_key is not None:
+        key = reminder_key(idempotency_key, team_id, user_id, ticket, run_at)
+    replay = _replay(conn, team_id, user_id, key)
+    if replay is not None:
+        return replay
     if run_at is not None and not conn.execute(RUN_AT_IN_WINDOW, {"run_at": run_at}).scalar():
         raise InvalidInput(MSG_RUN_AT_WINDOW)
-    if not may_schedule_reminder(_member_role(conn, team_id, user_id)):
+    if not may_schedule_reminder(role):
         raise NotAllowed(MSG_REMINDER_NEEDS_STAFF)
     if conn.execute(TICKET_IN_TEAM, {"ticket_id": ticket, "team_id": team_id}).first() is None:
         raise InvalidInput(MSG_TICKET)
     ensure_room(conn, team_id, max_unfinished)
-    return _insert(conn, "REMINDER", team_id, user_id, "TEAM", {"ticket_id": str(ticket)}, run_at)
+    filters = {"ticket_id": str(ticket)}
+    return _created(
+        conn,
+        team_id,
+        user_id,
+        key,
+        lambda: _insert(conn, "REMINDER", team_id, user_id, "TEAM", filters, run_at),
+    )
 
 
 def try_submit_reminder(
@@ -349,14 +458,18 @@ def try_submit_reminder(
     ticket_id: Any,
     run_at: datetime | None = None,
     max_unfinished: int = NO_CAP,
+    idempotency_key: str | None = None,
 ) -> TaskView | None:
     """:func:`submit_reminder` in one round trip, on any connection, as
     :func:`try_submit_export` is."""
     ticket = _ticket(ticket_id)
     if run_at is not None and run_at.tzinfo is None:
         raise InvalidInput(MSG_RUN_AT)
+    key = None
+    if idempotency_key is not None:
+        key = reminder_key(idempotency_key, team_id, user_id, ticket, run_at)
     row = creation.insert_reminder(
-        conn, team_id, user_id, ticket, run_at, max_unfinished, TASK_COLUMNS
+        conn, team_id, user_id, ticket, run_at, max_unfinished, TASK_COLUMNS, key
     )
     return None if row is None else TaskView(row)
 
@@ -420,6 +533,14 @@ def read_csv(
     return task, StoredCsv(task_id, row.result_key, row.result_bytes)
 
 
+@dataclass(frozen=True)
+class Retried:
+    """A retry's new run; ``replayed``: opened by an earlier request with its key."""
+
+    run: int
+    replayed: bool = False
+
+
 def retry(
     conn: Connection,
     task_id: uuid.UUID,
@@ -431,7 +552,27 @@ def retry(
     like a creation when the team is at ``max_unfinished`` (a retry adds a WAITING row),
     and a new run of an export like a new export by the daily ``export_quota``: it is new
     work, counted from now (ledger/quota.py)."""
+    return reopen(conn, task_id, user_id, max_unfinished, export_quota).run
+
+
+def reopen(
+    conn: Connection,
+    task_id: uuid.UUID,
+    user_id: uuid.UUID,
+    max_unfinished: int = NO_CAP,
+    export_quota: ExportQuota = NO_EXPORT_QUOTA,
+    idempotency_key: str | None = None,
+) -> Retried:
+    """:func:`retry`; with an ``idempotency_key`` this request sent before, the run it
+    opened then (``replayed``), whatever the task's state now."""
     task = _visible_task(conn, task_id, user_id, for_update=True)
+    key = None
+    if idempotency_key is not None:
+        request = {"route": "retry", "task": task_id, "user": user_id}
+        key = IdempotencyKey.of(idempotency_key, request)
+        done = idempotency.hold(conn, task["team_id"], key)
+        if done is not None:
+            return Retried(done.run, replayed=True)
     if task["status"] not in ("FAILED", "CANCELLED"):
         raise InvalidState(MSG_RETRY_STATE)
     if task["kind"] == "EXPORT":
@@ -444,8 +585,10 @@ def retry(
     row = conn.execute(RETRY, {"task_id": task_id}).one_or_none()
     if row is None:
         raise InvalidState(MSG_RETRY_STATE)
+    if key is not None:
+        idempotency.remember(conn, task["team_id"], key, user_id, Remembered(task_id, row.run))
     conn.execute(WAKE)  # delivered when the caller's transaction commits
-    return int(row.run)
+    return Retried(int(row.run))
 
 
 def cancel(conn: Connection, task_id: uuid.UUID, user_id: uuid.UUID) -> None:

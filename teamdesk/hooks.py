@@ -34,6 +34,7 @@ POINTS = frozenset(
         "dispatcher.before_publish",  # runs stamped and committed; their messages not yet sent
         "dispatcher.before_markers",  # messages sent; their queued markers not yet set
         "watchdog.before_cancel",  # a watch's deadline passed; its cancel not yet decided
+        "cli.after_commit",  # a CLI creation or retry committed; its answer not yet printed
     }
 )
 

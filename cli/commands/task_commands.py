@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from cli.commands.common import (
     EXIT_OK,
@@ -22,14 +24,27 @@ from cli.commands.common import (
     aware_datetime_arg,
     guarded,
     json_arg,
+    say_error,
     uuid_arg,
 )
+
+T = TypeVar("T")
 
 # ledger.tokens.DEFAULT_TTL_DAYS and MAX_TTL_DAYS (not imported: keeps --help light)
 TOKEN_TTL_DAYS = 90
 ROLES_TIMEOUT_S = 1.0  # Redis, when a late task's waiting_reason is wanted
 TOKEN_MAX_TTL_DAYS = 365
 TOKEN_COLUMNS = ("id", "name", "created_at", "last_used_at", "expires_at", "state")
+# A creation or retry is tried this many times in all when the database fails in a way
+# that passes (a lost connection, a failover), with the invocation's idempotency key.
+ATTEMPTS = 3
+RETRY_PAUSE_S = 1.0
+KEY_HELP = (
+    "an idempotency key of your choosing (a UUID; letters, digits or - _ . : ~ + / =, at "
+    "most 128): the same command run again with it within 24 hours answers what the first "
+    "did and creates nothing (default: a new key per invocation, reused when the command "
+    "tries again after a lost connection)"
+)
 
 PUBLISH_NOTE = (
     "The command only writes the WAITING row; the dispatcher (beat) publishes it to the "
@@ -63,23 +78,52 @@ def _print_created(view: Any, as_json: bool) -> None:
         print(view.as_dict()["id"])
 
 
+def _idempotent(args: argparse.Namespace, attempt: Callable[[str], T]) -> T:
+    """``attempt(key)`` with this invocation's Idempotency-Key (``--idempotency-key``, or
+    a new UUID), tried again with the same key after a transient database failure
+    (ledger.prepared.is_transient): a commit whose answer was lost is answered by its key
+    the next time, never made twice (ledger/idempotency.py)."""
+    from ledger.prepared import is_transient
+    from teamdesk import hooks
+    from teamdesk.failures import database_unusable
+
+    key = args.idempotency_key or str(uuid.uuid4())
+    for number in range(1, ATTEMPTS + 1):
+        try:
+            done = attempt(key)
+            hooks.fire("cli.after_commit", key=key)
+            return done
+        except Exception as exc:
+            if number == ATTEMPTS or not is_transient(exc):
+                raise
+            say_error(
+                args,
+                f"{database_unusable(exc)}; trying again ({number + 1} of {ATTEMPTS}) "
+                "with the same idempotency key",
+            )
+            time.sleep(RETRY_PAUSE_S)
+    raise AssertionError("unreachable")
+
+
 def cmd_submit_export(args: argparse.Namespace) -> int:
     from ledger import service
     from teamdesk.db import get_engine
 
-    with get_engine().begin() as conn:
-        user_id = _user(conn, args.user)
-        task_id = service.create_export(
-            conn,
-            args.team,
-            user_id,
-            args.scope,
-            args.filters,
-            max_unfinished=_team_cap(),
-            export_quota=_export_quota(),
-        )
-        view = service.get_task(conn, task_id, user_id)
-    _print_created(view, args.json)
+    def attempt(key: str) -> Any:
+        with get_engine().begin() as conn:
+            user_id = _user(conn, args.user)
+            return service.submit_export(
+                conn,
+                args.team,
+                user_id,
+                args.scope,
+                args.filters,
+                max_unfinished=_team_cap(),
+                export_quota=_export_quota(),
+                idempotency_key=key,
+            )
+
+    _print_created(_idempotent(args, attempt), args.json)
     return EXIT_OK
 
 
@@ -87,13 +131,20 @@ def cmd_submit_reminder(args: argparse.Namespace) -> int:
     from ledger import service
     from teamdesk.db import get_engine
 
-    with get_engine().begin() as conn:
-        user_id = _user(conn, args.user)
-        task_id = service.create_reminder(
-            conn, args.team, user_id, args.ticket, args.run_at, max_unfinished=_team_cap()
-        )
-        view = service.get_task(conn, task_id, user_id)
-    _print_created(view, args.json)
+    def attempt(key: str) -> Any:
+        with get_engine().begin() as conn:
+            user_id = _user(conn, args.user)
+            return service.submit_reminder(
+                conn,
+                args.team,
+                user_id,
+                args.ticket,
+                args.run_at,
+                max_unfinished=_team_cap(),
+                idempotency_key=key,
+            )
+
+    _print_created(_idempotent(args, attempt), args.json)
     return EXIT_OK
 
 
@@ -145,9 +196,13 @@ def cmd_retry(args: argparse.Namespace) -> int:
     from ledger import service
     from teamdesk.db import get_engine
 
-    with get_engine().begin() as conn:
-        user_id = _user(conn, args.user)
-        run = service.retry(conn, args.id, user_id, _team_cap(), _export_quota())
+    def attempt(key: str) -> int:
+        with get_engine().begin() as conn:
+            user_id = _user(conn, args.user)
+            cap, quota = _team_cap(), _export_quota()
+            return service.reopen(conn, args.id, user_id, cap, quota, key).run
+
+    run = _idempotent(args, attempt)
     print(
         f"{args.id}: run {run} is WAITING, ready now (a retry does not keep a reminder's "
         "scheduled time); the dispatcher will publish it"
@@ -274,6 +329,7 @@ def _register_submit(sub: Any) -> None:
         'e.g. \'{"status": ["OPEN"], "q": "printer"}\'',
     )
     export.add_argument("--json", action="store_true", help="print the new task as JSON")
+    export.add_argument("--idempotency-key", metavar="KEY", help=KEY_HELP)
     export.set_defaults(handler=guarded(cmd_submit_export))
     reminder = _sub(
         kinds,
@@ -296,6 +352,7 @@ def _register_submit(sub: Any) -> None:
         help="not before this time, with a time zone (default: now)",
     )
     reminder.add_argument("--json", action="store_true", help="print the new task as JSON")
+    reminder.add_argument("--idempotency-key", metavar="KEY", help=KEY_HELP)
     reminder.set_defaults(handler=guarded(cmd_submit_reminder))
 
 
@@ -319,6 +376,7 @@ def _register_task_ops(sub: Any) -> None:
     )
     retry.add_argument("id", metavar="ID", type=uuid_arg, help="task id")
     _add_user(retry)
+    retry.add_argument("--idempotency-key", metavar="KEY", help=KEY_HELP)
     retry.set_defaults(handler=guarded(cmd_retry))
     cancel = _sub(
         sub,

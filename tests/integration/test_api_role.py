@@ -56,7 +56,11 @@ from tests.support.db_roles import (
 PREFIX = f"tdt{os.getpid()}_{uuid.uuid4().hex[:6]}"
 
 # What the API runs, and nothing else (ledger/api_role.py).
-API_TABLE_GRANTS = {"memberships": "SELECT", "task_audit": "INSERT"}
+API_TABLE_GRANTS = {
+    "idempotency_keys": "DELETE,INSERT,SELECT",
+    "memberships": "SELECT",
+    "task_audit": "INSERT",
+}
 API_COLUMN_GRANTS = {
     "tickets.id": "SELECT",
     "tickets.team_id": "SELECT",
@@ -132,8 +136,8 @@ def test_migrate_creates_the_api_role_with_only_what_the_api_runs(
 ) -> None:
     lines = roles_db.migrated.splitlines()
     assert lines[1:] == [
-        f"app role {roles_db.app}: created; grants on 10 tables, 1 sequences and 5 functions",
-        f"api role {roles_db.api}: created; grants on 4 tables, 0 sequences and 3 functions",
+        f"app role {roles_db.app}: created; grants on 11 tables, 1 sequences and 5 functions",
+        f"api role {roles_db.api}: created; grants on 5 tables, 0 sequences and 3 functions",
     ]
     assert privileges(roles_db.owner_url, roles_db.api) == API_TABLE_GRANTS
     assert column_privileges(roles_db.owner_url, roles_db.api) == API_COLUMN_GRANTS
@@ -196,8 +200,8 @@ def test_an_api_role_that_inherits_more_is_refused(roles_db: RolesDatabase) -> N
         admin.dispose()
     assert (code, err) == (
         1,
-        f"teamdesk-tasks migrate: role {roles_db.api} may DELETE table teams through another "
-        "role or PUBLIC: revoke that membership or grant\n",
+        f"teamdesk-tasks migrate: role {roles_db.api} may UPDATE table idempotency_keys through "
+        "another role or PUBLIC: revoke that membership or grant\n",
     )
     assert privileges(roles_db.owner_url, roles_db.api) == before
 
@@ -617,9 +621,9 @@ def test_a_rolling_upgrade_keeps_the_previous_apis_reads_until_the_second_migrat
     contracted = finished(migrate(roles_db.owner_url, "--api-role", roles_db.api))
     after = (reads(), privileges(roles_db.owner_url, roles_db.api))
     refused = _migrate_refused(roles_db, "--previous-api-grants")
-    assert f"api role {roles_db.api}: kept; grants on 5 tables" in expanded
+    assert f"api role {roles_db.api}: kept; grants on 6 tables" in expanded
     assert during == ([True, True, True], {**API_TABLE_GRANTS, "api_tokens": "SELECT"})
-    assert f"api role {roles_db.api}: kept; grants on 4 tables" in contracted
+    assert f"api role {roles_db.api}: kept; grants on 5 tables" in contracted
     assert after == ([False, False, False], API_TABLE_GRANTS)
     assert column_privileges(roles_db.owner_url, roles_db.api) == API_COLUMN_GRANTS
     assert refused == (2, "teamdesk-tasks migrate: --previous-api-grants needs --api-role\n")

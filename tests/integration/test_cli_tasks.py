@@ -13,14 +13,16 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import psycopg2
 import pytest
 import sqlalchemy as sa
 
+from cli.commands import task_commands
 from harness.factories import World, add_ticket, task_row
-from ledger import service
+from ledger import idempotency, service
 from ledger.errors import MSG_TEAM_FULL
 from ledger.tokens import user_for_token
-from teamdesk import config
+from teamdesk import config, hooks
 from teamdesk.config import Settings
 from tests.support.api_helpers import count_tasks, task_in_state
 from tests.support.cli_runner import email_of, scalar
@@ -250,3 +252,78 @@ def test_cancel_then_retry(cli: Any, engine: sa.Engine, world: World) -> None:
         0,
         None,
     )
+
+
+# -- idempotency keys ------------------------------------------------------------------
+
+
+def _key_rows(engine: sa.Engine) -> int:
+    return int(scalar(engine, "SELECT count(*) FROM idempotency_keys"))
+
+
+def test_submit_with_the_same_key_prints_the_first_task_and_another_body_exits_2(
+    cli: Any, engine: sa.Engine, world: World
+) -> None:
+    staff, team = email_of(engine, world.staff_id), str(world.team_id)
+    submit = ("submit", "export", "--user", staff, "--team", team, "--idempotency-key", "k-1")
+    first, again = cli(*submit), cli(*submit)
+    other = cli(*submit, "--scope", "MINE")
+    assert (first.code, again.code) == (0, 0), again.err
+    assert again.out == first.out and uuid.UUID(first.out.strip())
+    assert (other.code, other.err) == (
+        2,
+        f"teamdesk-tasks submit export: {idempotency.MSG_KEY_REUSED}\n",
+    )
+    bad = cli("submit", "export", "--user", staff, "--team", team, "--idempotency-key", "a b")
+    assert (bad.code, bad.err) == (2, f"teamdesk-tasks submit export: {idempotency.MSG_KEY}\n")
+    assert count_tasks(engine) == 1 and _key_rows(engine) == 1
+
+
+@pytest.mark.parametrize("command", ["export", "reminder", "retry"])
+def test_a_lost_answer_is_tried_again_with_the_same_key_and_done_once(
+    cli: Any,
+    engine: sa.Engine,
+    world: World,
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+) -> None:
+    """The commit happened but its answer was lost (a connection dropped after it, forced
+    at the ``cli.after_commit`` point): the command tries again with its key and prints
+    what the first attempt did; nothing is done twice."""
+    monkeypatch.setattr(task_commands, "RETRY_PAUSE_S", 0.0)
+    staff, team = email_of(engine, world.staff_id), f"{world.team_id}"
+    failed = task_in_state(engine, world, "FAILED")
+    with engine.begin() as conn:
+        ticket = add_ticket(conn, world.team_id, world.customer_id, assignee_id=world.staff_id)
+    args = {
+        "export": ("submit", "export", "--user", staff, "--team", team),
+        "reminder": (
+            "submit",
+            "reminder",
+            "--user",
+            staff,
+            "--team",
+            team,
+            "--ticket",
+            str(ticket),
+        ),
+        "retry": ("retry", str(failed), "--user", staff),
+    }[command]
+    keys: list[str] = []
+
+    def lose_the_first_answer(key: str) -> None:
+        keys.append(key)
+        if len(keys) == 1:
+            raise psycopg2.OperationalError("server closed the connection unexpectedly")
+
+    with hooks.installed("cli.after_commit", lose_the_first_answer):
+        result = cli(*args)
+    assert result.code == 0, result.err
+    assert len(keys) == 2 and keys[0] == keys[1]  # one key for the invocation
+    assert "trying again (2 of 3) with the same idempotency key" in result.err
+    assert count_tasks(engine) == (1 if command == "retry" else 2)  # the failed one, + 1
+    if command == "retry":
+        assert task_row(engine, failed)["run"] == 1 and "run 1 is WAITING" in result.out
+    else:
+        assert uuid.UUID(result.out.strip())
+    assert _key_rows(engine) == 1

@@ -94,6 +94,7 @@ SPEC_COLUMNS = {
     "api_tokens": {"user_id", "expires_at", "last_used_at", "revoked_at"},
     "task_audit": {"task_id", "run", "event", "execution_id"},
     "export_chunks": {"task_id", "execution_id", "seq", "data"},
+    "idempotency_keys": {"team_id", "key", "user_id", "fingerprint", "task_id", "run"},
 }
 
 
