@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi_offline import FastAPIOffline
+from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -37,12 +38,13 @@ from api import errors, health, tasks
 from api.metrics import RequestMetrics
 from api.middleware import BodyLimit, ForwardedClient, LastResort, SecurityHeaders
 from api.resources import Resources
-from teamdesk import metrics
+from teamdesk import metrics, tracing_setup
 from teamdesk.config import ProxyNetwork, Settings, trusted_proxies
 from teamdesk.logs import setup_logging
 from teamdesk.version import version
 
 SERVICE = "api"
+TRACE_EXCLUDED_URLS = "api/health$,api/workers/health$"  # probes: no span
 # uvicorn's own loggers: routed to the root logger so their lines are JSON too.
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 
@@ -141,6 +143,12 @@ def create_api(
     app.add_middleware(SecurityHeaders)  # 413 and 500 answers get them too
     app.add_middleware(RequestMetrics)  # counts every answer
     app.add_middleware(ForwardedClient, trusted=trusted)  # outermost: all see the client
+    if tracing_setup.configure("api"):  # OTEL_* asks for traces (teamdesk/tracing.py)
+        # A server span per request (not the probes'): a creation's row carries its
+        # context, so the dispatcher's publish and the worker's execution join its trace.
+        FastAPIInstrumentor.instrument_app(
+            app, excluded_urls=TRACE_EXCLUDED_URLS, exclude_spans=["receive", "send"]
+        )
     return app
 
 

@@ -22,6 +22,7 @@ GOALS: list[tuple[str, str, Any]] = [
     ("p1_reminder_ratio", ">= 0.6", lambda r: r["p1_reminder_ratio"] >= 0.6),
     ("p1_overhead_cpu_us", "<= 2000 us", lambda r: r["p1_overhead_cpu_us"] <= 2000),
     ("p1_metrics_cost", ">= 0.97", lambda r: r["p1_metrics_cost"] >= 0.97),
+    ("p1_tracing_cost", ">= 0.97", lambda r: r["p1_tracing_cost"] >= 0.97),
     (
         "p1_export_vs_procrastinate",
         ">= 1.0",
@@ -83,6 +84,8 @@ ROWS: list[tuple[str, str, str]] = [  # key, what, unit
     ("p1_body_us_reminder", "P1 a reminder's body alone (claim to commit), wall", "us"),
     ("p1_body_cpu_us_reminder", "P1 a reminder's body alone, CPU (worker + PostgreSQL)", "us"),
     ("p1_metrics_cost", "P1 small exports, worker metrics on / off (throughput)", "ratio"),
+    ("p1_tracing_cost", "P1 small exports, worker traces on / off (throughput)", "ratio"),
+    ("p1_tracing_cpu_us", "P1 CPU per small export, traces on minus off", "us"),
     ("p1_export_metrics_tasks_per_s", "P1 small exports, -c 2, metrics on", "tasks/s"),
     ("p1_metrics_cpu_us", "P1 CPU per small export, metrics on minus off", "us"),
     ("p1_metrics_us_per_task", "P1 metrics' CPU per task in the pool child (direct)", "us"),
@@ -288,14 +291,21 @@ own Redis key prefix (`tdbench-<hex>-<part>`, deleted at the end); it never touc
   prefork -Q exports,reminders,maintenance --without-mingle --without-gossip`, LOG_LEVEL
   info. Throughput = tasks / (last task end - first task start), taken inside the pool
   children (Celery `task_prerun`/`task_postrun`). Order: (bare, exports, exports with
-  metrics on, reminders) x 2, the two export batches swapped in the second round, then
-  bare once more; each ratio is the median of its kind over the median of the bare runs.
+  metrics on, exports with traces on, reminders) x 2, the three export batches reversed
+  in the second round, then bare once more; each ratio is the median of its kind over
+  the median of the bare runs.
   *Metrics cost* (`p1_metrics_cost`): 5,000 small exports drained by a worker with
   `METRICS_PORT` set (prometheus_client's multiprocess mode, its directory under the
   bench's work directory), whose `/metrics` this process GETs every second meanwhile
   (Prometheus's default interval is a minute, 15 s a common setting); the median of
   these runs over the median of the metrics-off export runs; the last scrape must count
   every export `completed`.
+  *Tracing cost* (`p1_tracing_cost`): the same with the worker's traces on instead
+  (`OTEL_EXPORTER_OTLP_ENDPOINT` to an OTLP/HTTP receiver in the bench process,
+  `parentbased_always_on`, the SDK's default batches): one span per export (its
+  execution) with three events (claimed, read, completed); the median over the
+  metrics-off exports' median. The three
+  export batches run in reverse order in the second round.
   Under that ratio, which moves by several per cent between batches, the direct figure
   (`p1_metrics_us_per_task`, bench/metrics_cost.py): CPU per task of what a pool child
   records for one small export, in multiprocess mode, 20,000 times in a fresh process;

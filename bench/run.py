@@ -47,6 +47,7 @@ REQUIRED_KEYS = (
     "p1_export_vs_procrastinate",
     "p1_metrics_cost",
     "p1_metrics_us_per_task",
+    "p1_tracing_cost",
     "p1_body_us_export",
     "p1_body_cpu_us_export",
     "p1_body_us_reminder",

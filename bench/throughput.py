@@ -12,7 +12,9 @@ worker, from its first task start to its last task end.
 
 P1 also drains small exports with the worker's Prometheus metrics on (``METRICS_PORT``,
 multiprocess mode, ``/metrics`` scraped every second) next to the same exports with them
-off: ``p1_metrics_cost`` is the ratio of the two throughputs (issue 15: at least 0.97).
+off: ``p1_metrics_cost`` is the ratio of the two throughputs (issue 15: at least 0.97);
+and with the worker's traces on (the ``OTEL_*`` variables, every execution sampled and
+exported to a receiver in this process): ``p1_tracing_cost`` (issue 39: at least 0.97).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench import FLUSH_EVERY_S, NOOP_TASK, body_cost, metrics_cost
 from bench.env import BenchEnv, Part, cpu_snapshot, read_stats, stop, wait_until
 from harness import databases
+from harness.otlp_receiver import start_receiver
 from harness.processes import free_port
 from ledger import dispatch, service
 from ledger.dispatch import RunRef
@@ -207,6 +210,16 @@ def metrics_env(env: BenchEnv, label: str) -> dict[str, Any]:
     return {"METRICS_PORT": free_port(), "PROMETHEUS_MULTIPROC_DIR": str(directory)}
 
 
+def tracing_env(endpoint: str) -> dict[str, Any]:
+    """A worker's traces on (docs/design.md, "Tracing"): the standard variables, every
+    execution sampled, exported over OTLP/HTTP to a receiver in this process, in the
+    SDK's default batches."""
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_TRACES_SAMPLER": "parentbased_always_on",
+    }
+
+
 def drain(
     env: BenchEnv,
     part: Part,
@@ -277,7 +290,20 @@ def one_batch(
         sent, publish_s = publish_ready(part, app)
         assert sent == n, f"published {sent} of {n}"
     on = metrics_env(env, label) if kind == "export_metrics" else None
-    result = drain(env, part, label, n, extra_env=on)
+    receiver = start_receiver() if kind == "export_tracing" else None
+    if receiver is not None:
+        on = tracing_env(receiver.endpoint)
+    try:
+        result = drain(env, part, label, n, extra_env=on)
+    finally:
+        if receiver is not None:
+            result_spans = len(receiver.received())
+            receiver.close()
+    if receiver is not None:
+        # One span per export: its execution (the claim, read and completion are events).
+        result["spans_received"] = result_spans
+        if result_spans < n:
+            result["error"] = f"the receiver got {result_spans} spans for {n} exports"
     if ids:
         done = completed(part.engine, ids)
         if done != n:
@@ -294,8 +320,8 @@ def p1_order(rounds: int) -> list[str]:
     bare no-ops again: the baseline brackets the runs."""
     order: list[str] = []
     for i in range(rounds):
-        pair = ["export", "export_metrics"] if i % 2 == 0 else ["export_metrics", "export"]
-        order += ["noop", *pair, "reminder"]
+        trio = ["export", "export_metrics", "export_tracing"]
+        order += ["noop", *(trio if i % 2 == 0 else trio[::-1]), "reminder"]
     return [*order, "noop"]
 
 
@@ -313,6 +339,7 @@ def run_p1(env: BenchEnv, n: int = 5000, rounds: int = 2) -> dict[str, Any]:
         "noop": [],
         "export": [],
         "export_metrics": [],
+        "export_tracing": [],
         "reminder": [],
     }
     publish: dict[str, float] = {}
@@ -390,6 +417,19 @@ def summarise_p1(
         with_metrics["p1_metrics_us_per_task"] = round(child_us, 1)
         children = runs["export"][0]["concurrency"]
         with_metrics["p1_metrics_share"] = round(child_us * export / (children * 1e6), 5)
+    if runs.get("export_tracing"):
+        traced = _median_rate(runs["export_tracing"])
+        with_metrics.update(
+            {
+                # Issue 39: small exports with the worker's traces on (a span each,
+                # exported over OTLP/HTTP) over the same exports with them off.
+                "p1_tracing_cost": round(traced / export, 3),
+                "p1_export_tracing_tasks_per_s": round(traced, 1),
+                "p1_tracing_cpu_us": round(
+                    _median_cpu_us(runs["export_tracing"]) - _median_cpu_us(runs["export"])
+                ),
+            }
+        )
     return {
         **with_metrics,
         # CPU per small export of every process (worker main + children, PostgreSQL, Redis)

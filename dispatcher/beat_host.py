@@ -25,7 +25,7 @@ from dispatcher.leader import leader_ttl_s
 from dispatcher.ledger_gauges import LedgerGauges
 from dispatcher.loop import DispatchLoop
 from dispatcher.metrics import serve_once
-from teamdesk import s3_store
+from teamdesk import s3_store, tracing_setup
 from teamdesk.config import Settings, get_settings
 
 SCHEDULER = "dispatcher.beat_host:DispatchingScheduler"
@@ -53,6 +53,7 @@ class DispatchingScheduler(Scheduler):
     def setup_schedule(self) -> None:
         self.data: dict[str, Any] = {}
         s3_store.store_or_exit(get_settings(), "celery beat")  # its purge uses EXPORT_STORE
+        tracing_setup.configure("dispatcher")  # OTEL_* asks for traces (teamdesk/tracing.py)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         if self._loop is None:

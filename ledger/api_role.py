@@ -64,7 +64,7 @@ API_PASSWORD_VAR = "API_DB_PASSWORD"
 SELECT = Privilege("SELECT")
 
 # What a creation writes (ledger/creation.py, ``_INSERT``).
-CREATED_COLUMNS = ("kind", "team_id", "owner_id", "scope", "filters", "run_at")
+CREATED_COLUMNS = ("kind", "team_id", "owner_id", "scope", "filters", "run_at", "trace_parent")
 # What a retry and a cancel write (ledger/service.py, ``RETRY`` and ``_CANCEL``).
 REOPENED_COLUMNS = (
     "run",
@@ -81,6 +81,7 @@ REOPENED_COLUMNS = (
     "run_at",
     "run_opened_at",
     "updated_at",
+    "trace_parent",
 )
 
 # What the API reads of a task: everything but a CSV an earlier release stored in the row

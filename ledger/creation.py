@@ -47,6 +47,7 @@ from ledger.quota import (
     UNFINISHED_SQL,
     ExportQuota,
 )
+from teamdesk import tracing
 
 # The bound of each statement sent on an autocommit connection (a request's): the API's
 # transactions have the same (api/resources.py).
@@ -60,10 +61,11 @@ TICKET_IN_TEAM_SQL = (
 )
 
 _INSERT = """
-    INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters, run_at)
+    INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters, run_at, trace_parent)
     SELECT '{kind}', CAST(%(team_id)s AS uuid), CAST(%(owner_id)s AS uuid),
            CAST(%(scope)s AS text), CAST(%(filters)s AS jsonb),
-           greatest(coalesce(CAST(%(run_at)s AS timestamptz), now()), now())
+           greatest(coalesce(CAST(%(run_at)s AS timestamptz), now()), now()),
+           CAST(%(trace_parent)s AS text)
      WHERE {conditions}
     RETURNING {returning}"""
 
@@ -177,6 +179,7 @@ def insert_reminder(
 def _insert(
     conn: Connection, sql: str, params: dict[str, Any], key: IdempotencyKey | None
 ) -> dict[str, Any] | None:
+    params["trace_parent"] = tracing.current_parent()  # None when tracing is off
     if key is not None:
         params = {**params, **key.params()}
     try:

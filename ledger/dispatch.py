@@ -43,6 +43,8 @@ class RunRef:
     kind: str
     status: str = "WAITING"
     stamp: datetime | None = None
+    trace_parent: str | None = None  # the run's trace (teamdesk/tracing.py), if traced
+    recovered: bool = False  # taken back from a silent execution at least once
 
 
 # Guard: still RUNNING, and silent (no ledger write for stale_after_s, database clock) or
@@ -215,9 +217,10 @@ STAMP_READY = text(
     ), stamped AS (
         UPDATE background_tasks t SET dispatched_at = now(), updated_at = now()
           FROM locked WHERE t.id = locked.id
-        RETURNING t.id, t.run, t.kind, t.dispatched_at
+        RETURNING t.id, t.run, t.kind, t.dispatched_at, t.trace_parent,
+                  t.recoveries > 0 AS recovered
     )
-    SELECT s.id, s.run, s.kind, s.dispatched_at AS stamp, p.team_id
+    SELECT s.id, s.run, s.kind, s.dispatched_at AS stamp, p.team_id, s.trace_parent, s.recovered
       FROM stamped s JOIN picked p ON p.id = s.id
      ORDER BY p.rn, p.pos
 """.replace("{has_room:o}", _HAS_ROOM.format(team="o")).replace(
@@ -266,7 +269,8 @@ RESTAMP = text("""
     )
     UPDATE background_tasks t SET dispatched_at = now(), updated_at = now()
       FROM lost WHERE t.id = lost.id
-    RETURNING t.id, t.run, t.kind, t.dispatched_at AS stamp
+    RETURNING t.id, t.run, t.kind, t.dispatched_at AS stamp, t.trace_parent,
+              t.recoveries > 0 AS recovered
 """).bindparams(
     bindparam("ids", type_=ARRAY(TEXT)), bindparam("stamps", type_=ARRAY(TIMESTAMP(timezone=True)))
 )
@@ -355,6 +359,8 @@ def _refs(rows: Iterable[object]) -> list[RunRef]:
             row.kind,  # type: ignore[attr-defined]
             getattr(row, "status", "WAITING"),
             getattr(row, "stamp", None),
+            getattr(row, "trace_parent", None),
+            bool(getattr(row, "recovered", False)),
         )
         for row in rows
     ]
@@ -421,7 +427,10 @@ def stamp_ready(
         return Turn([], cursor)
     params = {"kind": kind, "n": n, "cap": team_cap, "cursor": str(cursor)}
     rows = _prepared(conn, "td_stamp_ready", STAMP_READY, params)
-    refs = [RunRef(uuid.UUID(str(i)), int(r), str(k), "WAITING", st) for i, r, k, st, _ in rows]
+    refs = [
+        RunRef(uuid.UUID(str(i)), int(r), str(k), "WAITING", st, tp, bool(rec))
+        for i, r, k, st, _, tp, rec in rows
+    ]
     return Turn(refs, uuid.UUID(str(rows[-1][4])) if rows else cursor)
 
 

@@ -134,6 +134,9 @@ background_tasks = sa.Table(
     # Where the CSV is when EXPORT_STORE is an object store (s3://BUCKET/KEY; 0015); NULL:
     # in export_chunks.
     sa.Column("result_object", sa.Text, nullable=True),
+    # The W3C traceparent of the span that created the task or opened its run (0017,
+    # teamdesk/tracing.py); NULL when tracing is off.
+    sa.Column("trace_parent", sa.Text, nullable=True),
     sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True),
     _created_at(),
     sa.Column(

@@ -33,6 +33,7 @@ from ledger.prepared import as_text
 from ledger.quota import NO_CAP, NO_EXPORT_QUOTA, ExportQuota, ensure_export_room, ensure_room
 from ledger.states import SCOPES
 from ledger.wake import WAKE_SQL
+from teamdesk import tracing
 
 MSG_SCOPE = "scope must be TEAM or MINE"
 MSG_TICKET = "ticket_id must name a ticket of this team"
@@ -74,9 +75,9 @@ SELECT_TASK = text(f"SELECT {TASK_COLUMNS} FROM background_tasks WHERE id = :tas
 # It returns the new task's view: whoever may create a task may see it (a MINE export is
 # its creator's; a TEAM export and a reminder need staff, who see TEAM tasks).
 INSERT_TASK = text(f"""
-    INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters, run_at)
+    INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters, run_at, trace_parent)
     VALUES (:kind, :team_id, :owner_id, :scope, CAST(:filters AS jsonb),
-            greatest(coalesce(CAST(:run_at AS timestamptz), now()), now()))
+            greatest(coalesce(CAST(:run_at AS timestamptz), now()), now()), :trace_parent)
     RETURNING {TASK_COLUMNS}
 """)
 
@@ -106,19 +107,23 @@ SELECT_CSV = text(f"""
 """)
 
 # Guard: only a finished-without-result run opens a new one (docs/design.md, "Lifecycle").
+# The new run belongs to the retry's trace (teamdesk/tracing.py), linked to the one before.
 RETRY = text("""
-    WITH reopened AS (
+    WITH previous AS (
+        SELECT trace_parent FROM background_tasks WHERE id = :task_id
+    ), reopened AS (
         UPDATE background_tasks
            SET run = run + 1, status = 'WAITING', progress = 0, attempts = 0, last_error = NULL,
                execution_id = NULL, lease_holder = NULL, dispatched_at = NULL,
                result_summary = NULL, expires_at = NULL, recoveries = 0,
-               run_at = now(), run_opened_at = now(), updated_at = now()
+               run_at = now(), run_opened_at = now(), updated_at = now(),
+               trace_parent = CAST(:trace_parent AS text)
          WHERE id = :task_id AND status IN ('FAILED', 'CANCELLED')
         RETURNING id, run
     ), audit AS (
         INSERT INTO task_audit (task_id, run, event) SELECT id, run, 'RETRY' FROM reopened
     )
-    SELECT run FROM reopened
+    SELECT run, (SELECT trace_parent FROM previous) AS previous_trace FROM reopened
 """)
 
 # Guard: not finished. Clearing execution_id revokes a running execution's lease.
@@ -214,6 +219,7 @@ def _insert(
                 "scope": scope,
                 "filters": json.dumps(filters),
                 "run_at": run_at,
+                "trace_parent": tracing.current_parent(),
             },
         )
         .mappings()
@@ -582,9 +588,13 @@ def reopen(
         ensure_export_room(conn, task["team_id"], max_unfinished, export_quota)
     else:
         ensure_room(conn, task["team_id"], max_unfinished)
-    row = conn.execute(RETRY, {"task_id": task_id}).one_or_none()
-    if row is None:
-        raise InvalidState(MSG_RETRY_STATE)
+    with tracing.span("task.retry", task_id=task_id, team_id=task["team_id"]) as current:
+        params = {"task_id": task_id, "trace_parent": tracing.current_parent()}
+        row = conn.execute(RETRY, params).one_or_none()
+        if row is None:
+            raise InvalidState(MSG_RETRY_STATE)
+        tracing.add_link(current, row.previous_trace)
+        tracing.annotate(current, run=int(row.run))
     if key is not None:
         idempotency.remember(conn, task["team_id"], key, user_id, Remembered(task_id, row.run))
     conn.execute(WAKE)  # delivered when the caller's transaction commits

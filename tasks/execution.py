@@ -35,12 +35,14 @@ from typing import Any, NoReturn
 import redis
 from celery import Task
 from celery.exceptions import Ignore, Retry
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 from sqlalchemy.engine import Connection, Engine
 
 from ledger import lease, prepared
 from ledger.errors import LeaseLost, TaskRejected
 from tasks import delivery, queueing
-from teamdesk import hooks
+from teamdesk import hooks, tracing
 from teamdesk.config import Settings, get_settings
 from teamdesk.db import DATABASE_ERRORS, get_engine, get_execution_engine
 from teamdesk.failures import database_failure
@@ -105,7 +107,35 @@ def execute(
     except delivery.MessageRefused as exc:
         log_event(log, "task.refused", logging.WARNING, message_id=task.request.id, reason=str(exc))
         return {"outcome": "refused", "reason": str(exc)}
-    return _deliver(task, message, body)
+    # The run's trace continues from its publish (the message's header; teamdesk/tracing.py).
+    with tracing.span(
+        f"execute {task.name}",
+        parent=getattr(task.request, tracing.HEADER, None),
+        kind=SpanKind.CONSUMER,
+        errors=False,
+        task_id=message.task_id,
+        run=message.run,
+    ) as current:
+        try:
+            result = _deliver(task, message, body)
+        except BaseException as exc:
+            tracing.annotate(current, outcome=_ended_by(exc))
+            if not isinstance(exc, Retry | Ignore):
+                tracing.failed(current, exc)
+            raise
+        tracing.annotate(current, outcome=result.get("outcome"))
+        return result
+
+
+def _ended_by(exc: BaseException) -> str:
+    """The outcome a delivery that raised ends with, for its span."""
+    if isinstance(exc, Retry):
+        return "retrying"
+    if isinstance(exc, Ignore):
+        return "cancelled"
+    if isinstance(exc, TaskRejected):
+        return "rejected"
+    return "failed" if isinstance(exc, TaskFailed) else "error"
 
 
 def _deliver(task: Task, message: delivery.Delivery, body: Body) -> dict[str, Any]:
@@ -138,6 +168,14 @@ def _deliver(task: Task, message: delivery.Delivery, body: Body) -> dict[str, An
         held = claimed.lease
         fields = _fields(task_id, run, held.attempt, execution=str(held.execution_id)[:8])
         log_event(log, "task.started", kind=claimed.kind, **fields)
+        tracing.event("claimed")
+        tracing.annotate(
+            trace.get_current_span(),
+            execution_id=held.execution_id,
+            team_id=claimed.team_id,
+            task_kind=claimed.kind,
+            attempt=held.attempt,
+        )
         hooks.fire("task.claimed", claim=claimed)
         context = Context(claimed, settings, conn, engine, _progress_reporter(task, held, settings))
         try:

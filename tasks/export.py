@@ -46,7 +46,7 @@ from ledger.filters import ExportFilters, validate_filters
 from ledger.permissions import export_refusal
 from tasks import watchdog
 from tasks.execution import Context
-from teamdesk import export_store, hooks, s3_store
+from teamdesk import export_store, hooks, s3_store, tracing
 
 HEADER = "id,title,status,priority,requester_id,assignee_id,due_at,created_at,updated_at\n"
 
@@ -359,6 +359,7 @@ def run_export(ctx: Context) -> str:
     require_permission(claim.scope, claim.owner_role)  # as of the claim
     where, params = where_clause(claim, filters)
     stream = read_csv(ctx, where, params)
+    tracing.event("export.read", rows=stream.rows)
     if stream.rows:
         # After the last batch only the completion is written: the queue's next word is
         # the task's end, and the completion itself checks the owner's role now (its guard,
@@ -371,6 +372,7 @@ def run_export(ctx: Context) -> str:
     except BaseException:
         stream.abort()  # not completed: nothing may keep what this execution stored
         raise
+    tracing.event("export.completed")
     return summary
 
 

@@ -34,9 +34,11 @@ import redis
 from celery import Celery, Task
 from kombu.exceptions import KombuError
 from kombu.transport.redis import BatchPublishError
+from opentelemetry.trace import SpanKind
 
 from ledger.dispatch import RunRef
 from tasks.names import PROGRESS_EVENT, QUEUE_OF, QUEUE_OF_KIND, TASK_OF_KIND
+from teamdesk import tracing
 from teamdesk.config import Settings, get_settings, is_redis_url
 from teamdesk.redis_client import redis_client
 
@@ -180,7 +182,24 @@ def _send(amqp: object, producer: object, run: RunRef) -> None:
         # every success in the result backend (tasks/definitions.py, ignore_result).
         ignore_result=True,
     )
-    amqp.send_task_message(producer, name, message, queue=QUEUE_OF[name], declare=[])  # type: ignore[attr-defined]
+    # The run's trace (teamdesk/tracing.py): this publish is its row's span's child, or
+    # for a recovered run the first of a new trace linked to it; the worker continues it
+    # from the message's header. Off: nothing.
+    new_trace = run.recovered or run.trace_parent is None
+    with tracing.span(
+        f"publish {name}",
+        parent=None if new_trace else run.trace_parent,
+        root=new_trace,
+        link=run.trace_parent if run.recovered else None,
+        kind=SpanKind.PRODUCER,
+        task_id=run.task_id,
+        run=run.run,
+        task_kind=run.kind,
+        recovered=run.recovered,
+    ) as current:
+        if current is not None:
+            message.headers[tracing.HEADER] = tracing.current_parent()
+        amqp.send_task_message(producer, name, message, queue=QUEUE_OF[name], declare=[])  # type: ignore[attr-defined]
 
 
 def _batches(app: Celery) -> bool:

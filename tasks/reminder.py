@@ -27,7 +27,7 @@ from ledger.errors import PermissionLost, TaskRejected
 from ledger.permissions import reminder_refusal
 from ledger.service import SKIPPED_PREFIX
 from tasks.execution import Context
-from teamdesk import hooks
+from teamdesk import hooks, tracing
 from teamdesk.config import Settings
 
 EVENT_TYPE = "ticket.reminder_sent"
@@ -134,6 +134,8 @@ def run_reminder(ctx: Context) -> str:
         _rollback(conn)
         raise
     prepared.end_transaction(conn, commit=True)
+    # The side effects and the completion, committed in one transaction.
+    tracing.event("reminder.completed", skipped=summary.startswith(SKIPPED_PREFIX))
     return summary
 
 

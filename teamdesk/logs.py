@@ -19,7 +19,7 @@ from typing import Any
 
 from pythonjsonlogger.json import JsonFormatter
 
-from teamdesk import metrics
+from teamdesk import metrics, tracing
 from teamdesk.redaction import REDACTED, redact, redact_text
 
 __all__ = ["EVENTS", "LEVELS", "REDACTED", "log_event", "redact", "redact_text", "setup_logging"]
@@ -78,7 +78,7 @@ _LEVEL_NAMES = {
     TRACE: "trace",
 }
 
-_RESERVED = ("time", "level", "event", "service", "pid")
+_RESERVED = ("time", "level", "event", "service", "pid", "trace_id", "span_id")
 
 # Loggers that would print SQL with its parameters and result rows (request bodies, token
 # hashes, ticket text, CSV) at INFO or DEBUG: never below WARNING, whatever LOG_LEVEL says.
@@ -102,6 +102,7 @@ class TeamdeskJsonFormatter(JsonFormatter):
             "event": event or "log",
             "service": self.service,
             "pid": os.getpid(),
+            **tracing.log_fields(),  # trace_id, span_id while a span is active
         }
         if event:
             log_record.pop("message", None)

@@ -51,7 +51,7 @@ from ledger.errors import TaskRejected
 from tasks import export
 from tasks.execution import TaskFailed
 from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
-from teamdesk import db, hooks, s3_store
+from teamdesk import db, hooks, s3_store, tracing_setup
 from teamdesk.config import get_settings
 from teamdesk.logs import log_event
 from teamdesk.version import version
@@ -167,6 +167,7 @@ def _on_init(
 ) -> None:
     _refuse_unknown_queues((options or {}).get("queues"))
     s3_store.store_or_exit(get_settings(), "celery worker")  # EXPORT_STORE answers
+    tracing_setup.configure("worker")  # before the pool forks: its processes inherit it
     export.guard()  # built here, before the pool forks: no pool process pays for it
     # The startup banner is plain text on stdout; worker.started carries its facts as JSON.
     if instance is not None:
@@ -261,6 +262,10 @@ def _on_child_init(**_: Any) -> None:
     db.reset_engine(dispose=True)
 
 
+def _on_child_exit(**_: Any) -> None:
+    tracing_setup.flush()  # its last spans, before billiard's os._exit
+
+
 def _on_task_failure(
     sender: Any = None, task_id: str | None = None, exception: BaseException | None = None, **_: Any
 ) -> None:
@@ -299,6 +304,7 @@ def connect() -> None:
     signals.worker_shutting_down.connect(_on_shutting_down, weak=False)
     signals.worker_shutdown.connect(_on_shutdown, weak=False)
     signals.worker_process_init.connect(_on_child_init, weak=False)
+    signals.worker_process_shutdown.connect(_on_child_exit, weak=False)
     signals.task_failure.connect(_on_task_failure, weak=False)
     worker_metrics.connect()
     revokes.connect()

@@ -8,10 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -21,33 +18,12 @@ from harness.processes import Proc, celery_argv, cluster, free_port, settings_en
 from harness.waiting import wait_for
 from ledger.tokens import create_token, hash_token
 from teamdesk.config import Settings
+from tests.support.http_calls import call
 
 pytestmark = pytest.mark.slow
 
 TICKET_TEXT = "Zebra-Marker-Title-91"  # in the tickets, the request bodies and the CSV
 SQL_WORDS = ("SELECT ", "INSERT INTO", "UPDATE background_tasks", "DELETE FROM", "COPY (")
-
-
-def call(
-    base: str, method: str, path: str, token: str | None = None, body: Any = None
-) -> tuple[int, Any]:
-    headers = {"Content-Type": "application/json"}
-    if token is not None:
-        headers["Authorization"] = f"Bearer {token}"
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(base + path, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=10) as answer:
-            raw = answer.read()
-            status = answer.status
-    except urllib.error.HTTPError as exc:
-        raw, status = exc.read(), exc.code
-    except OSError:
-        return 0, None
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode(errors="replace")
 
 
 def test_trace_logs_print_no_sql_body_ticket_text_csv_or_token(

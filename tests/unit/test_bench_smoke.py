@@ -75,6 +75,7 @@ GOAL_KEYS = {
     "p6_broker_depth_max",
     "p1_overhead_cpu_us",
     "p1_export_vs_procrastinate",
+    "p1_tracing_cost",
     "p7_api_creates_per_s",
     "p8_claim_ratio_10m_audit",
     "p8_scan_ratio_10m_audit",
@@ -188,6 +189,7 @@ def test_table_and_goals_from_sample_results() -> None:
         "p7_api_creates_per_s": 450.0,
         "p8_claim_ratio_10m_audit": 1.1,
         "p8_scan_ratio_10m_audit": 1.05,
+        "p1_tracing_cost": 0.98,
         "p1_metrics_cost": 0.96,
         "p9_fill_ms_empty": 1.9,
         "p9_fill_ms_100k_future": 230.0,
@@ -223,15 +225,17 @@ def test_table_and_goals_from_sample_results() -> None:
     assert "`p1_metrics_cost` | 0.96 | ratio | >= 0.97 | **no**" in text.replace(")", "")
 
 
-def test_p1_pairs_metrics_off_and_on_in_both_orders() -> None:
+def test_p1_runs_metrics_and_traces_off_and_on_in_both_orders() -> None:
     from bench.throughput import p1_order
 
     assert p1_order(2) == [
         "noop",
         "export",
         "export_metrics",
+        "export_tracing",
         "reminder",
         "noop",
+        "export_tracing",
         "export_metrics",
         "export",
         "reminder",
