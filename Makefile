@@ -6,6 +6,12 @@ STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
 
+# Python may write its bytecode caches here (git ignores __pycache__): an environment that
+# says PYTHONDONTWRITEBYTECODE made every process of a test run compile the project and
+# pytest rewrite every test module again - 6.4 s of collection per pytest-xdist process
+# instead of 2.9 s, and each CLI subprocess of the tests compiling what it imports.
+unexport PYTHONDONTWRITEBYTECODE
+
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
