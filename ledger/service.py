@@ -295,16 +295,15 @@ def reminder_key(
     return IdempotencyKey.of(raw, {**request, "run_at": when})
 
 
-def _replay(
-    conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID, key: IdempotencyKey | None
-) -> TaskView | None:
-    """The sequential path's first step with a key: the key's lock, then the task it
-    created, as its creator may see it now (None: none, or no key)."""
-    if key is None:
-        return None
-    done = idempotency.hold(conn, team_id, key)
-    if done is None:
-        return None
+def _held(conn: Connection, team_id: uuid.UUID, key: IdempotencyKey | None) -> Remembered | None:
+    """The sequential path's first step with a key: the key's lock, then what it created
+    (None: nothing, or no key)."""
+    return None if key is None else idempotency.hold(conn, team_id, key)
+
+
+def _replayed(conn: Connection, done: Remembered, user_id: uuid.UUID) -> TaskView:
+    """The task a key created, as its creator may see it now (the caller checked that
+    they may still ask for it: a demoted user is refused as a new request is)."""
     return TaskView(_visible_task(conn, done.task_id, user_id), replayed=True)
 
 
@@ -339,11 +338,11 @@ def submit_export_checked(
     key = None
     if idempotency_key is not None:
         key = export_key(idempotency_key, team_id, user_id, scope, filters)
-    replay = _replay(conn, team_id, user_id, key)
-    if replay is not None:
-        return replay
-    if not may_export(scope, role):
+    done = _held(conn, team_id, key)
+    if not may_export(scope, role):  # a replay too: a demoted user is refused alike
         raise NotAllowed(MSG_TEAM_EXPORT_NEEDS_STAFF)
+    if done is not None:
+        return _replayed(conn, done, user_id)
     ensure_export_room(conn, team_id, max_unfinished, export_quota)
     return _created(
         conn,
@@ -437,9 +436,11 @@ def submit_reminder_checked(
     key = None
     if idempotency_key is not None:
         key = reminder_key(idempotency_key, team_id, user_id, ticket, run_at)
-    replay = _replay(conn, team_id, user_id, key)
-    if replay is not None:
-        return replay
+    done = _held(conn, team_id, key)
+    if done is not None:
+        if not may_schedule_reminder(role):  # a demoted user is refused, as for an export
+            raise NotAllowed(MSG_REMINDER_NEEDS_STAFF)
+        return _replayed(conn, done, user_id)
     if run_at is not None and not conn.execute(RUN_AT_IN_WINDOW, {"run_at": run_at}).scalar():
         raise InvalidInput(MSG_RUN_AT_WINDOW)
     if not may_schedule_reminder(role):

@@ -1,7 +1,7 @@
 """OpenTelemetry traces (docs/design.md, "Tracing"): off unless the standard variables ask.
 
 On when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) is set,
-``OTEL_SDK_DISABLED`` is not ``true`` and ``OTEL_TRACES_EXPORTER`` is not ``none``
+``OTEL_SDK_DISABLED`` is not ``true`` and ``OTEL_TRACES_EXPORTER`` is unset or ``otlp``
 (:func:`wanted`): then teamdesk/tracing_setup.py installs the SDK in the process. This
 module needs only OpenTelemetry's API, so what imports it (every log line's formatter)
 never loads the SDK, the exporter or their dependencies.
@@ -43,8 +43,8 @@ def wanted(env: Mapping[str, str] = os.environ) -> bool:
     """Whether the environment asks for traces (see the module's docstring)."""
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
-    if env.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
-        return False
+    if env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() not in ("otlp", ""):
+        return False  # "none", or an exporter this project does not ship ("console"...)
     return any(env.get(name, "").strip() for name in ENDPOINT_VARS)
 
 
@@ -73,8 +73,9 @@ def current_parent() -> str | None:
 
 
 def context_of(parent: str | None) -> otel_context.Context | None:
-    """The context a stored or received ``traceparent`` names (None: none, or invalid)."""
-    if not parent:
+    """The context a stored or received ``traceparent`` names (None: none, or invalid:
+    a message header may hold anything, even another type, and must never fail a run)."""
+    if not parent or not isinstance(parent, str):
         return None
     extracted = _PROPAGATOR.extract({HEADER: parent})
     if not trace.get_current_span(extracted).get_span_context().is_valid:

@@ -87,7 +87,7 @@ def _idempotent(args: argparse.Namespace, attempt: Callable[[str], T]) -> T:
     from teamdesk import hooks
     from teamdesk.failures import database_unusable
 
-    key = args.idempotency_key or str(uuid.uuid4())
+    key = str(uuid.uuid4()) if args.idempotency_key is None else args.idempotency_key
     for number in range(1, ATTEMPTS + 1):
         try:
             done = attempt(key)

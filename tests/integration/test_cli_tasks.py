@@ -274,8 +274,9 @@ def test_submit_with_the_same_key_prints_the_first_task_and_another_body_exits_2
         2,
         f"teamdesk-tasks submit export: {idempotency.MSG_KEY_REUSED}\n",
     )
-    bad = cli("submit", "export", "--user", staff, "--team", team, "--idempotency-key", "a b")
-    assert (bad.code, bad.err) == (2, f"teamdesk-tasks submit export: {idempotency.MSG_KEY}\n")
+    for key in ("a b", ""):  # an empty key is refused as the API refuses it
+        bad = cli("submit", "export", "--user", staff, "--team", team, "--idempotency-key", key)
+        assert (bad.code, bad.err) == (2, f"teamdesk-tasks submit export: {idempotency.MSG_KEY}\n")
     assert count_tasks(engine) == 1 and _key_rows(engine) == 1
 
 

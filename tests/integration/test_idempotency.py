@@ -22,9 +22,9 @@ from fastapi.testclient import TestClient
 
 from api.deps import MSG_TOKEN_RATE
 from dispatcher.scan import run_once
-from harness.factories import World, add_ticket, audit_events, task_row
+from harness.factories import World, add_ticket, audit_events, set_role, task_row
 from harness.waiting import wait_for
-from ledger import creation, idempotency, service
+from ledger import creation, idempotency, permissions, service
 from ledger.errors import MSG_TEAM_FULL
 from ledger.idempotency import MSG_KEY, MSG_KEY_REUSED
 from ledger.quota import NO_EXPORT_QUOTA
@@ -381,3 +381,21 @@ def test_the_dispatcher_purge_removes_expired_keys_only(
     assert counts.forgotten_keys == 1
     assert [r["key"] for r in key_rows(engine)] == ["k2"]
     assert count_tasks(engine) == 3  # keys go, tasks stay
+
+
+def test_a_replay_by_a_user_who_lost_the_right_is_refused_as_a_new_request(
+    client: TestClient, engine: sa.Engine, world: World, tokens: dict[str, str]
+) -> None:
+    """Staff created a team export with a key, then became a customer: the replay answers
+    403 as a new request would (not 404, as if the task were gone), and writes nothing."""
+    key = str(uuid.uuid4())
+    first = post_export(client, world.team_id, tokens["staff"], key)
+    with engine.begin() as conn:
+        set_role(conn, world.team_id, world.staff_id, "CUSTOMER")
+    again = post_export(client, world.team_id, tokens["staff"], key)
+    assert first.status_code == 201
+    assert (again.status_code, again.json()) == (
+        403,
+        {"detail": permissions.MSG_TEAM_EXPORT_NEEDS_STAFF},
+    )
+    assert count_tasks(engine) == 1 and len(key_rows(engine)) == 1

@@ -14,8 +14,10 @@ from __future__ import annotations
 import functools
 import json
 import signal
+import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -37,6 +39,11 @@ PRODUCER, CONSUMER, SERVER = 4, 5, 2  # OTLP span kinds
 # A run before the retry, in a trace of its own (a traceparent as the ledger stores it).
 EARLIER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 EARLIER_PARENT = f"00-{EARLIER_TRACE}-00f067aa0ba902b7-01"
+# An idle worker stops in ~3-4 s; the flush adds 2 s at most per child (FLUSH_TIMEOUT_S).
+# Unbounded, the exporter's own 10 s timeout held it: 11.8 s measured.
+STOP_BOUND_S = 8.0
+CLIENT_TRACE = "33333333333333333333333333333333"
+CLIENT_PARENT = f"00-{CLIENT_TRACE}-2222222222222222-00"  # sampled: no
 
 
 def of_trace(spans: list[ReceivedSpan], trace_id: str) -> dict[str, ReceivedSpan]:
@@ -87,8 +94,15 @@ def test_an_export_created_through_the_api_is_one_trace_and_a_retry_links_to_it(
                 Proc("beat", celery_argv("beat"), env, tmp_path).start(),
             ]
             wait_for(lambda: call(base, "GET", "/api/health")[0] == 200, timeout=60, what="API")
+            # A client's own context, not sampled: the API must neither continue it nor
+            # let it switch the trace off.
             status, export = call(
-                base, "POST", f"/api/teams/{world.team_id}/exports", token, {"scope": "TEAM"}
+                base,
+                "POST",
+                f"/api/teams/{world.team_id}/exports",
+                token,
+                {"scope": "TEAM"},
+                headers={"traceparent": CLIENT_PARENT},
             )
             assert status == 201, export
             status, retried = call(base, "POST", f"/api/tasks/{failed}/retry", token)
@@ -114,7 +128,8 @@ def test_an_export_created_through_the_api_is_one_trace_and_a_retry_links_to_it(
     trace = of_trace(spans, trace_id)
     request = trace["POST /api/teams/{team_id}/exports"]
     publish, execute = trace["publish teamdesk.export"], trace["execute teamdesk.export"]
-    assert (request.service, request.kind) == ("teamdesk-api", SERVER)
+    assert (request.service, request.kind, request.parent_id) == ("teamdesk-api", SERVER, "")
+    assert CLIENT_TRACE not in {span.trace_id for span in spans}
     assert (publish.service, publish.kind) == ("teamdesk-dispatcher", PRODUCER)
     assert (execute.service, execute.kind) == ("teamdesk-worker", CONSUMER)
     # The row carried the creation's context to the dispatcher; the message, the publish's
@@ -255,3 +270,103 @@ def test_a_pool_process_exports_its_last_spans_before_it_exits(
         receiver.close()
     assert [s.attributes["teamdesk.task_id"] for s in executed] == [str(task_id)]
     assert executed[0].attributes["teamdesk.outcome"] == "completed"
+
+
+BAD_HEADER_SCRIPT = """
+import sys, uuid
+from datetime import UTC, datetime
+from opentelemetry import trace
+from ledger.dispatch import RunRef
+from tasks.celery import app
+from tasks.queueing import publish_batch
+from teamdesk import tracing, tracing_setup
+from teamdesk.db import get_engine
+from sqlalchemy import text
+
+assert tracing_setup.configure("dispatcher")
+tracing.current_parent = lambda: 123  # a header of another type than a traceparent
+task_id = uuid.UUID(sys.argv[1])
+with get_engine().begin() as conn:
+    stamp = conn.execute(
+        text("UPDATE background_tasks SET dispatched_at = now() WHERE id = :id"
+             " RETURNING dispatched_at"), {"id": task_id}).scalar_one()
+publish_batch(app, [RunRef(task_id, 0, "EXPORT", stamp=stamp)])
+"""
+
+
+def test_a_header_that_is_no_traceparent_starts_a_trace_and_fails_nothing(
+    engine: sa.Engine, world: World, settings: Settings, tmp_path: Path
+) -> None:
+    """A message whose ``traceparent`` header is not even text (an integer) runs as any
+    other, in a trace of its own; it failed the delivery before it touched the ledger."""
+    with engine.begin() as conn:
+        add_ticket(conn, world.team_id, world.customer_id, "Printer")
+        task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+    receiver = start_receiver()
+    try:
+        env = settings_env(
+            settings, OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_BSP_SCHEDULE_DELAY="100"
+        )
+        with cluster(tmp_path) as procs:
+            worker = Proc("worker", worker_argv("w", concurrency=1), env, tmp_path).start()
+            procs.append(worker)
+            worker.wait_event("worker.started", timeout=60)
+            done = subprocess.run(
+                [sys.executable, "-c", BAD_HEADER_SCRIPT, str(task_id)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert done.returncode == 0, done.stderr
+            wait_for(
+                lambda: task_row(engine, task_id)["status"] == "COMPLETED",
+                timeout=60,
+                what="completion",
+            )
+
+            def executed() -> list[ReceivedSpan]:
+                return [s for s in receiver.received() if s.name == "execute teamdesk.export"]
+
+            wait_for(executed, timeout=30, what="the execution's span")
+            failures = worker.events("task.failed")
+    finally:
+        receiver.close()
+    [execute] = executed()
+    assert (execute.parent_id, execute.attributes["teamdesk.outcome"]) == ("", "completed")
+    assert failures == [] and audit_trail(engine, task_id)[0][0] == "CLAIM"
+
+
+@pytest.mark.alone  # a stop's time against a bound: a loaded machine's delay is the margin
+def test_a_silent_collector_holds_a_pool_process_exit_two_seconds_at_most(
+    engine: sa.Engine, world: World, settings: Settings, tmp_path: Path
+) -> None:
+    """The child's flush at exit is bounded (the SDK's own ignores its timeout and waits
+    out the exporter's timeout and retries: with a collector that accepts and never
+    answers a worker took 21-22 s to stop after SIGTERM, 3.1 s with a live one). The
+    bound asserted leaves a loaded machine room."""
+    with engine.begin() as conn:
+        add_ticket(conn, world.team_id, world.customer_id, "Printer")
+        task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel), never answers
+    env = settings_env(
+        settings,
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{silent.getsockname()[1]}",
+        OTEL_BSP_SCHEDULE_DELAY="600000",  # the spans wait for the exit's flush
+    )
+    with silent, cluster(tmp_path) as procs:
+        worker = Proc("worker", worker_argv("w", concurrency=1), env, tmp_path).start()
+        procs += [
+            worker,
+            Proc("beat", celery_argv("beat"), settings_env(settings), tmp_path).start(),
+        ]
+        wait_for(
+            lambda: task_row(engine, task_id)["status"] == "COMPLETED",
+            timeout=60,
+            what="completion",
+        )
+        worker.send(signal.SIGTERM)
+        stopping = time.monotonic()
+        assert worker.wait(timeout=60) == 0
+        took = time.monotonic() - stopping
+    assert took < STOP_BOUND_S, took

@@ -9,9 +9,14 @@ from typing import Any
 
 
 def call(
-    base: str, method: str, path: str, token: str | None = None, body: Any = None
+    base: str,
+    method: str,
+    path: str,
+    token: str | None = None,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, Any]:
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", **(headers or {})}
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
     data = None if body is None else json.dumps(body).encode()
