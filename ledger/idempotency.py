@@ -14,8 +14,8 @@ The database decides which of concurrent requests with one key creates the task:
 one-statement creation (ledger/creation.py) inserts the task only while no live row holds
 the key, and the key's row in the same statement; a concurrent insert of the same key
 waits on the primary key for the first to commit, then fails, and its task goes with it.
-The loser answers :class:`KeyInUse` (or None from the one-statement path) and its caller
-reads the key again, in a new transaction: a replay. The sequential path (ledger/service.py)
+The loser raises :class:`KeyInUse` and its caller reads the key again, in a new
+transaction: a replay. The sequential path (ledger/service.py)
 takes the key's advisory lock first, so two of those never race at all.
 """
 
