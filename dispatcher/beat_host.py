@@ -7,15 +7,20 @@ returns; beat calls it again at once while this process leads, and after about a
 while it stands by. Nothing is sent to any queue but the task messages themselves, so
 dispatch does not depend on which queues the workers consume.
 
-Stopping: beat turns SIGTERM/SIGINT into ``SystemExit`` wherever the loop is (usually
-waiting on the LISTEN socket); beat then closes the scheduler, which releases the leader
-lock, so a standby takes over within a second. Errors the loop knows (PostgreSQL or Redis
-unreachable) never leave ``tick``; beat keeps running through outages and Redis
-restarts. Run it under a supervisor that restarts it anyway (a bug ends it with exit 1).
+Stopping: SIGTERM/SIGINT only ask the loop to stop (:meth:`DispatchingScheduler.ask_stop`);
+the tick that is running ends (within its budget, or its statement's bound), then raises
+``SystemExit`` between two steps, and beat closes the scheduler, which releases the leader
+lock, so a standby takes over within a second. Celery's own handler raises ``SystemExit``
+wherever the main thread is: inside a Redis read, redis-py's clean-up then failed
+("I/O operation on closed file") and beat exited 1 instead of 0. Errors the loop knows
+(PostgreSQL or Redis unreachable) never leave ``tick``; beat keeps running through outages
+and Redis restarts. Run it under a supervisor that restarts it anyway (a bug ends it with exit 1).
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 from typing import Any
 
 from celery.beat import Scheduler
@@ -29,6 +34,7 @@ from teamdesk import s3_store, tracing_setup
 from teamdesk.config import Settings, get_settings
 
 SCHEDULER = "dispatcher.beat_host:DispatchingScheduler"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 MAX_TICK_BUDGET_S = 1.0  # one tick works at most this long (and a third of the lock's TTL)
 
 
@@ -49,17 +55,30 @@ class DispatchingScheduler(Scheduler):
     """A beat scheduler with no entries whose tick is the dispatcher loop."""
 
     _loop: DispatchLoop | None = None
+    _stop_asked = False
 
     def setup_schedule(self) -> None:
         self.data: dict[str, Any] = {}
         s3_store.store_or_exit(get_settings(), "celery beat")  # its purge uses EXPORT_STORE
         tracing_setup.configure("dispatcher")  # OTEL_* asks for traces (teamdesk/tracing.py)
+        if threading.current_thread() is threading.main_thread():  # not beat inside a worker
+            for stop_signal in STOP_SIGNALS:  # after Celery's, which this replaces
+                signal.signal(stop_signal, self.ask_stop)
+
+    def ask_stop(self, *_: Any) -> None:
+        """A stop signal: the tick running ends, the next raises ``SystemExit``."""
+        self._stop_asked = True
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
+        if self._stop_asked:
+            raise SystemExit()
         if self._loop is None:
             self._loop = loop = DispatchLoop(Cluster(self.app, get_settings()))
             serve_once(loop.cluster.settings, LedgerGauges(loop.cluster, loop.metrics.leading))
-        return self._loop.run_for(tick_budget_s(self._loop.cluster.settings))
+        wait = self._loop.run_for(tick_budget_s(self._loop.cluster.settings))
+        if self._stop_asked:
+            raise SystemExit()
+        return wait
 
     def close(self) -> None:
         if self._loop is not None:

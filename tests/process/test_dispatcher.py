@@ -359,3 +359,42 @@ def test_skewed_clocks_never_take_a_live_lease_and_reminders_start_on_database_t
     claim_at = dict(audit(engine, due))["CLAIM"]
     assert claim_at >= run_at  # never early by the skew
     assert beat.events("task.stalled") == []
+
+
+def _request_unread_by(port: int) -> bool:
+    """A request sits in the receive queue of the server listening on ``port``: it was
+    sent, and the (frozen) server has not read it, so its client waits for the answer."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, queues = line.split()[1], line.split()[4]
+        if int(local.split(":")[1], 16) == port and int(queues.split(":")[1], 16) > 0:
+            return True
+    return False
+
+
+def test_sigterm_while_beat_waits_on_a_frozen_redis_stops_it_cleanly(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """SIGTERM lands while the dispatcher waits inside a Redis read (its Redis frozen by
+    SIGSTOP, the request seen unread in the server's receive queue; beat is Redis's only
+    client): beat stops with exit 0 once Redis answers again. With
+    Celery's handler, which raises ``SystemExit`` inside the read, redis-py's clean-up
+    failed ("I/O operation on closed file") and beat exited 1 (a CI run failed so)."""
+    with dedicated_redis() as server:
+        s = fast(settings, redis_url=server.url, broker_url=server.url)
+        with cluster(tmp_path) as procs:
+            beat = Proc("beat", celery_argv("beat"), settings_env(s), tmp_path).start()
+            procs.append(beat)
+            beat.wait_event("dispatcher.leader", timeout=60)
+            server.process.send_signal(signal.SIGSTOP)
+            try:
+                wait_for(
+                    lambda: _request_unread_by(server.port),
+                    timeout=30,
+                    what="beat waiting for the frozen Redis's answer",
+                )
+                beat.send(signal.SIGTERM)
+            finally:
+                server.process.send_signal(signal.SIGCONT)
+            assert beat.wait(timeout=60) == 0, beat.output()[-3000:]
+        assert "I/O operation on closed file" not in beat.output()
+        assert not [line for line in beat.output().splitlines() if '"level": "fatal"' in line]
