@@ -348,6 +348,9 @@ def test_the_dispatcher_survives_its_database_connections_being_cut(
     with running_cluster(app) as loop:
         first = create_export(engine, world.team_id, world.staff_id)
         wait_for(lambda: completed(engine, [first]), what="the first export")
+        # The listener connects after the loop's first round, which may publish and see
+        # the first export complete first (a CI run cut before it was there).
+        wait_for(lambda: listener_backends(engine) == 1, what="the listener's session")
         with engine.connect() as conn:
             cut = conn.execute(
                 sa.text(
