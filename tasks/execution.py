@@ -35,7 +35,6 @@ from typing import Any, NoReturn
 import redis
 from celery import Task
 from celery.exceptions import Ignore, Retry
-from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from sqlalchemy.engine import Connection, Engine
 
@@ -169,8 +168,7 @@ def _deliver(task: Task, message: delivery.Delivery, body: Body) -> dict[str, An
         fields = _fields(task_id, run, held.attempt, execution=str(held.execution_id)[:8])
         log_event(log, "task.started", kind=claimed.kind, **fields)
         tracing.event("claimed")
-        tracing.annotate(
-            trace.get_current_span(),
+        tracing.annotate_current(
             execution_id=held.execution_id,
             team_id=claimed.team_id,
             task_kind=claimed.kind,

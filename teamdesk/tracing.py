@@ -149,6 +149,12 @@ def event(name: str, **values: Any) -> None:
         trace.get_current_span().add_event(name, attributes(**values))
 
 
+def annotate_current(**values: Any) -> None:
+    """:func:`annotate` the active span (nothing, not even its lookup, when off)."""
+    if _state["on"]:
+        annotate(trace.get_current_span(), **values)
+
+
 def failed(current: Span | None, exc: BaseException) -> None:
     """Mark ``current`` failed by ``exc`` (its class only: messages may hold data)."""
     if current is not None:

@@ -59,6 +59,30 @@ def one_trace_with(spans: list[ReceivedSpan], task_id: str, names: set[str]) -> 
     return None
 
 
+def an_export(engine: sa.Engine, world: World) -> uuid.UUID:
+    """A WAITING team export of one ticket, created through the ledger (untraced)."""
+    with engine.begin() as conn:
+        add_ticket(conn, world.team_id, world.customer_id, "Printer")
+        return service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+
+
+def run_to_completion(
+    procs: list[Proc],
+    env: dict[str, str],
+    settings: Settings,
+    engine: sa.Engine,
+    task_id: uuid.UUID,
+    tmp_path: Path,
+) -> Proc:
+    """A worker with ``env`` and an untraced beat, until ``task_id`` completed; the worker."""
+    worker = Proc("worker", worker_argv("w", concurrency=1), env, tmp_path).start()
+    procs += [worker, Proc("beat", celery_argv("beat"), settings_env(settings), tmp_path).start()]
+    wait_for(
+        lambda: task_row(engine, task_id)["status"] == "COMPLETED", timeout=60, what="completion"
+    )
+    return worker
+
+
 def test_an_export_created_through_the_api_is_one_trace_and_a_retry_links_to_it(
     engine: sa.Engine, world: World, settings: Settings, tmp_path: Path
 ) -> None:
@@ -241,9 +265,7 @@ def test_a_pool_process_exports_its_last_spans_before_it_exits(
     its batch would be lost at every deploy. The worker flushes them as the child exits;
     here the batch never leaves on its own (a ten-minute schedule), only that flush can
     send it."""
-    with engine.begin() as conn:
-        add_ticket(conn, world.team_id, world.customer_id, "Printer")
-        task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+    task_id = an_export(engine, world)
     receiver = start_receiver()
     try:
         env = settings_env(
@@ -252,16 +274,7 @@ def test_a_pool_process_exports_its_last_spans_before_it_exits(
             OTEL_BSP_SCHEDULE_DELAY="600000",
         )
         with cluster(tmp_path) as procs:
-            worker = Proc("worker", worker_argv("w", concurrency=1), env, tmp_path).start()
-            procs += [
-                worker,
-                Proc("beat", celery_argv("beat"), settings_env(settings), tmp_path).start(),
-            ]
-            wait_for(
-                lambda: task_row(engine, task_id)["status"] == "COMPLETED",
-                timeout=60,
-                what="completion",
-            )
+            worker = run_to_completion(procs, env, settings, engine, task_id, tmp_path)
             assert not [s for s in receiver.received() if s.service == "teamdesk-worker"]
             worker.send(signal.SIGTERM)
             assert worker.wait(timeout=60) == 0
@@ -299,9 +312,7 @@ def test_a_header_that_is_no_traceparent_starts_a_trace_and_fails_nothing(
 ) -> None:
     """A message whose ``traceparent`` header is not even text (an integer) runs as any
     other, in a trace of its own; it failed the delivery before it touched the ledger."""
-    with engine.begin() as conn:
-        add_ticket(conn, world.team_id, world.customer_id, "Printer")
-        task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+    task_id = an_export(engine, world)
     receiver = start_receiver()
     try:
         env = settings_env(
@@ -345,9 +356,7 @@ def test_a_silent_collector_holds_a_pool_process_exit_two_seconds_at_most(
     out the exporter's timeout and retries: with a collector that accepts and never
     answers a worker took 21-22 s to stop after SIGTERM, 3.1 s with a live one). The
     bound asserted leaves a loaded machine room."""
-    with engine.begin() as conn:
-        add_ticket(conn, world.team_id, world.customer_id, "Printer")
-        task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
+    task_id = an_export(engine, world)
     silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel), never answers
     env = settings_env(
         settings,
@@ -355,16 +364,7 @@ def test_a_silent_collector_holds_a_pool_process_exit_two_seconds_at_most(
         OTEL_BSP_SCHEDULE_DELAY="600000",  # the spans wait for the exit's flush
     )
     with silent, cluster(tmp_path) as procs:
-        worker = Proc("worker", worker_argv("w", concurrency=1), env, tmp_path).start()
-        procs += [
-            worker,
-            Proc("beat", celery_argv("beat"), settings_env(settings), tmp_path).start(),
-        ]
-        wait_for(
-            lambda: task_row(engine, task_id)["status"] == "COMPLETED",
-            timeout=60,
-            what="completion",
-        )
+        worker = run_to_completion(procs, env, settings, engine, task_id, tmp_path)
         worker.send(signal.SIGTERM)
         stopping = time.monotonic()
         assert worker.wait(timeout=60) == 0

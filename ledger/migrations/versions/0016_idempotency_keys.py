@@ -47,4 +47,6 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # Never part of a rollout: rolling back is code only, the previous release runs on
+    # this schema (CHANGELOG.md, "Upgrading"). Only once no process of this version runs.
     op.execute("DROP TABLE idempotency_keys")
