@@ -1,21 +1,6 @@
-"""The ASGI application: ``uvicorn api.app:app`` (OpenAPI at /openapi.json, docs at /docs).
+"""The ASGI application, ``uvicorn api.app:app`` (docs/design.md, "HTTP API").
 
-Routes (docs/design.md, "HTTP API"; every error body is ``{"detail": "<fixed message>"}``):
-
-==========================================  =====================================
-``GET  /api/health``                        200 ok / 503 unavailable (no-store)
-``GET  /api/workers/health``                200 workers, dispatcher, consumers, missing / 503
-``POST /api/teams/{team_id}/exports``       201 task; 401 403 404 413 422 429
-``POST /api/teams/{team_id}/reminders``     201 task; 401 403 404 413 422 429
-``GET  /api/teams/{team_id}/tasks?limit=``  200 ``{"tasks": [...]}``; 401 404 422
-``GET  /api/tasks/{task_id}``               200 task; 401 404
-``POST /api/tasks/{task_id}/retry``         202 ``{task_id, run, status}``; 401 403 404 409 429
-``POST /api/tasks/{task_id}/cancel``        202 ``{task_id, run, status}``; 401 404 409 429
-``GET  /api/tasks/{task_id}/csv``           200 text/csv; 401 404 409 410
-==========================================  =====================================
-
-Any task route answers 503 when the database is unreachable. A malformed id in a path
-answers 404, like a missing or invisible task or team.
+Routes and their answers: docs/api.md, "Routes". Error bodies are ``{"detail": "<fixed message>"}``.
 """
 
 from __future__ import annotations
@@ -104,9 +89,8 @@ def create_api(
 ) -> FastAPI:
     """Build the app; ``settings=None`` reads the environment on first use, not at import.
 
-    ``configure_logging`` installs the JSON log handler (service ``api``) at startup;
-    tests turn it off to keep pytest's capture. ``proxies``: the trusted proxies
-    (api/middleware.py, ``ForwardedClient``); None reads FORWARDED_ALLOW_IPS.
+    ``configure_logging=False`` keeps pytest's capture; ``proxies=None`` reads
+    FORWARDED_ALLOW_IPS.
     """
     res = Resources(settings)
     trusted = _proxies(proxies)
@@ -125,8 +109,7 @@ def create_api(
                 endpoint.server_close()
             res.close()
 
-    # FastAPIOffline: /docs and /redoc load their scripts from this server (the assets ship
-    # in the fastapi-offline package), never from a public CDN.
+    # FastAPIOffline: /docs and /redoc load their scripts from this server, not a CDN.
     app = FastAPIOffline(
         title="TeamDesk tasks API",
         version=version(),
@@ -143,9 +126,7 @@ def create_api(
     app.add_middleware(SecurityHeaders)  # 413 and 500 answers get them too
     app.add_middleware(RequestMetrics)  # counts every answer
     app.add_middleware(ForwardedClient, trusted=trusted)  # outermost: all see the client
-    if tracing_setup.configure("api"):  # OTEL_* asks for traces (teamdesk/tracing.py)
-        # A server span per request (not the probes'): a creation's row carries its
-        # context, so the dispatcher's publish and the worker's execution join its trace.
+    if tracing_setup.configure("api"):  # docs/design.md, "Tracing"
         FastAPIInstrumentor.instrument_app(
             app, excluded_urls=TRACE_EXCLUDED_URLS, exclude_spans=["receive", "send"]
         )

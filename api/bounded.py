@@ -1,14 +1,7 @@
-"""Blocking checks run in daemon threads, each answer bounded by a deadline (health probes).
+"""Health checks in daemon threads, each answer bounded by a deadline (docs/design.md, "HTTP API").
 
-A frozen PostgreSQL can hold a socket read longer than any client-side timeout covers,
-so the request stops waiting at the deadline and the thread is left to finish on its
-own. The threads are daemons, so a hung one never delays the process's exit, and at most
-:data:`MAX_CHECKS_IN_FLIGHT` run at once: past that a check fails at once instead of
-piling more threads onto a stuck server.
-
-Concurrent callers share one check (:class:`SharedCheck`; docs/design.md, "HTTP API"): a
-caller joins the check in flight, and a pass younger than ``fresh_s`` is answered again
-without a check, so a burst of probes costs one connection, not one each.
+A frozen server can hold a socket read past any client-side timeout, so the caller stops
+waiting at the deadline and the daemon thread is left to finish on its own.
 """
 
 from __future__ import annotations
@@ -34,11 +27,7 @@ class CheckFailed(Exception):
 
 
 class BoundedChecks:
-    """Starts checks in daemon threads, at most ``max_in_flight`` at once.
-
-    ``started``, ``in_flight`` and ``most_in_flight`` count the threads, for tests and
-    for anyone asking how many checks a stuck server holds.
-    """
+    """Starts checks in daemon threads, at most ``max_in_flight`` at once (counted for tests)."""
 
     def __init__(self, max_in_flight: int = MAX_CHECKS_IN_FLIGHT) -> None:
         self._slots = threading.BoundedSemaphore(max_in_flight)
@@ -137,13 +126,9 @@ class _Flight(Generic[T]):
 class SharedCheck(Generic[T]):
     """One check that concurrent callers share (single-flight), and its last pass while fresh.
 
-    A caller joins the check in flight while that is younger than the caller's deadline;
-    an older one is presumed hung (its own callers have given up), so the caller starts a
-    new one and a stuck server holds at most the runner's slots. A pass is answered again
-    while younger than ``fresh_s``, its age counted from when its check *started*, so a
-    reused answer is never older than ``fresh_s``. A failure is never reused: the next
-    caller checks again and sees a recovered server at once. Every caller of one
-    SharedCheck passes the same check; only the one that starts a check runs it.
+    A flight older than the caller's deadline is presumed hung and a new one started. A
+    pass's age counts from its check's *start*; failures are never reused. Every caller of
+    one SharedCheck passes the same check; only the one that starts a check runs it.
     """
 
     def __init__(

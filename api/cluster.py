@@ -1,11 +1,7 @@
-"""What the cluster lacks, in words (docs/design.md, "Dispatch"): the fixed sentences of
-``/api/workers/health`` (``problems``), ``teamdesk-tasks health --cluster`` and a waiting
-task's ``waiting_reason`` (the API's task view, ``status`` and ``watch``).
+"""What the cluster lacks, in words: ``/api/workers/health``'s problems, ``health --cluster``
+and a waiting task's ``waiting_reason`` (docs/design.md, "Dispatch").
 
-Roles are read from Redis (dispatcher/roles.py): a dispatcher leads when its leader lock
-exists (extended every second, gone 5 scan intervals after a leader died, at once after
-a clean stop); a queue has a worker when a live, not draining, heartbeat says it consumes
-it. No database and no broker is touched here.
+Roles come from Redis only (dispatcher/roles.py); no database or broker is touched.
 """
 
 from __future__ import annotations
@@ -21,9 +17,7 @@ from tasks.names import QUEUE_OF_KIND, TASK_QUEUES
 MSG_NO_DISPATCHER = "no dispatcher is running (start one: celery -A tasks beat)"
 MSG_NO_WORKER = "no worker consumes {queue}"
 MSG_NO_REDIS = "Redis does not answer: nothing can be published or run"
-# A ready task that has not started after this long gets a waiting_reason: the dispatcher
-# publishes within milliseconds and a free worker claims at once.
-EXPLAIN_AFTER_S = 5
+EXPLAIN_AFTER_S = 5  # ready and not started after this long: a waiting_reason
 
 
 def no_worker(queue: str) -> str:

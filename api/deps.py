@@ -1,26 +1,8 @@
-"""Request plumbing shared by the routes: the app's resources, bearer authentication and
-the rate limits (docs/design.md, "HTTP API").
+"""Route plumbing: the app's resources, bearer authentication and the rate limits
+(docs/design.md, "HTTP API", abuse limits).
 
-A route reads the raw token from the header (:func:`bearer_token`, no database), then
-resolves it inside its own transaction (:func:`authenticate`), so every task route is
-one short transaction (a creation: two statements, each committing by itself). Tokens
-are never logged or echoed.
-
-A request that fails authentication (no token, or one that is unknown, expired or
-revoked) takes from its client address's budget and answers 401, or 429 once that budget
-is spent (api/errors.py). A request with a live token never looks at that budget: other
-clients' failures - behind a proxy, every client may share one address - can never lock a
-valid user out. Create, retry and cancel also take from their token's budget
-(:meth:`Limits.throttle_token`) before writing anything, and reads (a task, a list, a
-CSV) from its read budget (:meth:`Limits.throttle_reads`). A request with a live token
-whose path or body is invalid (422, or 404 for a malformed id) takes from the same
-budget its route would have (:func:`token_is_valid`): invalid requests are not free.
-
-The client address is the peer's, or behind proxies the rightmost ``X-Forwarded-For``
-hop that is not a trusted proxy (``FORWARDED_ALLOW_IPS``; api/middleware.py,
-``ForwardedClient``; docs/api.md, "Behind a reverse proxy"); never text that is not an
-address. An IPv6 client's budget is its /64 (one host usually holds a whole /64), a 6to4
-or Teredo client's its IPv4 address's.
+A route reads the raw token (:func:`bearer_token`, no database), then resolves it in its
+own transaction (:func:`authenticate`). Tokens are never logged or echoed.
 """
 
 from __future__ import annotations
@@ -58,7 +40,7 @@ _limits_lock = threading.Lock()
 
 @dataclass(frozen=True)
 class Limits:
-    """The app's rate limits: one limiter (state in Redis) and the two rules it applies."""
+    """The app's rate limits: one limiter (state in Redis) and the rules it applies."""
 
     limiter: RateLimiter
     per_token: Rule
@@ -119,11 +101,9 @@ IPV6_CLIENT_PREFIX = 64
 
 
 def auth_subject(address: str) -> str:
-    """Whose budget a failed authentication takes from: the address; an IPv6 address's
-    /64 (a host can pick any address of its /64 for each request), but a 6to4 (2002::/16)
-    or Teredo (2001::/32) address's embedded IPv4 address (one IPv4 host holds 65,536 /64s
-    there). Anything that is not an address is :data:`UNKNOWN_ADDRESS`: text a client
-    wrote never names a bucket."""
+    """Whose budget a failed authentication takes from: the address, an IPv6 address's
+    /64, a 6to4 or Teredo address's embedded IPv4 (one IPv4 host holds 65,536 /64s
+    there), :data:`UNKNOWN_ADDRESS` for anything else: client text never names a bucket."""
     ip = parse_address(address)
     if ip is None:
         return UNKNOWN_ADDRESS
@@ -170,10 +150,8 @@ def authenticate(conn: Connection, token: str) -> TokenOwner:
 def token_is_valid(res: Resources, request: Request) -> bool:
     """Whether the request carries a live token (for answering 401 before 422).
 
-    A live token's request takes from that token's budget here too, as if its route had
-    run (:meth:`Limits.throttle_method`): a request that ends 422 still cost a token
-    lookup, and would otherwise be free. 429 (an HTTPException) once the budget is spent;
-    the app answers it (api/app.py)."""
+    A live token's request takes from its route's budget here too, as if the route had
+    run; HTTPException 429 once that is spent (api/app.py answers it)."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return False

@@ -1,23 +1,7 @@
-"""CSV downloads that never hold a file (docs/design.md, "HTTP API": "Downloads").
+"""CSV downloads that hold one chunk and no connection while the client reads
+(docs/design.md, "Exports", downloads).
 
-A CSV is streamed from its chunks (ledger/artifacts.py) one chunk at a time, each read
-through the owner's function that gives it only to a token whose user may see the task
-(the API's role reads no CSV otherwise, ledger/api_role.py), on a pooled connection of
-its own that goes back to the pool before the chunk is sent: a download holds at most
-one chunk (1 MiB) and no connection while the client reads, so an API process's memory
-stays flat however large the CSVs and however slow the clients. A CSV an object store
-keeps (EXPORT_STORE=s3://...) is read from its object 1 MiB at a time the same way, its
-location asked of the owner's function with the caller's token; with
-EXPORT_DOWNLOAD=redirect the route answers 307 to a presigned URL instead
-(:func:`redirect_url`).
-``Content-Length`` is the stored size: a download cut short (its CSV expired or purged
-in the middle, a database error) ends early and the client sees a short body, never a
-CSV that looks whole.
-
-What one process streams at once is bounded: ``MAX_DOWNLOADS`` in all and
-``MAX_DOWNLOADS_PER_TOKEN`` for one token (a chunk read each is a database round trip
-and a pooled connection, for a moment); past either the request answers 429 with
-``Retry-After``. The read budget (api/limits.py) still counts each download as one read.
+Each chunk is read through the owner's function, which checks the caller's token.
 """
 
 from __future__ import annotations
@@ -75,9 +59,8 @@ class Slots:
 def chunks(
     engine: Engine, stored: StoredCsv, token_hash: str, seq: int = 0, sent: int = 0
 ) -> Iterator[bytes]:
-    """The CSV's chunks in order from ``seq`` (``sent`` bytes before it), each read on a
-    connection of its own for the token with ``token_hash`` (the database checks that its
-    user may still see the task, for each chunk); stops early when a chunk is gone."""
+    """The CSV's chunks in order from ``seq`` (``sent`` bytes before it), each on a
+    connection of its own; stops early when a chunk is gone or no longer visible."""
     while stored.size is None or sent < stored.size:
         with engine.connect() as conn:
             piece = artifacts.read_chunk(conn, token_hash, stored.task_id, stored.key, seq)

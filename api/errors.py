@@ -1,21 +1,8 @@
-"""How errors become HTTP answers: always ``{"detail": "<fixed message>"}``.
+"""Errors as HTTP answers, always ``{"detail": "<fixed message>"}`` (docs/design.md, "HTTP API").
 
-- ledger errors: NotFound 404, NotAllowed 403, InvalidInput / rejected filters 422,
-  InvalidState 409, TeamQuotaExceeded and ExportQuotaExceeded 429 with ``Retry-After``
-  (their messages are fixed text chosen by the ledger);
-- a request without a live token takes from its client address's budget of failed
-  authentications (api/deps.py) and answers 401, or 429 once the budget is spent; a
-  request with a live token never looks at that budget;
-- request validation: 422 with a fixed message per field (never the input, never
-  pydantic's own text); a malformed id in the path answers 404 exactly like a missing
-  task or team, since it names nothing the caller can see;
-- an unauthenticated request to a task route answers 401 even when its path or body is
-  also invalid (the token is checked first);
-- a body sent as JSON that does not parse (malformed, not UTF-8, nested too deep) is 422
-  "not valid JSON" (FastAPI alone would answer 400 for the last two); valid JSON that is
-  not an object is 422 "must be a JSON object";
-- the database unreachable or too slow: 503. Logs carry the error class only, never
-  SQL parameters (which hold request bodies).
+Validation answers never echo the input or pydantic's text; a task route checks the token
+before judging the request (401 before 422). Logs carry the error class only, never SQL
+parameters (they hold request bodies).
 """
 
 from __future__ import annotations
@@ -60,10 +47,8 @@ MSG_CONTENT_TYPE = "send the request body as JSON, with Content-Type: applicatio
 MSG_INVALID = "the request is invalid; see /docs for the expected form"
 MSG_LIMIT = f"limit must be a whole number from 1 to {MAX_LIST_LIMIT}"
 
-# The task routes: any request to them must authenticate before anything else is judged.
-PROTECTED_PREFIXES = ("/api/teams/", "/api/tasks/")
+PROTECTED_PREFIXES = ("/api/teams/", "/api/tasks/")  # authenticated before anything is judged
 
-# Fixed messages for invalid fields, by (location, field).
 FIELD_MESSAGES = {
     ("body", "scope"): service.MSG_SCOPE,
     ("body", "filters"): MSG_NOT_OBJECT,
@@ -73,8 +58,7 @@ FIELD_MESSAGES = {
 }
 NOT_FOUND_PATH = {"team_id": MSG_TEAM_NOT_FOUND, "task_id": MSG_TASK_NOT_FOUND}
 
-# When a team at its cap may try again: tasks take seconds to minutes to finish.
-TEAM_FULL_RETRY_AFTER_S = 60
+TEAM_FULL_RETRY_AFTER_S = 60  # tasks take seconds to minutes to finish
 
 STATUS_BY_ERROR: tuple[tuple[type[LedgerError], int], ...] = (
     (TeamQuotaExceeded, 429),
@@ -86,8 +70,7 @@ STATUS_BY_ERROR: tuple[tuple[type[LedgerError], int], ...] = (
     (TaskRejected, 422),  # InvalidFilters
 )
 
-# SQLAlchemy's, and psycopg2's own: the hot-path statements (the token, a creation) go
-# straight to the driver (ledger/prepared.py).
+# psycopg2's own too: the hot-path statements go straight to the driver (ledger/prepared.py).
 UNAVAILABLE_ERRORS = (
     sqlalchemy.exc.OperationalError,
     sqlalchemy.exc.InterfaceError,

@@ -1,12 +1,5 @@
-"""``GET /api/health`` and ``GET /api/workers/health`` (docs/design.md, "HTTP API" and
-"Heartbeats").
-
-Both answer within :data:`CHECK_DEADLINE_S`: the check runs in a daemon thread and the
-request stops waiting at the deadline (see :mod:`api.bounded`). Concurrent requests share
-one check in flight, and /api/health answers a pass again for up to
-:data:`~api.resources.HEALTH_CACHE_S`; a failure is never reused. Answers never carry
-addresses or error text, and say ``Cache-Control: no-store``; /api/health's also say the
-running version (teamdesk/version.py), so a rollout can be watched.
+"""``GET /api/health`` and ``GET /api/workers/health``, bounded by :mod:`api.bounded`
+(docs/design.md, "HTTP API" and "Heartbeats"). Answers never carry addresses or error text.
 """
 
 from __future__ import annotations

@@ -1,30 +1,5 @@
-"""Rate limits kept in Redis, shared by every API replica (docs/design.md, "HTTP API").
-
-Each limit is a token bucket stored as one number per subject (GCRA: the time at which
-the bucket will be full again), updated by a Lua script that reads Redis's own clock
-(``TIME``): replicas whose clocks disagree still share one bucket, and a bucket that
-refilled simply expires, so Redis holds keys only for subjects that were busy recently.
-
-Three limits use it (``teamdesk.config``):
-
-- ``API_RATE_PER_MIN`` / ``API_RATE_BURST`` per token, on create, retry and cancel;
-- ``API_READ_RATE_PER_MIN`` / ``API_READ_BURST`` per token, on reads (a task, a list, a CSV);
-- ``AUTH_FAILURES_PER_MIN`` per client address (an IPv6 client's /64): every request
-  without a live token takes from the address's bucket and answers 401, or 429 once it
-  is empty; a request with a live token never looks at it (api/deps.py).
-
-**Redis unreachable: fail open.** The limits smooth traffic; the hard bound on what one
-team can queue is the ledger's cap (``TEAM_MAX_UNFINISHED``), which does not depend on
-Redis. So a Redis error lets the request through, logs one warning, and the limiter
-stops asking Redis for :data:`PAUSE_AFTER_FAILURE_S`: a frozen Redis costs at most one
-socket timeout (the client's, 1 s) per pause, not one per request.
-
-**Redis refusing a permission: fail closed.** A Redis that answers ``NOPERM`` (the API's
-ACL user lacks the script's command, a command it runs or the keys: a deployment error,
-not an outage) would otherwise switch the limits off for good, unnoticed. So every
-limited request answers 503 (api/errors.py's "temporarily unavailable", ``Retry-After``),
-each missing permission is logged once as an error naming it, and Redis is asked again at
-the next request: the API serves again as soon as the permission is back.
+"""Rate limits as GCRA token buckets in Redis, shared by every API replica: failing open
+when Redis is unreachable, closed when it refuses a permission (docs/design.md, "HTTP API").
 """
 
 from __future__ import annotations
@@ -44,8 +19,7 @@ from redis.exceptions import NoPermissionError
 PAUSE_AFTER_FAILURE_S = 5.0  # host clock: a local timeout, never compared across hosts
 US_PER_S = 1_000_000
 US_PER_MIN = 60 * US_PER_S
-# The 503 of a refused permission: api/errors.py's MSG_UNAVAILABLE (which imports this
-# module through api/deps.py, so the text cannot be imported from there).
+# api/errors.py's MSG_UNAVAILABLE, which cannot be imported (it imports this module).
 MSG_UNAVAILABLE = "the service is temporarily unavailable; try again shortly"
 RETRY_AFTER_DENIED_S = 5
 # Redis 7.0 reports a command a script may not run as a plain error; 7.2 and later as NOPERM.

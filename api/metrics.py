@@ -1,10 +1,6 @@
-"""The API's metrics (teamdesk/metrics.py): requests by route template, method and
-status, and their latency, from one small ASGI middleware.
+"""The API's request metrics, from one ASGI middleware (docs/design.md, "Observe").
 
-The route label is the matched route's template (``/api/tasks/{task_id}``), never the
-path itself: ids never become labels. A request no route matched is ``unmatched``; a
-method outside the usual ones is ``other``. Served on ``METRICS_HOST:METRICS_PORT``, a
-port of its own: the API's public port has no ``/metrics``.
+The route label is the matched template, never the path, so ids never become labels.
 """
 
 from __future__ import annotations
@@ -36,7 +32,7 @@ LATENCY = Histogram(
 
 
 class RequestMetrics:
-    """Outermost middleware: sees every answer, the middlewares' own 413s and 500s too."""
+    """Sees every answer, the other middlewares' own 413s and 500s too (api/app.py)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

@@ -1,26 +1,9 @@
-"""Four small ASGI middlewares: security headers, a request-size limit, a last-resort
-error answer and the client's address behind trusted proxies.
+"""ASGI middlewares: security headers, a request-size limit, a last-resort 500 and the
+client's address behind trusted proxies (docs/design.md, "HTTP API"; docs/api.md,
+"Serving it" and "Behind a reverse proxy").
 
-:class:`SecurityHeaders` adds ``X-Content-Type-Options: nosniff``, ``X-Frame-Options:
-DENY`` and a ``Content-Security-Policy`` to every answer (``default-src 'none'`` for data,
-a policy that lets the documentation pages load only from this server and run no inline
-script but their own, by hash: :func:`docs_policy`), and ``Cache-Control: no-store`` to
-every ``/api/`` answer that does not set its own (task views carry the team's data: no
-proxy or browser cache may keep them).
-
-:class:`BodyLimit` answers 413 to a body over :data:`MAX_BODY_BYTES` (by its
-``Content-Length``, or by counting a chunked body while buffering it) before any route
-runs. :class:`LastResort` turns an unexpected exception into ``500 {"detail": "internal
-error"}`` and logs only its class and where it was raised: Starlette's own handler would
-log the exception's text, and a database error's text holds SQL parameters, which hold
-request bodies.
-
-:class:`ForwardedClient` takes the client's address from ``X-Forwarded-For`` when the
-peer is a trusted proxy (``FORWARDED_ALLOW_IPS``, teamdesk/config.py): the rightmost hop
-that is not one. Unlike uvicorn's own handling (which ``teamdesk-tasks api`` turns off),
-text that is not an address never becomes the client, and a list of trusted hops never
-falls back to the leftmost entry, which the client writes itself (issue "Security, round
-four", finding 7): failed authentications are counted per client address (api/deps.py).
+:class:`LastResort` logs only the error's class and frame: Starlette's handler would log
+its text, and a database error's text holds SQL parameters, which hold request bodies.
 """
 
 from __future__ import annotations
@@ -106,16 +89,10 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
 NOSNIFF = (b"x-content-type-options", b"nosniff")
 NO_STORE = (b"cache-control", b"no-store")
 NO_FRAMES = (b"x-frame-options", b"DENY")
-# Everything but the documentation pages is data: it may load nothing and be framed by
-# nothing.
 API_CSP = (b"content-security-policy", b"default-src 'none'; frame-ancestors 'none'")
-# /docs (Swagger UI) and /redoc: their scripts, styles and fonts come from this server
-# (FastAPIOffline), they fetch /openapi.json, Redoc runs a web worker from a blob: URL and
-# both set inline styles. Two inline scripts exist, Swagger UI's start and its OAuth2
-# redirect page's: each is allowed by its SHA-256, never by 'unsafe-inline', which would
-# run any script that found its way into a page. The pages show the OpenAPI description
-# only (no user data, no token), and nothing may frame them, load from or connect to
-# another origin, embed plugins or rebase their links.
+# /docs and /redoc load only from this server; Redoc runs a worker from a blob: URL, both
+# set inline styles. Their two inline scripts (Swagger UI's start, the OAuth2 redirect
+# page's) are allowed by SHA-256, never by 'unsafe-inline'.
 DOCS_POLICY = (
     "default-src 'self'; script-src 'self' {scripts}; style-src 'self' 'unsafe-inline'; "
     "img-src 'self' data:; font-src 'self' data:; connect-src 'self'; "
@@ -136,10 +113,9 @@ def script_sources(html: str) -> list[str]:
 
 def docs_policy(app: Any, root_path: str) -> bytes:
     """The documentation pages' policy for ``app`` (a FastAPI app) under ``root_path``.
-    Swagger UI's start script depends only on what FastAPIOffline renders it from - the
-    OpenAPI URL under the root path, the redirect page's URL, the app's Swagger
-    parameters - so it is rendered here from the same and hashed; the title and the asset
-    URLs are outside it (tests/unit/test_api_docs_policy.py checks the served pages)."""
+    Swagger UI's start script depends only on the OpenAPI URL, the redirect page's URL and
+    the Swagger parameters (not the title or asset URLs), so it is rendered from those here
+    and hashed (tests/unit/test_api_docs_policy.py checks the served pages)."""
     swagger = get_swagger_ui_html(
         openapi_url=f"{root_path}{app.openapi_url}",
         title="",
@@ -250,11 +226,9 @@ def parse_address(text: str | None) -> Address | None:
 def forwarded_client(
     peer: str | None, forwarded_for: str, trusted: Sequence[ProxyNetwork]
 ) -> str | None:
-    """Who the client is: the peer, unless it is a trusted proxy; then the rightmost
-    ``X-Forwarded-For`` hop that is not one (what the nearest proxy saw). A hop that is not
-    an address ends the walk, and so does a list of trusted hops only: the client is then
-    the nearest address a proxy vouches for (the hop the nearest proxy appended, or the
-    peer), never text from the left of the header, which the client writes itself."""
+    """The peer, unless it is a trusted proxy; then the rightmost ``X-Forwarded-For`` hop
+    that is not one. A hop that is not an address, or trusted hops only, end the walk at
+    the nearest address a proxy vouches for: never text the client wrote itself."""
     peer_ip = parse_address(peer)
     if peer_ip is None or not _trusted(peer_ip, trusted):
         return peer
@@ -275,10 +249,8 @@ def _trusted(ip: Address, trusted: Sequence[ProxyNetwork]) -> bool:
 
 
 class ForwardedClient:
-    """Sets the request's client (and scheme) from ``X-Forwarded-For`` (and
-    ``X-Forwarded-Proto``) when the peer is a trusted proxy (``FORWARDED_ALLOW_IPS``,
-    :func:`forwarded_client`), in place of uvicorn's own handling, which
-    ``teamdesk-tasks api`` turns off. ``trusted`` is read at the first request."""
+    """Sets the request's client and scheme from ``X-Forwarded-*`` when the peer is a
+    trusted proxy, in place of uvicorn's handling; ``trusted`` is read at the first request."""
 
     def __init__(self, app: ASGIApp, trusted: Callable[[], Sequence[ProxyNetwork]]) -> None:
         self.app = app

@@ -1,7 +1,5 @@
-"""What the API holds open: its settings, database engines and Redis client.
-
-Everything is created on first use, so importing :mod:`api.app` (or building the app)
-needs neither a database nor Redis; the lifespan's shutdown closes what was opened.
+"""What the API holds open (settings, engines, Redis), created on first use so that building
+the app needs no server (docs/design.md, "HTTP API").
 """
 
 from __future__ import annotations
@@ -20,26 +18,20 @@ from teamdesk.config import Settings, get_settings
 from teamdesk.db import bound_transactions, make_engine, sqlalchemy_url
 from teamdesk.redis_client import redis_client
 
-# Task routes: give up on a busy or absent database instead of holding the request.
 DB_CONNECT_TIMEOUT_S = 3  # libpq takes whole seconds (2 at least)
 DB_STATEMENT_TIMEOUT_MS = 10_000
 DB_POOL_TIMEOUT_S = 5.0
-# Connections the task routes keep open. SQLAlchemy closes an overflow connection as soon
-# as it is returned, so requests running at once beyond the kept ones each paid a new
-# PostgreSQL connection (a backend forked and started: P7 with 8 clients on one process,
-# about 3.5 ms of CPU per creation outside every measured process).
+# Kept open: an overflow connection is closed when returned, and a new backend per
+# request cost about 3.5 ms of CPU per creation (P7, 8 clients on one process).
 DB_POOL_SIZE = 10
 DB_MAX_OVERFLOW = 10
 
-# Health probes (docs/design.md, "HTTP API"): bounded well below an orchestrator's probe timeout.
+# Health probes: bounded well below an orchestrator's probe timeout.
 HEALTH_CONNECT_TIMEOUT_S = 2
 HEALTH_STATEMENT_TIMEOUT_MS = 2_000
 REDIS_TIMEOUT_S = 1.0
-# A pass of `SELECT 1` answers /api/health again for this long (counted from when its check
-# started): probes checking in parallel or in quick succession cost one connection.
 HEALTH_CACHE_S = 1.0
-# /api/workers/health reads Redis every time (concurrent reads still share one): an operator
-# starting or stopping a process expects the next answer to show it.
+# 0: an operator starting or stopping a process expects the next answer to show it.
 WORKERS_HEALTH_CACHE_S = 0.0
 
 
@@ -52,8 +44,7 @@ class Resources:
         self._engine: Engine | None = None
         self._health_engine: Engine | None = None
         self._redis: redis.Redis | None = None
-        # The health routes' checks; each has its own threads, so a frozen Redis cannot
-        # take the slots /api/health needs.
+        # Each has its own threads: a frozen Redis cannot take the slots /api/health needs.
         self.database_check: SharedCheck[None] = SharedCheck(fresh_s=HEALTH_CACHE_S)
         self.roles_check: SharedCheck[dict[str, Any]] = SharedCheck(fresh_s=WORKERS_HEALTH_CACHE_S)
         self.downloads = Slots()  # the CSVs this process streams now (api/downloads.py)

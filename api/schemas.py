@@ -1,9 +1,6 @@
-"""Request and response bodies, as the OpenAPI document shows them.
-
-Request bodies take no unknown fields and coerce nothing (no number read as text or as
-a Unix time). Export filters stay a plain
-JSON object here and are validated by :func:`ledger.filters.validate_filters`, the one
-rule the API, the CLI and the worker share; the schema below only documents them.
+"""Request and response bodies, as the OpenAPI document shows them (class docstrings and
+descriptions are published there). Request bodies take no unknown fields and coerce nothing;
+filters are validated by :func:`ledger.filters.validate_filters`, the schema only documents them.
 """
 
 from __future__ import annotations

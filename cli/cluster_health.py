@@ -1,20 +1,8 @@
-"""``teamdesk-tasks health --cluster``: can this cluster run my tasks? (docs/design.md,
-"Dispatch": loud when a role is missing).
+"""``teamdesk-tasks health --cluster``: can this cluster run my tasks? (docs/design.md, "Dispatch").
 
-Yes when PostgreSQL and Redis answer, a dispatcher leads (its leader lock in Redis) and
-every task queue has a live worker (a heartbeat that says it consumes the queue). Every
-queue, not only those with work waiting: a task created a second from now must be able to
-start. ``waiting`` (ready runs not yet published, per queue, counted by the database's
-clock and capped) says which missing worker is already holding tasks up, and
-``busiest_teams`` (per queue, the five teams with the most ready runs) whose work it is.
-
-Prints one JSON line on stdout and, for each problem, one sentence on stderr (the texts
-of api/cluster.py, which /api/workers/health and task views use too); exit 0 or 1.
-Bounded: Redis 1 s per operation, PostgreSQL 2 s to connect and 2 s per statement. When
-PostgreSQL cannot be used the problem names the cause as ``status`` does
-(teamdesk/failures.py: ``database "x" does not exist``, ``connection refused at
-host:port``), never a password. The per-host probe (plain ``health``, worker/probe.py) is
-the container liveness check; this one looks at the whole cluster.
+Yes when PostgreSQL and Redis answer, a dispatcher leads and every task queue has a live
+worker, whether or not work waits. One JSON line on stdout, one sentence per problem on
+stderr (api/cluster.py's texts); exit 0 or 1. The per-host probe is plain ``health``.
 """
 
 from __future__ import annotations
@@ -64,9 +52,8 @@ class Waiting:
 
 
 def read_waiting(database_url: str) -> Waiting:
-    """Ready, unpublished runs per task queue, and per queue the teams with the most of
-    them (counted while the queue's ready runs are under the count's cap; a queue at the
-    cap names none); or, when PostgreSQL cannot be used, why."""
+    """Ready, unpublished runs per task queue and its busiest teams (none for a queue at the
+    count's cap); or, when PostgreSQL cannot be used, why."""
     engine = bound_transactions(
         sa.create_engine(
             sqlalchemy_url(database_url),

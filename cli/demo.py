@@ -1,13 +1,6 @@
-"""The demo team (``teamdesk-tasks demo-seed``, ``make run``): created once, tokens on demand.
-
-One transaction under an advisory lock: the team "Demo Support", a staff and a customer
-user with fixed emails, and :data:`DEFAULT_TICKETS` tickets made by one set-based INSERT
-(varied status, priority, titles with commas, quotes and formula-like starts, creation
-times spread over six weeks, a third assigned to the staff user). A second run finds the
-team by its staff member and creates nothing; every run issues fresh API tokens (only
-their hashes are stored, so earlier ones cannot be shown again) and revokes the demo
-users' earlier tokens of the same name, so repeated runs leave one live token per user
-and name, not a trail.
+"""The demo team (``teamdesk-tasks demo-seed``, ``make run``): created once, under an
+advisory lock; every run issues fresh tokens and revokes the users' earlier ones of the
+same name, so repeated runs leave one live token per user and name.
 """
 
 from __future__ import annotations
@@ -53,9 +46,7 @@ INSERT_MEMBER = text("""
     ON CONFLICT (team_id, user_id) DO UPDATE SET role = EXCLUDED.role
 """)
 
-# Titles exercise the CSV rules: commas, double quotes, non-ASCII, and cells that start
-# with = + - @ (exported with a leading ').
-TITLES = (
+TITLES = (  # exercise the CSV rules (docs/design.md, "Exports")
     "Printer on the 3rd floor jams, again",
     'Refund for order "A-{n}" not received',
     "Cannot log in after password reset",

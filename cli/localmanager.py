@@ -1,17 +1,9 @@
 """honcho's process manager with a deploy-safe stop (used by :mod:`cli.localrun`).
 
-Stock honcho 2.0 sends SIGTERM to each child's whole process group (so a Celery
-worker's prefork children get it too) and SIGKILLs everything 5 s after the first
-process exits, which would cut a worker's drain short. Here:
-
-- the first SIGINT/SIGTERM/SIGHUP to the runner sends exactly one SIGTERM to each
-  child's pid (the program itself: the Procfile commands are exec'd);
-- everything left is killed (whole process groups) only after ``stop_grace_s``, or at a
-  second signal;
-- :attr:`returncode` is 0 only when the stop was asked for and every child exited 0;
-- a runner whose output went away (``make run | less``, then quit) keeps stopping its
-  children instead of dying on a broken pipe, and an unexpected error in the loop kills
-  the children rather than leaving them running without a parent.
+Stock honcho 2.0 signals each child's whole group (prefork children too) and SIGKILLs all
+5 s after the first exit, cutting a worker's drain short. Here the first stop signal sends
+one SIGTERM to each child's pid; what is left is killed after ``stop_grace_s`` or at a
+second signal. A lost stdout (``make run | less``, quit) does not kill the runner.
 """
 
 from __future__ import annotations

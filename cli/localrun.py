@@ -1,23 +1,7 @@
-"""The local cluster behind ``make run`` (``teamdesk-tasks run-local``).
-
-Before starting anything: create the database named in DATABASE_URL when it is missing
-(through the server's ``postgres`` maintenance database), migrate, seed the demo team
-(once; a fresh token for the demo staff user every time, the earlier ones revoked),
-check Redis, and print the Flower and API addresses with a ready-to-paste ``curl``. The
-Flower password is FLOWER_PASSWORD, or else the checkout's own: made once and kept in
-:data:`STATE_DIR` (git-ignored, the file 0600), so a bookmark or a saved login survives the
-next ``make run``. Then
-run the ``Procfile``'s processes in the foreground with honcho's manager, each output
-line prefixed with the process name.
-
-Stopping: the first SIGINT (Ctrl-C) or SIGTERM sends exactly one SIGTERM to each
-process, never to its process group, because Celery treats a second TERM/INT
-differently, and a prefork pool child must not get a signal meant for its parent.
-Celery workers then drain (docs/design.md, "Shutdown", up to SHUTDOWN_TIMEOUT_S); beat,
-Flower and the API stop at once. A second signal, or the drain budget plus
-:data:`KILL_GRACE_S`, kills what is left (whole process groups). The runner exits 0 only
-when it was asked to stop and every process exited 0; a process that exits on its own
-stops the others and the runner exits 1.
+"""The local cluster behind ``make run`` (``teamdesk-tasks run-local``): create the database
+if missing, migrate, seed the demo team, print the addresses, then run the Procfile's
+processes in the foreground (stopped as :mod:`cli.localmanager` says; docs/design.md, "Shutdown").
+The Flower password is FLOWER_PASSWORD, else one kept in :data:`STATE_DIR` across runs.
 """
 
 from __future__ import annotations
@@ -46,9 +30,8 @@ from teamdesk.db import make_engine, sqlalchemy_url
 from teamdesk.failures import database_failure, redis_failure
 from teamdesk.redis_client import redis_client
 
-PROCFILE = Path(__file__).with_name("Procfile")  # the processes ``make run`` starts
-# The checkout's local state (git-ignored): what one ``make run`` keeps for the next.
-STATE_DIR = Path(__file__).resolve().parent.parent / ".localrun"
+PROCFILE = Path(__file__).with_name("Procfile")
+STATE_DIR = Path(__file__).resolve().parent.parent / ".localrun"  # git-ignored
 FLOWER_PASSWORD_FILE = "flower_password"
 REDIS_CHECK_TIMEOUT_S = 3.0
 DEFAULT_REDIS_PORT = 6379
@@ -88,8 +71,7 @@ def read_procfile(path: Path) -> dict[str, str]:
 
 
 def exec_command(command: str) -> str:
-    """Make the shell replace itself with the command, so a signal to the child's pid
-    reaches the program itself (never a shell that would die and orphan it)."""
+    """``exec`` the command, so a signal to the child's pid reaches the program, not a shell."""
     return command if command.startswith("exec ") else f"exec {command}"
 
 
@@ -123,8 +105,8 @@ def process_env(
 
 
 def ensure_database(database_url: str) -> bool:
-    """Create the database DATABASE_URL names, through the ``postgres`` maintenance
-    database of the same server, when it does not exist. True when it was created."""
+    """Create DATABASE_URL's database through the server's ``postgres`` database when it
+    does not exist; True when it was created. RunError when it cannot."""
     url = sa.engine.make_url(sqlalchemy_url(database_url))
     name = url.database
     if not name:
@@ -196,8 +178,7 @@ def check_redis(settings: Settings) -> None:
 def check_port(port: int, flag: str, variable: str) -> None:
     """Fail early, with the way out, when another program holds a port we need."""
     with socket.socket() as sock:
-        # As the servers do: a port held only by closed connections (TIME_WAIT, right
-        # after the previous run) is free; one with a listener is not.
+        # As the servers do: a port in TIME_WAIT after the previous run is free.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
@@ -309,16 +290,14 @@ def _slow_line(options: LocalOptions) -> list[str]:
 
 
 def cluster_manager(settings: Settings) -> ClusterManager:
-    """The process manager: its stop message says the workers' drain budget
-    (SHUTDOWN_TIMEOUT_S); it kills what is left :data:`KILL_GRACE_S` after it."""
+    """The manager kills what is left :data:`KILL_GRACE_S` after the workers' drain budget."""
     drain_s = settings.shutdown_timeout_s
     return ClusterManager(stop_grace_s=drain_s + KILL_GRACE_S, drain_s=drain_s)
 
 
 def metrics_ports(base: int, processes: dict[str, str]) -> dict[str, int]:
-    """With METRICS_PORT set, each process that serves metrics (all but Flower) gets its
-    own port, counted up from it in the Procfile's order: one port for all of them would
-    let the first take it and the others die on 'address already in use'."""
+    """With METRICS_PORT set, a port per process that serves metrics (all but Flower),
+    counted up from it in the Procfile's order (a shared one: 'address already in use')."""
     if not base:
         return {}
     serving = [name for name, command in processes.items() if " flower" not in f" {command}"]
@@ -382,10 +361,8 @@ def options_from(args: Any) -> LocalOptions:
 
 
 def kept_flower_password(state_dir: Path) -> str:
-    """The checkout's Flower password: the one in ``state_dir/flower_password``, or a new
-    random one written there first (the directory 0700, the file 0600). The file appears
-    whole or not at all (written aside, then linked in), so two runs starting at once
-    agree on one password."""
+    """The checkout's Flower password, kept in ``state_dir`` (0700, file 0600) or made now.
+    Written aside then linked in, so two runs starting at once agree on one password."""
     path = state_dir / FLOWER_PASSWORD_FILE
     try:
         kept = _read_password(path)

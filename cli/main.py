@@ -1,12 +1,5 @@
-"""``teamdesk-tasks``: the operator's command line.
-
-``migrate``, ``health`` and ``scan`` are here; the others live in ``cli/commands/``
-(``serve`` = api, ``local`` = demo-seed and run-local, ``task_commands`` = submit, status,
-retry, cancel, token, ``watch``). Parsing imports only the standard library and the light
-foundation, so ``--help`` and the ``health`` probe stay fast and never load Celery; each
-handler imports what it needs when it runs (see ``cli/commands/__init__.py``).
-``--version`` prints the running version (teamdesk/version.py) before any configuration
-is read.
+"""``teamdesk-tasks``, the operator's command line: ``migrate``, ``health`` and ``scan`` here,
+the rest in ``cli/commands/`` (whose docstring says why handlers import late).
 """
 
 from __future__ import annotations
@@ -161,8 +154,7 @@ def cmd_scan(args: argparse.Namespace) -> int:
 
 
 class _PrintVersion(argparse.Action):
-    """``--version``: print ``teamdesk-tasks X.Y.Z`` on stdout and exit 0, like argparse's
-    own version action, but the version is read only when asked for (importing
+    """argparse's version action, reading the version only when asked (importing
     importlib.metadata costs ~25 ms that no other command should pay)."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
@@ -273,9 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """The arguments; an unknown option is refused by the command it was given to, with
-    that command's usage and the closest option it has (argparse's own answer is the
-    top-level usage, which lists no option at all)."""
+    """The arguments; an unknown option is refused with its command's usage and closest
+    option (argparse's own answer is the top-level usage, which lists no option)."""
     args, extra = parser.parse_known_args(argv)
     if extra:
         command = _subcommand(parser, getattr(args, "command", None))

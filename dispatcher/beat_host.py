@@ -1,20 +1,7 @@
-"""celery beat runs the dispatcher: ``celery -A tasks beat`` is the one process role the
-cluster needs besides its workers (docs/design.md, "Dispatch").
-
-Beat's scheduler is replaced by :class:`DispatchingScheduler`: it schedules no Celery
-tasks at all. Each ``tick`` runs the dispatcher loop for at most ``TICK_BUDGET_S`` and
-returns; beat calls it again at once while this process leads, and after about a second
-while it stands by. Nothing is sent to any queue but the task messages themselves, so
-dispatch does not depend on which queues the workers consume.
-
-Stopping: SIGTERM/SIGINT only ask the loop to stop (:meth:`DispatchingScheduler.ask_stop`);
-the tick that is running ends (within its budget, or its statement's bound), then raises
-``SystemExit`` between two steps, and beat closes the scheduler, which releases the leader
-lock, so a standby takes over within a second. Celery's own handler raises ``SystemExit``
-wherever the main thread is: inside a Redis read, redis-py's clean-up then failed
-("I/O operation on closed file") and beat exited 1 instead of 0. Errors the loop knows
-(PostgreSQL or Redis unreachable) never leave ``tick``; beat keeps running through outages
-and Redis restarts. Run it under a supervisor that restarts it anyway (a bug ends it with exit 1).
+"""celery beat runs the dispatcher: its scheduler, :class:`DispatchingScheduler`, schedules no
+Celery task and runs the dispatcher loop for a bounded time at each ``tick`` (docs/design.md,
+"Dispatch" and "Shutdown"). A stop signal only asks; ``SystemExit`` is raised between two
+ticks. Run it under a supervisor anyway: a bug ends it with exit 1.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
 """``teamdesk-tasks scan``: one dispatcher scan from the command line (docs/design.md,
-"Dispatch"): recover, re-publish lost messages, fill the window, purge.
-
-Prints one line saying what the scan did (or one JSON object with ``--json``) and exits
-0; exits 1 with one clear line on stderr when PostgreSQL or Redis (or the broker) cannot
-be reached. PostgreSQL's line names the cause as every command does (teamdesk/failures.py:
-``database "x" does not exist``, ``connection refused at host:port``, never a password);
-Redis's names the error class.
+"Dispatch"); exit 1 with one line on stderr when PostgreSQL or Redis cannot be reached.
 """
 
 from __future__ import annotations

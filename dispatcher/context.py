@@ -1,11 +1,5 @@
 """What every dispatcher pass works with: the app (to publish), the settings, a database
 engine of its own and the ``REDIS_URL`` client (heartbeats, the leader lock).
-
-The engine's connections carry a statement timeout (a pass must not hang on a lock or a
-stuck server) and commit without waiting for the WAL flush. Like every pool
-(teamdesk/db.py), a checkout sends nothing: a pass that meets a dropped connection the
-socket did not show fails, the pool forgets it, and the next pass, moments later, takes
-a new one.
 """
 
 from __future__ import annotations
@@ -36,9 +30,8 @@ def dispatcher_engine(settings: Settings) -> Engine:
         max_overflow=2,
         connect_args={"connect_timeout": 5, "application_name": APPLICATION_NAME},
     )
-    # Every transaction bounded, and: a stamp lost in a PostgreSQL crash only makes its run
-    # ready again (a duplicate message at worst, which the lease absorbs), so no need to
-    # wait for the WAL flush. Per transaction, never per session (PgBouncer).
+    # No WAL flush: a stamp lost in a crash makes its run ready again (a duplicate message
+    # at worst, which the lease absorbs).
     return bound_transactions(engine, round(STATEMENT_TIMEOUT_S * 1000), synchronous_commit="off")
 
 
@@ -56,8 +49,7 @@ class Cluster:
     settings: Settings
     engine: Engine = field(default=None)  # type: ignore[assignment]
     results: redis.Redis = field(default=None)  # type: ignore[assignment]
-    # Where the object store's orphan sweep goes on from, and the thread its passes run
-    # on (dispatcher/objects.py).
+    # The object store's sweep: where it goes on from, and its thread (dispatcher/objects.py).
     object_sweep_after: str = ""
     object_purges: OnePassAtATime = field(
         default_factory=lambda: OnePassAtATime("teamdesk-object-purge")

@@ -1,16 +1,5 @@
-"""One active dispatcher: a Redis lock with a time to live, extended while its holder works.
-
-Every beat process runs the dispatcher loop, but only the holder of
-``<QUEUE_PREFIX>:dispatcher:leader`` (on ``REDIS_URL``) dispatches; the others stand by and
-try to take the lock about once a second. A leader that stops cleanly releases the lock
-(a standby takes over within a second); one that dies or freezes loses it when its time
-to live runs out (``leader_ttl_s``, 15 s with the defaults).
-
-Overlap is safe, only wasteful: every ledger write the dispatcher makes is conditional and
-locks its rows ``SKIP LOCKED``. So when Redis cannot be reached the leader keeps
-dispatching until its last confirmed hold would have expired, then stands down; after a
-Redis restart (the lock is gone with the data) it takes the lock again unless a standby
-was quicker.
+"""One active dispatcher: a Redis lock with a time to live, extended while its holder works
+(docs/design.md, "Dispatch", one leader).
 """
 
 from __future__ import annotations

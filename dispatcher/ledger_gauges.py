@@ -1,24 +1,6 @@
 """The ledger's gauges, read by the leading dispatcher only, with one bounded statement
-cached for :data:`CACHE_S` (docs/design.md, "Observe").
-
-- ``teamdesk_tasks{kind,status}``: tasks by kind and status (retention keeps the table
-  small; the dispatcher's connections bound every statement by ``statement_timeout``);
-- ``teamdesk_tasks_oldest_waiting_seconds{kind}``: how long the oldest WAITING task that
-  is due has been due, by the database's clock (0 when none);
-- ``teamdesk_tasks_running_silent{kind}``: RUNNING rows not written for more than half of
-  ``STALE_AFTER_S``, by the database's clock (the recovery's early warning);
-- ``teamdesk_dispatch_window_depth{kind}``: runs published and not yet claimed;
-- ``teamdesk_backlog{queue}``: runs due now by the database's clock and not yet claimed
-  (ready, due and not yet promoted, or in the window; scheduled runs not yet due are not
-  counted), each part counted up to 100,000 (ledger/waiting.py ``BACKLOG_BY_KIND``, on the
-  dispatcher's partial indexes: flat with the finished rows and the teams with nothing
-  due). The autoscalers' signal (deploy/k8s/worker-autoscaling.yaml): the broker holds
-  only the window, so its queue length says nothing about the backlog;
-- ``teamdesk_backlog_oldest_seconds{queue}``: the age of the oldest of them (0 when none);
-- ``teamdesk_workers_live``: live worker heartbeat members (Redis).
-
-A failed read (the database or Redis away) serves none of these and counts
-``teamdesk_ledger_read_errors_total``: an alert on them then sees them absent.
+cached for :data:`CACHE_S` (docs/design.md, "Observe"). A failed read serves none of
+them and counts ``teamdesk_ledger_read_errors_total``: alerts see the gauges absent.
 """
 
 from __future__ import annotations
@@ -112,8 +94,7 @@ def families(
     rows: Sequence[Any], backlog: dict[str, tuple[int, float]] | None = None
 ) -> list[GaugeMetricFamily]:
     """The gauges from the statement's rows, with a zero for every kind (and status). The
-    oldest due WAITING task is the backlog's oldest (ready, due and not promoted, or in the
-    window: every WAITING run whose run_at has come), read once for both gauges."""
+    oldest due WAITING task is the backlog's oldest, read once for both gauges."""
     got = {(row.part, row.kind, row.status): row.value for row in rows}
     for kind, (_count, age) in (backlog or {}).items():
         got[("oldest", kind, None)] = age

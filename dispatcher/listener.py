@@ -1,18 +1,8 @@
-"""The dispatcher's wake-up: ``LISTEN teamdesk_dispatch`` on a connection of its own.
+"""The dispatcher's wake-up: ``LISTEN teamdesk_dispatch`` on a connection of its own, or
+polling (docs/design.md, "Dispatch", wake-ups).
 
-Every ledger change that makes a run ready or frees a window slot sends a notification
-(ledger/wake.py); :meth:`Listener.wait` returns as soon as one arrives. Notifications are
-best effort: one sent while the connection was down is gone, so after every (re)connect
-``wait`` reports a wake (the caller then looks at the ledger), and the dispatcher's
-periodic scan runs regardless. A lost notification costs at most one scan interval.
-
-The connection is autocommit (a LISTEN inside an open transaction only takes effect at
-commit, and an idle-in-transaction listener receives nothing) and uses TCP keepalives; a
-periodic ``SELECT 1`` (:meth:`check`) finds a connection that died without a FIN. It must
-reach PostgreSQL directly or through a session-pooled entry: behind PgBouncer in
-transaction pooling a LISTEN registers on a server connection the client does not keep,
-and nothing ever arrives. ``DISPATCH_LISTEN_URL`` names such a connection, or ``off``
-for polling only (:class:`Poller`).
+Autocommit, since a LISTEN in an open transaction takes effect only at commit; a periodic
+``SELECT 1`` (:meth:`Listener.check`) finds a connection that died without a FIN.
 """
 
 from __future__ import annotations

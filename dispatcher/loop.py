@@ -1,23 +1,9 @@
-"""The dispatcher loop: lead or stand by; while leading, fill the window whenever the
-ledger says something changed, and scan every ``SCAN_INTERVAL_S`` (docs/design.md,
-"Dispatch").
+"""The dispatcher loop: lead or stand by; while leading, a round is a scan when one is due,
+else a fill when woken or a scheduled run is due (docs/design.md, "Dispatch").
 
-:meth:`DispatchLoop.run_for` works for a bounded time and returns, so a host can keep
-its own duties in between (celery beat extends nothing of ours, but must be able to stop
-between calls; see dispatcher/beat_host.py). Inside it:
-
-- the leader lock is taken or extended first (dispatcher/leader.py); a standby returns
-  at once and asks again about a second later;
-- a *round* is a scan when one is due (recover, re-publish lost messages, fill, and the
-  purge every ``PURGE_INTERVAL_S``), else a fill when a notification arrived or a
-  scheduled run became ready;
-- between rounds it waits on the LISTEN connection (dispatcher/listener.py) until a
-  notification, the next scan, or the next scheduled ``run_at`` (the database says how far
-  away it is), whichever comes first.
-
-Failures never end the loop: a round that cannot reach PostgreSQL or Redis is reported
-through the throttled :class:`FailureLog` (``dispatcher.failed`` at most once per 30 s,
-``dispatcher.recovered`` once) and the next round comes after ``ERROR_BACKOFF_S``.
+:meth:`DispatchLoop.run_for` returns after a bounded time, so beat can stop between calls
+(dispatcher/beat_host.py). Failures never end the loop: the next round comes after
+``ERROR_BACKOFF_S``.
 """
 
 from __future__ import annotations
@@ -44,12 +30,10 @@ PURGE_INTERVAL_S = 60.0  # CSVs are kept 24 h; a minute late is nothing
 LISTEN_CHECK_S = 10.0  # SELECT 1 on the LISTEN connection this often
 ERROR_BACKOFF_S = 1.0  # after a failed round, the next one no sooner than this
 DUE_SLACK_S = 0.002  # wake this much after a run_at, so the database sees it as due
-# Fills at most this often: on an idle cluster a notification is filled at once; under
-# load the completions of this long are served by one fill (one query, one publish). The
-# window holds at least WINDOW_SPAN_S of work (dispatcher/window.py), longer than this.
+# Under load one fill serves this long's completions; the window holds at least
+# WINDOW_SPAN_S of work (dispatcher/window.py), longer than this.
 MIN_FILL_GAP_S = 0.02
-# A fill this slow means the planner has gone astray (statistics far behind a burst):
-# bring the scan, which refreshes them, forward to within SLOW_FILL_RESCAN_S.
+# A slower fill means statistics far behind: bring the scan (which refreshes them) forward.
 SLOW_FILL_S = 0.05
 SLOW_FILL_RESCAN_S = 0.5
 NO_CONSUMERS_LOG_S = 30.0  # dispatcher.no_consumers at most this often per queue

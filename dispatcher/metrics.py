@@ -1,12 +1,6 @@
-"""The dispatcher's metrics (teamdesk/metrics.py; docs/design.md, "Observe").
-
-Counted by the loop (dispatcher/loop.py) after each round: scan durations, messages
-published, lost messages published again (reconciled), RUNNING rows recovered, rounds
-that could not reach a service. Read at scrape time, and only while this process leads
-(a standby reports ``teamdesk_dispatcher_leader 0`` and nothing else, so sums over every
-dispatcher stay right): the seconds since the last successful scan and purge, and the
-ledger gauges (dispatcher/ledger_gauges.py). The seconds are this host's monotonic clock
-between two of its own moments: no clock is compared with another host's.
+"""The dispatcher's metrics: counters after each round, and the leader's clock gauges at
+scrape time (docs/design.md, "Observe"). The clock is this host's monotonic one, never
+compared with another host's.
 """
 
 from __future__ import annotations

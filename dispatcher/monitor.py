@@ -1,11 +1,6 @@
-"""What an operator sees while the dispatcher's rounds fail: ``dispatcher.failed`` at
-most once per ``FAILED_LOG_INTERVAL_S`` (a round runs every second or more often; a log
-line per round would bury everything else during an outage), then
-``dispatcher.recovered`` once when a round succeeds again. The clock is injected so the
-throttle is tested without waiting.
-
-Only the leading dispatcher runs rounds, so its :class:`FailureLog` is the cluster's:
-"about once per 30 s" holds for the whole cluster, not per process.
+"""What an operator sees while the dispatcher's rounds fail: ``dispatcher.failed`` at most
+once per ``FAILED_LOG_INTERVAL_S``, then ``dispatcher.recovered`` once (docs/design.md,
+"Dispatch"). Only the leader runs rounds, so the throttle holds for the whole cluster.
 """
 
 from __future__ import annotations

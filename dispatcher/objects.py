@@ -1,26 +1,12 @@
-"""The dispatcher's purge of CSVs kept in an object store (EXPORT_STORE=s3://...;
-docs/design.md, "Exports": "Where a CSV is kept").
+"""The dispatcher's purge of CSVs kept in an object store, one pass at a time on a thread of
+its own, calling the store with no transaction open (docs/design.md, "Exports").
 
-Each purge (every ``PURGE_INTERVAL_S``) starts one pass on a thread of its own
-(``Cluster.object_purges``; a pass still under way skips the turn), so a slow or silent
-store never holds a scan; and it calls the store with no database transaction open, so
-it never holds a row lock:
-
-1. **Expired CSVs.** Up to a page of rows naming an object past its 24 hours are read;
-   their objects are deleted from the store; then the rows forget them - only those
-   still naming the same object (one guarded statement). A failed delete leaves the rows
-   as they were: the next pass tries again.
-2. **Orphans.** The next page of the store's listing (a cursor walks the exports folder a
-   page per pass and starts over at its end): an object no row names - an execution
-   that uploaded and then lost its lease, crashed, or was refused - is deleted once it is
-   older than the grace. So is a multipart upload left open by a crash.
-
-It runs whatever ``EXPORT_STORE`` says now, as long as rows name objects (an operator who
-went back to ``postgres`` keeps the AWS settings until the last object expired). Ages are
-judged by the database's clock (the store's timestamps are compared with ``now()`` in SQL,
-ledger/artifacts.py). The grace, an hour past ``EXPORT_READ_BUDGET_S``, is longer than any
-execution's upload. A failing store is logged (``dispatcher.store_failed``); nothing is
-lost. The bucket's lifecycle rule (deploy/README.md, "Object store") is the second line.
+A pass deletes expired CSVs' objects, then the rows still naming them forget them (a failed
+delete leaves the rows: the next pass tries again); then it sweeps one page of the store's
+listing of objects no row names and open uploads, past the grace. It runs while rows name
+objects, whatever ``EXPORT_STORE`` says now (going back to ``postgres`` keeps the AWS
+settings until the last object expired). The bucket's lifecycle rule
+(deploy/security.md, "Object store") is the second line.
 """
 
 from __future__ import annotations
@@ -48,7 +34,7 @@ class ObjectPurge:
 
 
 def purge_objects(cluster: Cluster) -> ObjectPurge:
-    """One pass, steps 1 and 2 above, in the caller's thread."""
+    """One pass, in the caller's thread."""
     done = ObjectPurge()
     target = export_store.parse_store(cluster.settings.export_store)
     try:

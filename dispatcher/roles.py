@@ -1,6 +1,5 @@
-"""Which process roles the cluster has right now: a leading dispatcher, and live worker
-processes per task queue. Read from Redis alone (the leader lock and the heartbeats), so
-the API and the CLI can say which role is missing without touching the broker.
+"""Which process roles the cluster has now (a leading dispatcher, live worker processes per
+queue), read from Redis alone, never the broker (docs/design.md, "Dispatch").
 """
 
 from __future__ import annotations

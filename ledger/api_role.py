@@ -1,51 +1,12 @@
-"""The API's database role (docs/design.md, "Processes"): what the internet-facing process
-may do to the database, narrower than the application role the workers and the
-dispatcher use (ledger/roles.py, whose machinery sets it up the same way).
+"""The API's database role: exactly the statements the API runs, narrower than the
+application role whose machinery sets it up (ledger/roles.py; docs/design.md, "Processes").
 
-``teamdesk-tasks migrate --api-role NAME`` runs :func:`grant_api_role` as the schema's
-owner (password: ``API_DB_PASSWORD``, sent as a SCRAM verifier), in the transaction and
-under the advisory lock of the application role's grants, re-applying them at every run.
-The grants are exactly the statements the API runs (api/tasks.py, api/health.py and the
-ledger functions they call):
-
-- ``api_tokens``: nothing. A bearer token is resolved through the owner's
-  ``teamdesk_resolve_token_v1`` (migration 0014, ledger/tokens.py ``RESOLVE_TOKEN``),
-  which also records its use: the role cannot read the hashes of tokens it was not shown.
-  Creating, listing and revoking tokens are operators' commands (``teamdesk-tasks
-  token``), run as the application role;
-- ``background_tasks``: ``SELECT`` of every column but ``result_csv`` and
-  ``result_object`` (read, list, the quota's counts, where a CSV is); ``INSERT`` of the
-  columns a creation writes only (:data:`CREATED_COLUMNS`: every other column takes its
-  default, so a row the API inserts is WAITING with no result); ``UPDATE`` of the
-  columns a retry and a cancel write only (:data:`REOPENED_COLUMNS`): never a CSV, its
-  key, checksum, size or object, so no statement of this role can plant or swap what a
-  download serves; no ``DELETE``;
-- ``export_chunks``: nothing. A download reads each chunk through the owner's
-  ``teamdesk_export_chunk_v1`` (ledger/artifacts.py ``READ_CHUNK``), which gives it only
-  for a live token whose user may see the task now (ledger/permissions.py ``may_see``),
-  as it does a CSV an earlier release stored in ``result_csv``; the object of a CSV an
-  object store keeps is asked of ``teamdesk_export_object_v1`` the same way (its key ends
-  in 128 random bits: the API's store credentials need ``GetObject`` only, never a
-  listing, deploy/README.md). A compromised API can
-  still queue work in any member's name (within the team's quotas), but it reads no CSV
-  except those the tokens presented to it may download;
-- ``idempotency_keys``: ``SELECT``, ``INSERT`` and ``DELETE`` (ledger/idempotency.py: a
-  creation's or retry's key, read when it is sent again, and its expired row removed
-  before the key is taken again); no ``UPDATE``;
-- ``task_audit``: ``INSERT`` only (the ``RETRY`` and ``CANCEL`` rows; it reads none);
-- ``memberships``: ``SELECT`` (who may see or create what, ledger/permissions.py);
-- ``tickets``: ``SELECT`` of ``id`` and ``team_id`` only (a reminder's ticket belongs to
-  the team): the API never reads a ticket's content;
-- ``users``, ``teams``, ``notifications``, ``system_events``: nothing. Foreign keys are
-  checked with the owner's rights, so inserting a task needs no access to ``teams`` or
-  ``users``;
-- no sequence (``task_audit.id`` is an identity column: its inserts need none);
-  ``EXECUTE`` on the three functions above only, not on the dispatcher's ANALYZE and purge.
-
-A table missing from :data:`API_TABLES` gets nothing (tests/unit/test_api_role.py makes a
-new table of ``ledger.models`` choose). Like the application role it must not be the
-migrating role, own the tables, hold role attributes or be able to do more to a table
-through another role (a member of the application role is refused).
+Beyond the design's list: ``idempotency_keys`` ``SELECT, INSERT, DELETE``, no ``UPDATE``;
+foreign keys are checked with the owner's rights, so inserting a task needs nothing on
+``teams`` or ``users``; ``task_audit.id`` is an identity column, so no sequence. The API's
+store credentials need ``GetObject`` only, never a listing (object keys end in 128 random
+bits; deploy/security.md, "Object store"). A table missing from :data:`API_TABLES` gets
+nothing (tests/unit/test_api_role.py makes a new table of ``ledger.models`` choose).
 """
 
 from __future__ import annotations
@@ -63,7 +24,7 @@ API_PASSWORD_VAR = "API_DB_PASSWORD"
 
 SELECT = Privilege("SELECT")
 
-# What a creation writes (ledger/creation.py, ``_INSERT``).
+# What a creation writes (ledger/creation.py, ``_CREATE``).
 CREATED_COLUMNS = ("kind", "team_id", "owner_id", "scope", "filters", "run_at", "trace_parent")
 # What a retry and a cancel write (ledger/service.py, ``RETRY`` and ``_CANCEL``).
 REOPENED_COLUMNS = (
@@ -84,9 +45,7 @@ REOPENED_COLUMNS = (
     "trace_parent",
 )
 
-# What the API reads of a task: everything but a CSV an earlier release stored in the row
-# and where an object store keeps one (its key is a capability: downloads ask for it
-# through the owner's function).
+# A CSV in the row, and an object's key (a capability: downloads ask the owner's function).
 UNREAD_COLUMNS = frozenset({"result_csv", "result_object"})
 READ_COLUMNS = tuple(c.name for c in background_tasks.columns if c.name not in UNREAD_COLUMNS)
 
@@ -116,10 +75,8 @@ API_ROLE = RoleSpec(
 )
 
 
-# What the previous release's API (1.0.0) reads that this one does not: its token lookup
-# (SELECT on api_tokens, UPDATE of last_used_at) and the CSV in the row. Granted only with
-# ``migrate --previous-api-grants``, for a rolling upgrade: the 1.0 API keeps answering
-# until it is replaced, then a plain ``migrate --api-role`` takes them back (CHANGELOG.md,
+# What the 1.0.0 API reads that this one does not (its token lookup, the CSV in the row),
+# granted only with ``migrate --previous-api-grants`` during a rolling upgrade (CHANGELOG.md,
 # "Upgrading"; docs/decisions.md, "Expand and contract").
 PREVIOUS_API_TABLES: Mapping[str, tuple[Privilege, ...]] = {
     **API_TABLES,

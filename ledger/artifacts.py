@@ -1,26 +1,5 @@
-"""An export's CSV beside its ledger row, in bounded chunks (docs/design.md, "Exports").
-
-The worker writes the CSV while its read streams, ``CHUNK_BYTES`` at a time, into
-``export_chunks`` under the key of its own execution (task id, execution id): a replaced
-or late execution writes only under its own key, never into another's CSV. Nothing is
-served until the fenced completion (ledger/lease.py ``complete_export``) names the key,
-with the CSV's size and SHA-256, after every chunk was written. The API then streams
-those chunks one by one (:func:`read_chunk`, through an owner's function that checks the
-caller's token and the may-see rule for each chunk): neither process ever holds a whole
-CSV.
-
-Chunks of executions that never completed (a lost lease, a crash mid-read, a refused
-CSV) are orphans: :data:`PURGE_ORPHANS` removes them (the dispatcher's retention step),
-and the expiry step removes a completed CSV's chunks after its 24 hours
-(ledger/dispatch.py). Deleting a task deletes its chunks (``ON DELETE CASCADE``).
-
-Durability: each chunk commits on its own before the completion is sent, without
-waiting for its WAL to reach the disk (``synchronous_commit = off`` for that transaction
-only). The completion's commit is synchronous, and the write-ahead log is flushed (and,
-with synchronous standbys, replicated) in order, up to the completion's record: so once
-a completion is durable every chunk it names is too. A crash before it loses at most the
-chunks of an execution that never completed, which nothing names. One flush per export,
-not one per chunk.
+"""An export's CSV in chunks keyed by the execution that wrote them, or in an object store;
+the statements that read and purge them (docs/design.md, "Exports").
 """
 
 from __future__ import annotations
@@ -44,8 +23,7 @@ STATEMENT_TIMEOUT_MS = 60_000
 
 COPY_CHUNK = "COPY export_chunks (task_id, execution_id, seq, data) FROM STDIN WITH (FORMAT binary)"
 LOCAL_TIMEOUT = "SELECT set_config('statement_timeout', %s, true)"
-# A chunk's own transaction: bounded, and its commit does not wait for the disk (the
-# completion's does, for every chunk before it: the module's docstring).
+# Its commit does not wait for the disk: the completion's does, for every chunk before it.
 OWN_CHUNK_TRANSACTION = (
     "BEGIN; SELECT set_config('statement_timeout', %s, true),"
     " set_config('synchronous_commit', 'off', true)"
@@ -54,20 +32,16 @@ OWN_CHUNK_TRANSACTION = (
 # end-of-data marker (a field count of -1).
 _COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack("!ii", 0, 0)
 _COPY_TRAILER = struct.pack("!h", -1)
-# A chunk, through the owner's function (migration 0014): given only to a live token whose
-# user may see the task now; the API's role may not read export_chunks.
+# Given only to a live token whose user may see the task now (migration 0014).
 CHUNK_FUNCTION = "teamdesk_export_chunk_v1"
 CHUNK_SIGNATURE = "text, uuid, uuid, integer"
 READ_CHUNK = f"""
     SELECT {CHUNK_FUNCTION}(%(token_hash)s, CAST(%(task_id)s AS uuid),
                             CAST(%(key)s AS uuid), CAST(%(seq)s AS integer))
 """
-# The CSVs no row names: an execution's chunks when neither a completed CSV (result_key)
-# nor the execution holding a RUNNING row (still writing) is theirs. Walked by each
-# execution's first chunk (ix_export_chunks_created_at), oldest first, at most ``batch``
-# executions per call; a minute's grace covers a chunk committed by an execution whose
-# claim a reader has not seen yet. A late execution that goes on writing after its first
-# chunk went leaves chunks no walk meets: they go with their task (retention).
+# Chunks of an execution that is neither the completed CSV's (result_key) nor a RUNNING
+# row's. The minute's grace covers a claim a reader has not seen yet. A late execution
+# still writing after its first chunk went leaves chunks no walk meets: its task takes them.
 PURGE_ORPHANS = """
     WITH orphans AS (
         SELECT c.task_id, c.execution_id FROM export_chunks c
@@ -130,12 +104,8 @@ class ChunkWriter:
         retention step removes (:data:`PURGE_ORPHANS`)."""
 
     def _send(self, conn: Connection, piece: bytes) -> None:
-        """One chunk, as one row of a binary ``COPY``: the bytes as they are (a bytea
-        literal would send each byte as two hex digits and have the server parse them)."""
-        # A COPY is a statement of its own: its bound is set for its transaction (never
-        # for the session: behind PgBouncer in transaction pooling that would stay on a
-        # server session other clients get). An autocommit connection gets a transaction
-        # for the chunk; one outside autocommit begins its own as SQLAlchemy's would.
+        """One chunk, as one row of a binary ``COPY``, in a transaction of its own on an
+        autocommit connection, else in the caller's (which keeps its durability)."""
         dbapi = conn.connection.dbapi_connection
         assert dbapi is not None
         own = bool(dbapi.autocommit)
@@ -143,8 +113,6 @@ class ChunkWriter:
             conn.begin()
         cursor = dbapi.cursor()
         row = _copy_row(self.task_id, self.execution_id, self.chunks, piece)
-        # In the caller's transaction only the bound is set: its commit (a completion
-        # with it, perhaps) keeps the caller's durability.
         opening = OWN_CHUNK_TRANSACTION if own else LOCAL_TIMEOUT
         cursor.execute(opening, (f"{STATEMENT_TIMEOUT_MS}ms",))
         try:
@@ -228,8 +196,7 @@ def purge_orphans(conn: Connection, batch: int) -> int:
     return int(prepared.execute(conn, PURGE_ORPHANS, params, STATEMENT_TIMEOUT_MS).rowcount)
 
 
-# The object of a kept CSV, through the owner's function (migration 0015): given only to a
-# live token whose user may see the task now; NULL when the CSV is not in an object store.
+# As CHUNK_FUNCTION's rule (migration 0015); NULL when the CSV is not in an object store.
 OBJECT_FUNCTION = "teamdesk_export_object_v1"
 OBJECT_SIGNATURE = "text, uuid"
 OBJECT_OF = f"SELECT {OBJECT_FUNCTION}(%(token_hash)s, CAST(%(task_id)s AS uuid))"
@@ -250,10 +217,8 @@ FORGET_OBJECTS = """
            AS gone(id, url)
      WHERE t.id = gone.id AND t.result_object = gone.url
 """
-# Of objects found in the store, those no row names: older than the grace by the
-# database's clock (an execution's object appears when its upload ends, just before its
-# completion names it), and not the CSV their task's row names. Looked up by the task's
-# primary key (the key names it).
+# Past the grace (an object appears just before its completion names it), looked up by
+# the task's primary key (the object's key names the task).
 UNNAMED_OBJECTS = """
     SELECT o.url FROM unnest(CAST(%(urls)s AS text[]),
                              CAST(CAST(%(tasks)s AS text[]) AS uuid[]),

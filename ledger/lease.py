@@ -1,14 +1,8 @@
-"""Who may write a task row while it runs: the lease (docs/design.md, "Lease" and "Lifecycle").
-
-A claim issues a fresh ``execution_id``. Every later write by that execution is one
-statement conditional on ``id, run, execution_id`` and ``status = 'RUNNING'`` and checks
-its row count: progress and completion raise :class:`LeaseLost` on 0 rows, a failure
-report returns ``False``. Each function runs inside the caller's connection and
-transaction, so a reminder can put its completion in the same transaction as its side
-effects, and its side effects in the completion's statement (:func:`completion_with`).
-
-These statements run on every task, so they go straight to the DBAPI cursor (psycopg2
-``%(name)s`` parameters), each prepared once per database session (ledger/prepared.py).
+"""The lease: who may write a task row while it runs (docs/design.md, "Lease" and
+"Lifecycle"). Each function runs on the caller's connection and transaction, so a
+reminder's side effects can share its completion's statement (:func:`completion_with`).
+The hot statements go straight to the DBAPI cursor (psycopg2 ``%(name)s`` parameters),
+each prepared once per database session (ledger/prepared.py).
 """
 
 from __future__ import annotations
@@ -46,24 +40,13 @@ def _audited(update: str, event: str, effects: str = "", counted: str = "") -> s
     SELECT id{counted} FROM changed"""
 
 
-# Guard: the message's run is the ledger's run, the row is not finished, and the message
-# is the run's current publish: its stamp equals the row's ``dispatched_at``. A WAITING row
-# is claimed only once it is due (``run_at``, the database's clock), which a current stamp
-# implies; it starts the run's next attempt (the first, a retry after backoff, or the one
-# after a recovery). A RUNNING row is taken over only when it is silent for
-# ``stale_after_s`` by the database's clock (the dispatcher's staleness rule): a
-# redelivery of the same message while its execution is alive (kombu restores a worker's
-# unacknowledged message on a broker reconnect) claims nothing. A lost pool process is
-# not a takeover: its worker reports it (REPORT_LOST). A takeover continues the attempt
-# it replaces. A message of an earlier publish
-# (the run was recovered, or judged lost, and published again with a new stamp) claims
-# nothing: it must not take the run from the replacement. Without a stamp (a caller inside
-# the ledger's own tests and tools; tasks refuse such messages) the stamp is not checked.
-# Returns the attempt and the owner's current role with the row.
-# Its commit does not wait for the WAL flush: other sessions see the lease at once
-# either way, and only a PostgreSQL crash could lose it - which revokes the lease, so
-# every later write of this execution is refused; the next synchronous commit (the
-# completion, a failure report) flushes it with everything before it.
+# Guard: the message's run, and its current publish (stamp = ``dispatched_at``; no stamp,
+# only from the ledger's own tests and tools: not checked). A WAITING row is claimed once
+# due, starting the next attempt; a RUNNING row only when silent for ``stale_after_s``,
+# continuing the attempt (a redelivery to a live execution - kombu restores unacknowledged
+# messages on a broker reconnect - claims nothing). Returns the attempt and the owner's
+# role now. Does not wait for the WAL flush: a crash that loses the claim revokes the
+# lease, and the next durable commit flushes it with everything before it.
 CLAIM = """
     SELECT set_config('synchronous_commit', 'off', true);
     WITH claimed AS (
@@ -88,22 +71,14 @@ CLAIM = """
       LEFT JOIN memberships m ON m.team_id = c.team_id AND m.user_id = c.owner_id
 """
 
-# Guard: the lease. Used before side effects, so a lost lease stops work early;
-# the completion's own guard is what makes it safe.
+# Guard: the lease. Checked before side effects, so a lost lease stops work early; the
+# completion's own guard is what makes it safe.
 CHECK_LEASE = f"SELECT 1 FROM background_tasks WHERE {_LEASE}"
 
-# How a progress write commits. The value need not survive a crash (the next claim resets
-# it to 0 and the completion writes 100), but its ``updated_at`` is what the staleness rule
-# measures. A crash loses the asynchronous commits of its last moments (up to three WAL
-# writer delays), which moves ``updated_at`` back to the write before them. So a write
-# whose row's previous write is less than ``durable_after_s`` old does not wait for the
-# WAL flush (the hot path: an export's batches follow each other closely), and one after
-# a longer silence commits as the session's setting says, as a completion does: a crash
-# never makes a run look more than ``durable_after_s`` (plus the WAL writer's window)
-# more silent than it was (docs/design.md, "Lease"). The choice is a CTE of the prepared
-# statement itself (one statement, planned once), read before the update (a statement's
-# CTEs share its snapshot); the update requires its row, so it runs whenever the update
-# can write.
+# How a progress write commits (docs/design.md, "Lease"): asynchronously when the row's
+# previous write is less than ``durable_after_s`` old, else as the session says. A CTE of
+# the statement itself (planned once), reading the row before the update (the CTEs share
+# its snapshot); the update requires it, so the setting applies whenever the update writes.
 _PROGRESS_COMMIT = """
     WITH commit_mode AS (
         SELECT set_config('synchronous_commit',
@@ -114,18 +89,15 @@ _PROGRESS_COMMIT = """
     )"""
 _PROGRESS_COMMIT_SET = "EXISTS (SELECT FROM commit_mode)"
 
-# Guard: the lease. The claim, the completion and failure reports keep synchronous
-# commits; progress commits as _PROGRESS_COMMIT says.
+# Guard: the lease. Commits as _PROGRESS_COMMIT says.
 REPORT_PROGRESS = f"""{_PROGRESS_COMMIT}
     UPDATE background_tasks SET progress = %(progress)s, updated_at = now()
      WHERE {_LEASE} AND {_PROGRESS_COMMIT_SET}
 """
 
-# Guard: the lease, and the owner may still run this export (ledger/permissions.py): a
-# demotion or removal committed before this statement stops the write, whatever the
-# worker read before. The CSV is the chunks the execution wrote under its own key
-# (ledger/artifacts.py); the completion names that key, so only they are ever served.
-# Kept 24 h from the commit. Wakes the dispatcher (a window slot is free) at commit.
+# Guard: the lease, and the owner may still run this export (MAY_EXPORT_SQL: a demotion
+# committed before this statement stops it, whatever the worker read). Names the
+# execution's own CSV (result_key), kept 24 h. Wakes the dispatcher at commit.
 COMPLETE_EXPORT = (
     WAKE_SQL
     + ";"
@@ -142,8 +114,7 @@ COMPLETE_EXPORT = (
     )
 )
 
-# Why an export's completion wrote nothing: is the lease still held, and the owner's role
-# in the task's team now (a rare path, read after it).
+# Why an export's completion wrote nothing: whether the lease is held, the owner's role now.
 COMPLETION_REFUSED = """
     SELECT (t.run = %(run)s AND t.execution_id = %(execution_id)s AND t.status = 'RUNNING')
                AS held,
@@ -169,13 +140,12 @@ def completion_with(effects: str, counted: str) -> str:
     return WAKE_SQL + ";" + _audited(_COMPLETE_UPDATE, "'COMPLETE'", effects, counted)
 
 
-# Guard: the lease; the caller's transaction holds the side effects (and the wake-up,
-# which a rollback drops with them).
+# Guard: the lease; a rollback of the caller's transaction drops the side effects and the
+# wake-up with it.
 COMPLETE = completion_with("", "")
 
-# Guard: the lease. A retry is a ledger row like any other: WAITING, unpublished, ready
-# at run_at = the database's clock + the backoff; the dispatcher publishes it then.
-# Wakes the dispatcher at commit (a slot is free; a new run_at to wait for).
+# Guard: the lease. FAILED, or WAITING and unpublished with run_at = now() + the backoff.
+# Wakes the dispatcher at commit.
 REPORT_FAILURE = (
     WAKE_SQL
     + ";"
@@ -193,12 +163,9 @@ REPORT_FAILURE = (
 )
 
 
-# Guard: the lease of an execution whose pool process was lost (the worker's main process
-# issued its execution id and saw the process die). The attempt it ran has failed: with
-# attempts left, WAITING and unpublished, ready after the backoff
-# ``base_delay_s * 2^(attempts-1)`` by the database's clock; on the last attempt, FAILED.
-# Either way with the reason. The same run again, never a recovery: the process is known
-# to be gone, nothing waits for the staleness rule. Wakes the dispatcher at commit.
+# Guard: the lease of an execution whose pool process was lost (worker/lost.py). A failed
+# attempt, never a recovery: WAITING and unpublished after the backoff, or FAILED on the
+# last attempt. Wakes the dispatcher at commit.
 REPORT_LOST = (
     WAKE_SQL
     + ";"
@@ -225,13 +192,10 @@ REPORT_LOST = (
 )
 
 
-# Guard: the run's current publish, unclaimed - WAITING with ``dispatched_at`` equal to the
-# message's stamp: only that publish's message matches, and no execution holds the run.
-# Its claim failed for a cause that does not pass by itself (a missing prepared statement,
-# a permission, a schema mismatch): the attempt it would have started failed, with the
-# cause; with attempts left WAITING and unpublished after the backoff, else FAILED. Run
-# unprepared, on a connection of its own (the claim's may be what failed). Wakes the
-# dispatcher at commit.
+# Guard: the run's current publish, unclaimed (WAITING, ``dispatched_at`` = the message's
+# stamp). Its claim failed for a lasting cause: the attempt it would have started failed
+# (WAITING and unpublished after the backoff, or FAILED). Run unprepared, on a connection
+# of its own (the claim's may be what failed). Wakes the dispatcher at commit.
 CLAIM_REFUSED = (
     WAKE_SQL
     + ";"
@@ -285,8 +249,8 @@ class Claim:
     owner_role: str | None  # the owner's role in the team when the claim committed
 
 
-# Every statement of an execution's own connection is bounded: a frozen or overloaded
-# database ends a statement, never a worker process waiting forever (ledger/prepared.py).
+# Every statement of an execution's own connection is bounded: a frozen database ends a
+# statement, never a worker process (ledger/prepared.py).
 STATEMENT_TIMEOUT_MS = 60_000
 
 
@@ -305,11 +269,9 @@ def claim(
     stale_after_s: float | None = None,
     execution_id: uuid.UUID | None = None,
 ) -> Claim | None:
-    """Take the lease for ``run`` with a fresh execution id (``execution_id``: the one the
-    worker's main process issued for this delivery, so it can report the execution if its
-    pool process is lost; else a new one), for the message published with ``stamp`` (its
-    row's ``dispatched_at`` then); None means skip the message. A RUNNING row is taken
-    over only when silent for ``stale_after_s`` (database clock; None: never)."""
+    """Take the lease for ``run`` for the message published with ``stamp``, with
+    ``execution_id`` (the worker's main process issues it: worker/lost.py) or a new one;
+    None means skip the message. ``stale_after_s`` None: never take a RUNNING row over."""
     execution_id = execution_id or uuid.uuid4()
     params = {
         "task_id": str(task_id),
@@ -351,9 +313,9 @@ def report_progress(conn: Connection, lease: Lease, progress: int, durable_after
 def complete_export(
     conn: Connection, lease: Lease, csv: artifacts.Artifact | bytes | str, summary: str
 ) -> None:
-    """COMPLETED with the CSV the execution stored (``csv``: what its writer says it
-    stored, as chunks or as an object, ledger/artifacts.py), or, given the CSV itself (a
-    small one), stored now as chunks under the lease's key and then completed."""
+    """COMPLETED with the CSV the execution stored (an Artifact, ledger/artifacts.py), or
+    given the CSV itself (a small one), stored now as chunks under the lease's key.
+    Raises LeaseLost, or PermissionLost when the owner may no longer run it."""
     if not isinstance(csv, artifacts.Artifact):
         data = csv.encode() if isinstance(csv, str) else bytes(csv)
         csv = artifacts.store(conn, lease.task_id, lease.execution_id, data)
@@ -426,14 +388,10 @@ def report_lost(
     message: str,
     final_message: str,
 ) -> FailedAttempt | None:
-    """The execution holding ``lease`` lost its process: its attempt failed (WAITING after
-    the backoff, or FAILED on the last attempt, with ``message`` or ``final_message``).
-    ``lease.attempt`` is not read: the row's own count decides. None when that execution
-    holds no lease (it never claimed, or a newer execution or a cancel owns the run).
-
-    On ``dbapi``, a psycopg2 connection in autocommit (the worker's main process keeps no
-    SQLAlchemy engine for this: worker/lost.py), unprepared and bounded by
-    ``STATEMENT_TIMEOUT_MS`` in the same implicit transaction: a rare path."""
+    """The execution holding ``lease`` lost its process: its attempt failed (with
+    ``message``, or ``final_message`` on the last). The row's attempt count decides, not
+    ``lease.attempt``. None when that execution holds no lease. On ``dbapi``, a psycopg2
+    connection in autocommit (worker/lost.py: no engine), unprepared and bounded."""
     params = {
         **lease.params(),
         "max_attempts": max_attempts,
@@ -460,10 +418,9 @@ def refuse_claim(
     message: str,
     final_message: str,
 ) -> FailedAttempt | None:
-    """The claim of the message published with ``stamp`` failed for a cause that will not
-    pass: its attempt failed (WAITING after the backoff, or FAILED on the last attempt,
-    with ``message`` or ``final_message``). None when the row is not that publish's,
-    unclaimed (another message or execution has it). Unprepared: for the rare path."""
+    """The claim of the message published with ``stamp`` failed for a lasting cause: its
+    attempt failed (with ``message``, or ``final_message`` on the last). None when the row
+    is not that publish's, unclaimed. Unprepared: a rare path."""
     params = {
         "task_id": str(task_id),
         "run": run,

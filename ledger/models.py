@@ -159,8 +159,7 @@ sa.Index(
     background_tasks.c.run_at,
     postgresql_where=sa.text("scheduled"),
 )
-# WAITING rows never published. The dispatcher's round-robin walks the scheduled = false
-# range (busy teams, then each team's oldest due rows); the quota counts both ranges.
+# WAITING, unpublished: the round-robin walks scheduled = false; the quota counts both.
 sa.Index(
     "ix_background_tasks_ready",
     background_tasks.c.kind,
@@ -284,9 +283,8 @@ sa.Index("ix_system_events_ticket_id", system_events.c.ticket_id)
 
 AUDIT_EVENTS = ("CLAIM", "COMPLETE", "WAIT", "FAIL", "RECOVER", "RECONCILE", "CANCEL", "RETRY")
 
-# Append-only trail of every change of a task's lease or run, written by the same statement
-# as the change (a data-modifying CTE), so it commits or rolls back with it. It lets an
-# auditor prove that each completion was made by the execution holding the lease then.
+# Append-only trail of every change of a lease or run, written by the change's own
+# statement: an auditor can prove each completion was made by the lease's holder.
 task_audit = sa.Table(
     "task_audit",
     metadata,
@@ -305,9 +303,7 @@ task_audit = sa.Table(
 )
 sa.Index("ix_task_audit_task_id", task_audit.c.task_id, task_audit.c.id)
 
-# Bearer tokens, stored as hashes (ledger/tokens.py). A token is live while revoked_at is
-# NULL and expires_at is ahead of the database's now(); last_used_at moves at most once a
-# minute per token.
+# Bearer tokens, stored as hashes (ledger/tokens.py; docs/design.md, "Ledger").
 api_tokens = sa.Table(
     "api_tokens",
     metadata,
@@ -323,9 +319,7 @@ api_tokens = sa.Table(
 # `token list EMAIL` and demo-seed's revocation read a user's tokens.
 sa.Index("ix_api_tokens_user_id", api_tokens.c.user_id)
 
-# Idempotency keys (0016, ledger/idempotency.py): a request's key, per team, names the
-# task it created (or the run it retried) for 24 hours; a key sent again with the same
-# request answers that task, with another request a 422.
+# Idempotency keys (0016, ledger/idempotency.py; docs/design.md, "Idempotent requests").
 idempotency_keys = sa.Table(
     "idempotency_keys",
     metadata,

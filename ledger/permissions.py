@@ -1,11 +1,6 @@
-"""Who may run what: the one home of the permission rules (docs/design.md, "Permissions").
-
-A role is the user's ``memberships.role`` in the task's team, or None when they are not
-a member. The rules are checked where a task is asked for (create, retry: the creation's
-one statement carries them too, ``MAY_CREATE_*``), again by the worker as of the claim,
-and by the export's completion statement itself, so a role change between creation and
-the write is honoured. Every refusal has one fixed text, the same in the API's 403, the
-CLI and the task's ``last_error``.
+"""Who may run what: the one home of the permission rules, in Python and in SQL
+(docs/design.md, "Permissions"). A role is ``memberships.role``, None for a non-member;
+each refusal has one fixed text, the same in a 403, the CLI and ``last_error``.
 """
 
 from __future__ import annotations
@@ -23,10 +18,8 @@ MSG_CREATOR_NOT_STAFF = (
 
 
 def may_see(scope: str, owner_id: uuid.UUID, user_id: uuid.UUID, role: str | None) -> bool:
-    """A TEAM-scope task (the whole team's tickets) is seen by the team's staff, and only
-    while they are staff: its creator, once demoted, no longer sees it or its CSV. A MINE
-    task is seen by its creator while a member. The role is the caller's role now.
-    (``LIST_TASKS`` in ledger/service.py says the same in SQL.)"""
+    """TEAM: the team's staff now; MINE: its creator while a member. (``LIST_TASKS`` in
+    ledger/service.py says the same in SQL.)"""
     if role is None:
         return False
     return role == STAFF if scope == "TEAM" else owner_id == user_id
@@ -37,19 +30,14 @@ def may_export(scope: str, role: str | None) -> bool:
     return role is not None and (scope != "TEAM" or role == STAFF)
 
 
-# may_export in SQL, for a statement over ``background_tasks``: the task's owner is a
-# member of its team now, and staff when its scope is TEAM. The export's completion
-# carries it in its WHERE (ledger/lease.py), so a role change committed before the CSV
-# is written stops the write.
+# may_export in SQL over ``background_tasks`` (the export's completion's WHERE, ledger/lease.py).
 MAY_EXPORT_SQL = f"""EXISTS (
     SELECT 1 FROM memberships m
      WHERE m.team_id = background_tasks.team_id AND m.user_id = background_tasks.owner_id
        AND (background_tasks.scope <> 'TEAM' OR m.role = '{STAFF}'))"""
 
 
-# may_export and may_schedule_reminder in SQL, for a creation in one statement
-# (ledger/creation.py): the caller (``%(owner_id)s``) is a member of ``%(team_id)s`` now,
-# and staff when the export's ``%(scope)s`` is TEAM, or for a reminder.
+# may_export and may_schedule_reminder in SQL, for the one-statement creation (ledger/creation.py).
 MAY_CREATE_EXPORT_SQL = f"""EXISTS (
     SELECT 1 FROM memberships m
      WHERE m.team_id = %(team_id)s AND m.user_id = %(owner_id)s
@@ -74,6 +62,6 @@ def export_refusal(scope: str, creator_role: str | None) -> str | None:
 
 
 def reminder_refusal(creator_role: str | None) -> str | None:
-    """Why a reminder created earlier may no longer be sent (None: it may): its creator
-    left the team. (A creator who is no longer staff still gets the reminder sent.)"""
+    """Why a reminder created earlier may no longer be sent (None: it may): only its
+    creator leaving the team stops it."""
     return MSG_CREATOR_LEFT if creator_role is None else None

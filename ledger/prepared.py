@@ -1,17 +1,7 @@
-"""Hot-path statements sent straight to the driver, each prepared once per database session.
-
-The ledger's per-task and per-request statements (ledger/lease.py, ledger/creation.py,
-the token lookup) run thousands of times a minute, so they skip SQLAlchemy's statement
-layer (about 100 µs a statement) and PostgreSQL's parse and plan (as much again): the
-body of each is prepared once per session and then executed by name. What runs before it
-in the same round trip (``prefix``: a ``set_config``, a lock) is sent as it is. A lost
-server connection is still handed back to SQLAlchemy, so its pool drops it.
-
-A statement sent with no transaction open (an autocommit connection) carries its own
-``statement_timeout`` in the same round trip and the same implicit transaction
-(``set_config(..., true)`` ends with it), never for the session: behind PgBouncer in
-transaction pooling the next client of that server connection would inherit it. One sent
-inside the caller's transaction keeps the caller's bounds.
+"""Hot-path statements sent straight to the driver, each prepared once per database session
+(docs/design.md, "Lease"): they skip SQLAlchemy's statement layer (about 100 µs each) and
+PostgreSQL's parse and plan (as much again). A lost connection is still invalidated, so the
+pool drops it.
 """
 
 from __future__ import annotations
@@ -67,12 +57,10 @@ def statement_name(sql: str) -> str:
 
 
 def prepared_sql(conn: Connection, cursor: Any, sql: str) -> str:
-    """``sql`` (psycopg2 ``%(name)s`` parameters; statements before its last ``;`` are its
-    prefix) to run on this session: its body prepared once per database session (one
-    round trip, the first time), then executed by name. A prepared statement outlives a
-    rolled-back transaction, and a new session (a reconnect) starts with none. Unprepared
-    where the engine says so (DATABASE_PREPARED_STATEMENTS=off: PgBouncer in transaction
-    pooling hands each transaction any server session)."""
+    """``sql`` (psycopg2 ``%(name)s`` parameters; statements before its last ``;`` are a
+    prefix sent as they are) to run on this session: its body prepared the first time, then
+    executed by name; unprepared where the engine says so. A prepared statement outlives a
+    rolled-back transaction; a new session starts with none."""
     if not may_prepare(conn.connection.info):
         return sql
     form = _form(sql)
@@ -104,9 +92,7 @@ def execute(
         cursor.execute(sql, params)
     except psycopg2.Error as exc:
         if exc.pgcode == UNDEFINED_PREPARED_STATEMENT:
-            # The session does not have what this connection's set says it prepared (a
-            # pooler handed the transaction another server session): forget the set, so
-            # the next statement on this connection prepares again.
+            # A pooler handed us another server session: forget the set, prepare again.
             conn.connection.info.pop(PREPARED_KEY, None)
         elif isinstance(
             exc, psycopg2.OperationalError | psycopg2.InterfaceError
@@ -117,19 +103,15 @@ def execute(
 
 
 UNDEFINED_PREPARED_STATEMENT = "26000"  # SQLSTATE invalid_sql_statement_name
-# SQLSTATE classes of failures that pass by themselves: a connection's (08), a transaction
-# rolled back for a concurrent one (40: serialization, deadlock), resources (53: too many
-# connections, out of memory, disk full), an operator's or a timeout's (57: statement
-# timeout, shutdown, cannot connect now), the system's (58); and a lock not available.
+# SQLSTATE classes that pass by themselves: connection, transaction rollback, resources,
+# operator intervention (timeouts, shutdown), system; and lock_not_available.
 _TRANSIENT_CLASSES = ("08", "40", "53", "57", "58")
 _TRANSIENT_CODES = frozenset({"55P03"})
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether a failed database call may succeed if tried again later: the server or the
-    network went away, a timeout, a conflict with another transaction, a resource limit.
-    Not a missing prepared statement, a permission, an undefined table or column, a bug:
-    those fail the same way every time."""
+    """Whether a failed database call may succeed if tried again later (docs/design.md,
+    "Lease"): not a missing prepared statement, a permission, an undefined name, a bug."""
     if isinstance(exc, OSError | sa_exc.TimeoutError):
         return True  # the network, or no pooled connection free in time
     orig = getattr(exc, "orig", None) or exc

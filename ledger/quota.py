@@ -1,19 +1,7 @@
-"""The per-team cap on unfinished tasks (docs/design.md, "HTTP API": ``TEAM_MAX_UNFINISHED``)
-and the daily export quota (``TEAM_EXPORTS_PER_DAY``, ``TEAM_EXPORT_BYTES_PER_DAY``).
+"""The per-team cap on unfinished tasks and the daily export quota, checked in the creating
+or retrying transaction under the team's lock (docs/design.md, "HTTP API", abuse limits).
 
-Only creating a task and retrying one add an unfinished (WAITING or RUNNING) row; every
-other transition keeps a row unfinished or finishes it. So :func:`ensure_room` runs in
-the creating transaction, right before its write, under a per-team advisory lock held
-until that transaction ends: the next creation of the same team waits for it and counts
-after it committed (READ COMMITTED takes a new snapshot per statement), so two requests
-at ``cap - 1`` cannot both see room. Other teams never wait. A refusal raises
-:class:`TeamQuotaExceeded` and the caller's transaction rolls back: nothing is written.
-
-The count reads only the two partial indexes the dispatcher already keeps over live rows
-(``ix_background_tasks_ready`` and ``ix_background_tasks_inflight``, migrations 0004 and
-0008), whose predicates split WAITING + RUNNING exactly in two, and stops at ``cap``
-entries per part: no new index to maintain on the ledger's hot path, and the work is
-bounded by the cap.
+Only a creation and a retry add an unfinished row, so only they are checked.
 """
 
 from __future__ import annotations
@@ -30,11 +18,8 @@ from teamdesk.config import Settings
 
 NO_CAP = 0
 
-# Held until the creating transaction ends; the key space is distinct from the
-# reminders' lock (tasks/reminder.py), which hashes another prefix.
-# The statements below are written with psycopg2 parameters (``%(name)s``), the form the
-# one-round-trip creation (ledger/creation.py) sends to the driver; ``as_text``
-# (ledger/prepared.py) makes the SQLAlchemy form of the same statement.
+# Apart from the reminders' lock (tasks/reminder.py hashes another prefix). Statements are
+# in psycopg2's form, as ledger/creation.py sends them; ``as_text`` makes SQLAlchemy's.
 LOCK_TEAM_SQL = (
     "SELECT pg_advisory_xact_lock(hashtextextended('teamdesk.quota:' || %(team_id)s, 0))"
 )
@@ -42,12 +27,9 @@ LOCK_TEAM_SQL = (
 
 LOCK_TEAM = as_text(LOCK_TEAM_SQL)
 
-# WAITING and not published, counted per kind and per value of ``scheduled`` on the ready
-# index (kind, scheduled, team_id, ...): equalities on its leading columns are a range
-# scan, where `kind IN (...)` or a free ``scheduled`` led the planner (PostgreSQL < 18 has
-# no skip scan) to walk every team's rows instead. Plus the rows in flight (RUNNING, or
-# WAITING and published) on the in-flight index (team_id, kind). Each part stops at :cap
-# rows: the sum reaches :cap exactly when the team has that many.
+# Per kind and per ``scheduled`` value: equalities on the ready index's leading columns are
+# a range scan, where ``kind IN (...)`` or a free ``scheduled`` walked every team's rows
+# (PostgreSQL < 18 has no skip scan). Each part stops at :cap rows.
 _READY = (
     "kind = '{kind}' AND scheduled = {scheduled} AND team_id = %(team_id)s"
     " AND status = 'WAITING' AND dispatched_at IS NULL"
@@ -100,13 +82,8 @@ def _check_room(conn: Connection, team_id: uuid.UUID, cap: int) -> None:
 
 @dataclass(frozen=True)
 class ExportQuota:
-    """A team's exports in any 24 hours (database clock), counted where each one's current
-    run opened (its creation, or the retry that opened it): at most ``per_day`` of them,
-    and their CSVs at most ``bytes_per_day`` bytes, where an unfinished export holds
-    ``reserve_bytes`` (the most one CSV may be, ``EXPORT_MAX_BYTES``) until its completion
-    stores its real size. A new run is refused unless its own reservation still fits, so
-    a team never holds more than its quota, however many of its exports run at once. 0
-    turns each limit off."""
+    """A team's daily export quota: ``per_day`` runs, ``bytes_per_day`` of CSVs, an
+    unfinished export holding ``reserve_bytes`` (``EXPORT_MAX_BYTES``); 0 turns each off."""
 
     per_day: int = NO_CAP
     bytes_per_day: int = NO_CAP
@@ -155,11 +132,9 @@ EXPORTS_TODAY = as_text(f"""
 
 
 def ensure_export_room(conn: Connection, team_id: uuid.UUID, cap: int, quota: ExportQuota) -> None:
-    """For a new export run (a creation or a retry): :func:`ensure_room` (the cap on
-    unfinished tasks, ``cap``), then the daily export quota, under one take of the team's
-    lock, held until the caller's transaction ends so two requests cannot both take the
-    last place. Raises :class:`TeamQuotaExceeded` or :class:`ExportQuotaExceeded`; with
-    neither limit on it checks nothing and takes no lock."""
+    """For a new export run: the cap on unfinished tasks, then the daily quota, under one
+    take of the team's lock (held until the caller's transaction ends). Raises
+    :class:`TeamQuotaExceeded` or :class:`ExportQuotaExceeded`; with neither on, no lock."""
     if cap <= NO_CAP and not quota.enabled:
         return
     params = {"team_id": str(team_id)}

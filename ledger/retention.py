@@ -1,19 +1,5 @@
-"""Retention: the ledger does not grow forever (docs/design.md, "Retention").
-
-A finished task (COMPLETED, FAILED or CANCELLED) is removed ``TASK_RETENTION_DAYS`` after
-it finished, with what is left of its audit trail; audit rows are removed
-``AUDIT_RETENTION_DAYS`` after they were written, oldest first. Notifications outlive
-their task (their ``task_id`` becomes NULL). Both run in the dispatcher's purge step (every
-``PURGE_INTERVAL_S``), each call removing at most ``batch`` tasks and ``batch`` audit rows
-in one short transaction: ``SKIP LOCKED`` on the tasks, the audit trail's primary key read
-from its head, so no call holds a lock for long nor reads more than it removes. A backlog
-(a first run on a large ledger) drains over several purges.
-
-The application role may not delete audit rows (ledger/roles.py: the trail is append-only
-for it), so both go through the owner's ``teamdesk_purge_ledger()`` (migration 0007,
-``SECURITY DEFINER``), which never removes anything younger than a day whatever it is
-asked. An auditor reading the trail (ledger/audit.py) reads the part younger than
-``AUDIT_RETENTION_DAYS``: a trail cut by the retention starts after its first claim.
+"""Retention of finished tasks and audit rows, through the owner's ``teamdesk_purge_ledger()``
+(docs/design.md, "Retention").
 """
 
 from __future__ import annotations

@@ -1,42 +1,10 @@
-"""The application's database role (docs/design.md, "Processes"): the role every process
-but ``migrate`` and the API connects as, and the one place its grants are written. The
-API's own, narrower role (ledger/api_role.py) is set up by the same machinery
-(:func:`grant_role` with another :class:`RoleSpec`).
+"""The application's database role and the machinery that grants it and the API's
+(ledger/api_role.py): the one place their grants are written (docs/design.md, "Processes";
+deploy/security.md, "The database roles").
 
-``teamdesk-tasks migrate --app-role NAME`` runs :func:`grant_app_role` as the schema's
-owner, right after the migrations. The role gets what the processes use, nothing more:
-
-- ``CONNECT`` on the database and ``USAGE`` on the schema of the tables (no ``CREATE``);
-- ``SELECT, INSERT, UPDATE, DELETE`` on the project's tables (those in ``ledger.models``),
-  only ``SELECT, INSERT`` on ``task_audit``: the audit trail is append-only, and no
-  process rewrites it;
-- ``USAGE, SELECT`` on the sequences those tables own (``task_audit.id``).
-
-It owns nothing and is no member of an owner, so it can do no DDL (``CREATE``, ``ALTER``,
-``DROP``, ``TRUNCATE``, ``GRANT``) and reads no table outside the list
-(``alembic_version`` included); a role that could do more to a project table through
-another role it is a member of, or through ``PUBLIC``, is refused. ``LISTEN``/``NOTIFY``,
-advisory locks and ``SET LOCAL`` need no grant; ``TEMP`` tables (``PUBLIC``'s by default)
-change no schema and are left alone. ``ANALYZE`` needs ownership before PostgreSQL 17, so
-the dispatcher refreshes the ledger's statistics through ``teamdesk_analyze_ledger()``
-(migration 0006: ``SECURITY DEFINER``, that one statement), on which the role gets
-``EXECUTE``; it removes what is past its retention through ``teamdesk_purge_ledger()``
-(migration 0007, ledger/retention.py: the only way audit rows leave the trail), on which
-it gets ``EXECUTE`` too, as on the three the API's role reads tokens and CSVs through
-(migrations 0014 and 0015: ``teamdesk_resolve_token_v1``, ``teamdesk_export_chunk_v1``,
-``teamdesk_export_object_v1``; tests use them as the API does).
-
-The grants are re-applied at every run (``REVOKE ALL`` then ``GRANT`` on every listed
-table, in one transaction), not left to ``ALTER DEFAULT PRIVILEGES``: the migrate run that
-creates a table grants it before any process of that version starts; grants changed by
-hand are put back; and default privileges would follow whichever role creates a table
-(any table it creates, the project's or not) and would have to be removed before the
-role could be dropped. Safe to run again and from several hosts at once: one
-transaction, under an advisory lock (per database: runs against one database queue up).
-
-The password arrives as a SCRAM-SHA-256 verifier computed by the driver, so the server
-(and a ``log_statement = ddl`` log) never sees it in clear text. Identifiers are quoted
-by the driver (``psycopg2.sql``), never formatted in.
+Grants are re-applied at every run, not left to ``ALTER DEFAULT PRIVILEGES``, which would
+follow whichever role creates any table and block dropping the role. ``TEMP`` (``PUBLIC``'s)
+is left alone: it changes no schema. Identifiers are quoted by ``psycopg2.sql``, never formatted in.
 """
 
 from __future__ import annotations
@@ -69,8 +37,8 @@ APPEND_ONLY_TABLES = frozenset({"task_audit"})
 SEQUENCE_PRIVILEGES = ("USAGE", "SELECT")
 ANALYZE_FUNCTION = "teamdesk_analyze_ledger"  # ledger/dispatch.py ANALYZE calls it
 
-# The owner's SECURITY DEFINER functions (migrations 0006, 0007, 0014, 0015) and their argument
-# types: every role's EXECUTE on each is granted or revoked at every run.
+# The owner's SECURITY DEFINER functions and their argument types: every role's EXECUTE on
+# each is granted or revoked at every run.
 OWNER_FUNCTIONS: Mapping[str, str] = {
     ANALYZE_FUNCTION: "",
     PURGE_FUNCTION: PURGE_SIGNATURE,

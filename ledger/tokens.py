@@ -1,13 +1,5 @@
-"""API tokens: random bearer tokens stored only as SHA-256 hashes (table ``api_tokens``).
-
-A token is 32 random bytes, so a fast hash is enough (nothing to brute-force); the raw
-value is shown once, at creation, and never stored or logged.
-
-Every token expires (:data:`DEFAULT_TTL_DAYS` unless its creator chose otherwise, at most
-:data:`MAX_TTL_DAYS`) and can be revoked; an expired or revoked token is refused like an
-unknown one, by the database's clock. ``last_used_at`` is written at most once per
-:data:`TOUCH_EVERY_S` per token, so reads do not turn into a write on every request
-(docs/design.md, "Ledger").
+"""API tokens, stored only as SHA-256 hashes (docs/design.md, "Ledger"). A token is 32
+random bytes, so a fast hash is enough; the raw value is shown once and never stored or logged.
 """
 
 from __future__ import annotations
@@ -39,10 +31,7 @@ INSERT_TOKEN = text("""
     VALUES (:token_hash, :user_id, :name, now() + make_interval(days => :ttl_days))
 """)
 
-# A live token (not revoked, not expired by the database's clock) and its owner, through
-# the owner's function (migration 0014): the API's role may not read api_tokens. The same
-# call records the use when the last record is older than TOUCH_EVERY_S; a row another
-# request is touching right now is skipped (SKIP LOCKED), never waited for.
+# The owner's function (migration 0014): the API's role may not read api_tokens.
 RESOLVE_FUNCTION = "teamdesk_resolve_token_v1"
 RESOLVE_SIGNATURE = "text, double precision"
 RESOLVE_TOKEN = f"""

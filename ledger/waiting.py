@@ -1,8 +1,5 @@
-"""How much work is waiting for a worker, by the database's clock (docs/design.md,
-"Dispatch": ready runs). Read by ``teamdesk-tasks health --cluster`` to say which queue's
-missing worker holds tasks up, and by the leading dispatcher for the backlog gauges that
-autoscalers read (docs/design.md, "Observe"); a task's own wait is the view's
-``waiting_s`` (ledger/service.py).
+"""How much work waits for a worker, by the database's clock: for ``health --cluster`` and
+the backlog gauges (docs/design.md, "Dispatch" and "Observe").
 """
 
 from __future__ import annotations
@@ -18,9 +15,7 @@ from ledger.states import KINDS
 READY_COUNT_CAP = 10_000  # counting stops here: "at least this many" is enough to say
 
 # The three parts of "due and not yet claimed", per kind k.kind, each on a partial index:
-# ready (the ready range of ix_background_tasks_ready), scheduled runs already due that
-# the dispatcher has not yet promoted (ix_background_tasks_scheduled; its next fill
-# will), and the window: published, not yet claimed (ix_background_tasks_dispatched).
+# ready, scheduled but due (not yet promoted), published (the window).
 _READY = (
     "t.kind = k.kind AND NOT t.scheduled AND t.status = 'WAITING'"
     " AND t.dispatched_at IS NULL AND t.run_at <= now()"
@@ -53,9 +48,6 @@ def ready_by_kind(conn: Connection, cap: int = READY_COUNT_CAP) -> dict[str, int
 
 BACKLOG_COUNT_CAP = 100_000  # the backlog gauge counts this many per part at most
 
-# The backlog per kind, for autoscaling: runs due now by the database's clock and not yet
-# claimed (all three parts, each counted up to :cap; scheduled runs not yet due are not
-# backlog), and the age of the oldest of them (0 when none).
 BACKLOG_BY_KIND = text(f"""
     SELECT k.kind, {_count(_READY)} + {_count(_DUE)} + {_count(_PUBLISHED)} AS backlog,
            coalesce(extract(epoch FROM now() - least(

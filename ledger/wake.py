@@ -1,11 +1,8 @@
-"""Waking the dispatcher: the NOTIFY channel every ledger change that concerns it uses.
-
-A notification carries nothing (the ledger is the truth): it only says "look again".
-Inserts notify through a statement-level trigger (migrations 0004 and 0010: only a
-statement that inserted a row notifies, so a refused creation wakes nothing);
-completions, failure reports, cancels and manual retries send :data:`WAKE_SQL` in their
-own transaction, so the notification is delivered at commit and dropped by a rollback. Identical
-notifications in one transaction coalesce into one.
+"""Waking the dispatcher: the NOTIFY channel of every ledger change that concerns it
+(docs/design.md, "Dispatch"). A notification carries nothing, only "look again". Inserts
+notify by a statement trigger (migrations 0004, 0010) only when they inserted a row; other
+changes send :data:`WAKE_SQL` in their own transaction (delivered at commit, dropped by a
+rollback).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ Celery's command line (soak/tools.py): a run the ``revoke`` fault named must end
 (by the revoke: its CANCEL is after the command started) or COMPLETED, and one still
 WAITING or RUNNING at the end is a run that never ends (``revoke-never-ended``); a run
 whose message ``purge`` took must be going again (re-published, claimed or ended) within
-``PURGE_GOAL_S`` of the purge (``purge-stalled``), not when its queued marker expires.
+``PURGE_GOAL_S`` of the purge (``purge-stalled``): the dispatcher's looks at the broker
+find the message missing within two scans, long before LOST_AFTER.
 
 A run that ends FAILED after its last attempt where each failed attempt (its CLAIM ..
 WAIT/FAIL in the audit trail) spans a fault that cut the workers' database connections or

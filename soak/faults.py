@@ -14,7 +14,7 @@ the details):
 - ``redis``     SIGTERM or SIGKILL the soak's Redis master, then start it again (empty)
                 on the same port, sooner than the sentinels would fail it over.
 - ``flush``     FLUSHALL of the soak's Redis (an operator's mistake, a failover to an
-                empty replica): messages, markers, heartbeats and the leader lock go.
+                empty replica): messages, heartbeats and the leader lock go.
 - ``squeeze``   Redis ``maxmemory`` a little above its use, ``volatile-lru``, for a few
                 seconds: keys with a TTL are evicted, writes may be refused.
 - ``failover``  SIGKILL of the Redis master under Sentinel: the replica is promoted; the old

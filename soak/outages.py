@@ -20,9 +20,9 @@ soak/sentinel.py: every Redis fault acts on its current master) and its own Post
 - ``flush``: ``FLUSHALL``: the same loss without the disconnection (clients keep their
   connections, and what they cached about the server, such as declared queues).
 - ``squeeze``: ``maxmemory`` = ``used_memory`` + ``SQUEEZE_HEADROOM_BYTES`` with the
-  ``volatile-lru`` policy for 2-5 s: keys with a TTL (queued markers, results, the
-  leader lock, heartbeat keys if they have one) are evicted, and once none is left,
-  writes are refused (OOM). Then ``maxmemory 0`` and the previous policy.
+  ``volatile-lru`` policy for 2-5 s: keys with a TTL (results, the leader lock,
+  heartbeat keys if they have one) are evicted, and once none is left, writes are
+  refused (OOM). Then ``maxmemory 0`` and the previous policy.
 - ``failover``: SIGKILL the master; the sentinels promote the replica (what the master had
   not replicated is lost); the old master's port starts again as the new master's replica
   and the fault ends once it is in sync and every sentinel sees it (the group is whole for

@@ -1,22 +1,9 @@
-"""kombu's Redis transport, with one defect fixed: closing a channel whose connection is
-already gone raised ``AttributeError`` instead of a connection error.
+"""kombu's Redis and Sentinel transports, with one defect fixed (docs/design.md, "Dispatch").
 
-When Redis goes away (a restart, a failover), Celery's consumer closes its broker
-connection and reconnects, ignoring the transport's connection errors on the way. Closing
-the channel restores its unacknowledged messages, which needs a Redis client, which is
-built from the connection's parameters; if the transport has already dropped its client,
-kombu 5.7 reads ``None.hostname`` and the ``AttributeError`` escapes as "Unrecoverable
-error": the worker exits 1 (a long-standing upstream defect, celery/kombu#582 and #970;
-seen in the soak's Redis restarts). Here that state raises the connection error it is, so
-the close is ignored like any other failed close and the consumer reconnects. The
-unacknowledged messages stay in Redis's unacked index, where kombu restores them later;
-the ledger refuses any run that was already claimed.
-
-Registered for ``redis://`` and ``sentinel://`` URLs (kombu's ``TRANSPORT_ALIASES``, the
-registry of transports by URL scheme; the sentinel transport builds its connections the
-same way) by :func:`use_for_redis_urls`, which the one place that builds the Celery app
-calls, so every process of the cluster uses it and URLs and logs still read as given;
-``rediss://`` keeps kombu's own.
+Closing a channel whose transport already dropped its client (Redis restarted) read
+``None.hostname`` in kombu 5.7, and the ``AttributeError`` stopped the worker (celery/kombu
+#582, #970). Here it raises the connection error it is, so the consumer reconnects; the
+unacked messages are restored later. ``rediss://`` keeps kombu's own transport.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Celery's entry point: ``celery -A tasks ...`` imports this module and uses ``app``.
-
-Only Celery imports it (the rest of the code builds apps with
-:func:`tasks.celery_app.create_app`). Building the app here reads and validates the
-configuration (one clear line and exit code 2 when it is bad), starts JSON logging from
-the first line (Celery warns before its own log setup), loads the test hooks named by
-``TEAMDESK_TEST_HOOKS`` (unset in production) and, for ``run-local --slow-exports`` only,
-the demo's export pause (tasks/demo_pause.py; off unless its variable is set).
+"""Celery's entry point, ``celery -A tasks ...``; only Celery imports it (the rest of the
+code calls :func:`tasks.celery_app.create_app`). Logging starts before the app is built,
+since Celery warns before its own log setup.
 """
 
 from __future__ import annotations

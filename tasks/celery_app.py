@@ -1,4 +1,5 @@
-"""The Celery app: settings that make the ledger's guarantees hold on the queue side."""
+"""The Celery app: settings that make the ledger's guarantees hold on the queue side
+(docs/design.md, "Lease" and "Dispatch")."""
 
 from __future__ import annotations
 
@@ -21,21 +22,17 @@ from worker.revokes import RevokeWatch
 from worker.steps import LivenessStep
 
 RESULT_EXPIRES = timedelta(days=1)
-# How long a delivered, unacknowledged message stays invisible to other consumers on a
-# Redis broker (kombu's default). Not a recovery mechanism here: the dispatcher takes a
-# silent worker's runs back through the ledger (heartbeats, STALE_AFTER_S by the
-# database's clock) and publishes them anew. kombu compares delivery times with each
-# worker's own clock, so a short timeout would let a worker whose clock runs ahead take
-# every in-flight message of the cluster; an hour is beyond any skew worth tolerating.
+# No part of recovery (docs/design.md, "Dispatch", one clock): kombu compares it with each
+# worker's clock, so a short one would let a worker whose clock runs ahead take every
+# in-flight message.
 VISIBILITY_TIMEOUT_S = 3600
 SENTINEL_TIMEOUT_S = 2.0  # one question to one sentinel (which server is the master)
 
 
 def sentinel_options(settings: Settings, url: str) -> dict[str, Any]:
-    """kombu's and Celery's transport options for a URL that lists sentinels: the master's
-    name, and how to talk to the sentinels: bounded (without a timeout of its own a
-    frozen sentinel would hold a reconnect forever) and with their password if they need
-    one. Empty for any other URL."""
+    """Transport options for a URL that lists sentinels (empty for any other): the master's
+    name, the sentinels' password, and a timeout, without which a frozen sentinel would
+    hold a reconnect forever."""
     if not is_sentinel_url(url):
         return {}
     sentinels: dict[str, Any] = {
@@ -52,8 +49,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     prefix = f"{settings.queue_prefix}:"
     broker_options: dict[str, Any] = {}
     if is_redis_url(settings.broker_url):
-        # Every broker key (queues, unacked messages, their index) lives under the prefix,
-        # so two clusters, or two test runs, can share one Redis.
+        # Two clusters, or two test runs, can share one Redis.
         broker_options["global_keyprefix"] = prefix
         broker_options["visibility_timeout"] = VISIBILITY_TIMEOUT_S
         broker_options.update(sentinel_options(settings, settings.broker_url))
@@ -61,13 +57,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_url": settings.broker_url,
         "broker_transport_options": broker_options,
         "broker_connection_retry_on_startup": True,
-        # An error answer from the broker (Redis at maxmemory refusing an acknowledgement,
-        # a RabbitMQ channel error) restarts the consumer, as a lost connection does,
-        # instead of stopping the worker; the ledger decides what runs again.
+        # An error answer restarts the consumer instead of stopping the worker.
         "broker_channel_error_retry": True,
-        # A lost broker connection leaves in-flight tasks running (their ledger writes go
-        # to PostgreSQL; the message redelivered meanwhile is refused by the claim), as
-        # Celery 5 does by default; said explicitly, since Celery 6 flips the default.
+        # In-flight tasks go on when the broker is lost: Celery 6 flips this default.
         "worker_cancel_long_running_tasks_on_connection_loss": False,
         "result_backend": settings.redis_url,
         "result_backend_transport_options": {
@@ -80,13 +72,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "result_serializer": "json",
         "accept_content": ["json"],
         "event_serializer": "json",
-        # A message is acknowledged after the task returns; a lost pool process is the
-        # run's failed attempt, reported by the worker's main process (worker/lost.py).
+        # A lost pool process is the run's failed attempt, reported by worker/lost.py.
         "task_acks_late": True,
         "task_reject_on_worker_lost": False,
         "worker_prefetch_multiplier": 1,
-        # Flower builds its view from events only. It lists a task from its receipt by a
-        # worker: the dispatcher sends no task-sent events (they cost ~45% of a publish).
+        # No task-sent events (they cost ~45% of a publish): Flower lists a task from its receipt.
         "worker_send_task_events": True,
         "task_send_sent_event": False,
         "event_exchange": f"{settings.queue_prefix}.celeryev",

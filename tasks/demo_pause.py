@@ -1,18 +1,7 @@
-"""Demo only: exports slow enough to watch (``make run`` / ``run-local --slow-exports S``).
-
-The demo's 3,000-ticket export takes a fraction of a second, so ``watch`` jumps to 100 %
-and Flower shows no percent (STARTED, then SUCCESS). With ``TEAMDESK_DEMO_SLOW_EXPORT_S=S``
-(at most :data:`MAX_DELAY_S`), which only ``run-local`` sets, the worker's entry point
-(tasks/celery.py) installs the pause at start (:func:`install_from_env`) on the
-``export.after_read`` hook point; every export then pauses ``S`` seconds after reading
-each batch, before reporting its progress. The pauses
-of one export are capped at :data:`TOTAL_BUDGET_S` altogether (shorter per batch when
-there are many batches), under the export's 60 s read transaction (tasks/export.py), so
-the export still completes.
-
-Never in production: nothing but ``run-local`` sets the variable, a worker that loads
-this prints a warning at start, and the deploy checks refuse the variable in
-deploy/ (tests/unit/test_deploy_demo_knobs.py).
+"""Demo only: exports slow enough to watch (``run-local --slow-exports S``), a pause on the
+``export.after_read`` hook after each batch, capped at :data:`TOTAL_BUDGET_S` per export so
+it still completes within its read budget. Never in production: only ``run-local`` sets the
+variable, and tests/unit/test_deploy_demo_knobs.py refuses it in deploy/.
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
-"""Export: a CSV of a team's tickets, streamed by one COPY, committed under the lease.
-
-PostgreSQL renders the CSV (``COPY (query) TO STDOUT WITH (FORMAT csv, FORCE_QUOTE *)``):
-one statement in a REPEATABLE READ, READ ONLY transaction of its own (one snapshot), bounded
-to ``EXPORT_READ_BUDGET_S`` by ``statement_timeout``. Python writes the records to the
-export's chunks as they arrive (ledger/artifacts.py: a chunk at a time, under this
-execution's key) or, with ``EXPORT_STORE=s3://...``, to its object's multipart upload
-(teamdesk/s3_store.py: parts sent while the read goes on), counting rows, and reports
-progress every ``EXPORT_BATCH_SIZE`` rows; the completion names the chunks or the object
-(ledger/lease.py, ``complete_export``), so memory holds one chunk (two parts) and nothing
-per row. The statement counts the matching rows before it sends the
-first one, so an export over ``EXPORT_MAX_ROWS`` transfers no row and stores no CSV; one
-whose CSV would pass ``EXPORT_MAX_BYTES`` stops writing there, and completes none.
-
-The CSV contract (docs/design.md, "Exports"): UTF-8; header ``id,title,status,priority,requester_id,
-assignee_id,due_at,created_at,updated_at`` (unquoted: fixed, no formula character); rows
-ordered by ``created_at, id``; times in UTC as ``YYYY-MM-DDTHH:MM:SSZ``; NULL as an empty,
-unquoted cell; every other cell quoted, quotes doubled (an empty text is ``""``); records
-end with LF. Quoting every cell keeps a ``;`` inside its cell for the spreadsheet locales
-that split on it (``a;=HYPERLINK(...)`` would otherwise start a cell with ``=``). A title
-gets a leading ``'`` (OWASP's CSV-injection guidance) when it starts with TAB, CR or LF, or
-when its first character after the leading controls, format characters, spaces,
-separators, non-spacing marks and other default-ignorable characters (Unicode categories
-Cc, Cf, Zs, Zl, Zp, Mn; the Hangul fillers) is ``=``, ``+``, ``-``, ``@``, ``|``, MINUS
-SIGN or a character whose NFKC form starts with one (fullwidth, small, superscript,
-subscript forms): spreadsheets skip those and run the rest (:func:`guard`).
+"""Export: a CSV of a team's tickets, streamed by one COPY into chunks or an object and
+completed under the lease. The CSV contract and the title's formula guard: docs/design.md,
+"Exports" (records end with LF).
 """
 
 from __future__ import annotations
@@ -55,33 +32,23 @@ MSG_TOO_LARGE = "The export's CSV would be larger than {limit} bytes; narrow the
 
 _TS = '\'YYYY-MM-DD"T"HH24:MI:SS"Z"\''
 
-# The title's formula guard (OWASP's CSV-injection guidance; issue "Security, round four",
-# finding 6). What a spreadsheet may skip, or draw as nothing, before it decides what a
-# cell starts with is a rule over Unicode's data, not a list: every control (Cc: TAB, CR,
-# LF, DEL, NEL...), format character (Cf: the zero-width ones, the direction marks, BOM,
-# ARABIC LETTER MARK, the tags, the annotation anchors...), space or separator (Zs, Zl, Zp)
-# and non-spacing mark (Mn: COMBINING GRAPHEME JOINER, the variation selectors...), and the
-# other default-ignorable code points: the Hangul fillers, and those not assigned yet,
-# which a newer spreadsheet may draw as nothing.
+# What a spreadsheet may skip before it decides what a cell starts with: a rule over
+# Unicode's data, not a list. OTHER_IGNORABLE includes the default-ignorable code points
+# not assigned yet, which a newer spreadsheet may draw as nothing.
 SKIPPED_CATEGORIES = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp", "Mn"})
 OTHER_IGNORABLE = "\u115f\u1160\u2065\u3164\uffa0" + "".join(
     map(chr, [*range(0xFFF0, 0xFFF9), *range(0xE0000, 0xE1000)])
 )
-# What starts a formula: = + - @ |, MINUS SIGN, and every character whose compatibility
-# form (NFKC) starts with one of them: the fullwidth, small, superscript and subscript
-# forms. TAB, CR and LF count anywhere in the skipped run (the run backtracks to them): a
-# title starting with one is neutralised whatever follows.
+# What starts a formula, and every character whose NFKC form starts with one. TAB, CR and
+# LF count anywhere in the skipped run (the regex backtracks to them).
 FORMULA_STARTS = "=+-@|\u2212"
 LINE_STARTS = "\t\n\r"
 
 
 def guard_characters() -> tuple[str, str]:
-    """The characters skipped before deciding what a title starts with, and those that
-    start a formula, from Python's Unicode data (about 0.3 s, once per process). Skipped:
-    every character of :data:`SKIPPED_CATEGORIES` (but NUL, which no text holds) and
-    :data:`OTHER_IGNORABLE`. Starts: TAB, CR, LF, :data:`FORMULA_STARTS` and every
-    character whose NFKC form starts with one of those (only a character with a
-    decomposition has an NFKC form other than itself)."""
+    """The characters skipped before deciding what a title starts with (NUL left out: no
+    text holds it), and those that start a formula, from Python's Unicode data (about
+    0.3 s). Only a character with a decomposition has an NFKC form other than itself."""
     every = "".join(map(chr, range(1, sys.maxunicode + 1)))
     wanted = map(SKIPPED_CATEGORIES.__contains__, map(unicodedata.category, every))
     skipped = "".join(compress(every, wanted)) + OTHER_IGNORABLE
@@ -125,14 +92,9 @@ class Guard(NamedTuple):
 
 @functools.cache
 def guard() -> Guard:
-    """The guard, built once per process at first need (about 0.3 s): the processes that
-    never export (beat, Flower, ``celery`` commands) never pay for it, and a worker builds
-    it in its main process before the pool forks (worker/lifecycle.py), so no export waits.
-
-    The title cell, shared by both column lists below: one anchored regex (PostgreSQL's
-    ARE reads the escapes). The title is the only free text in the CSV: every other column
-    is a uuid, an enum-like name (status, priority) or a timestamp from to_char, none of
-    which can start with a formula character. A new free-text column needs this guard."""
+    """The guard, built once per process at first need (about 0.3 s): a worker builds it
+    before the pool forks (worker/lifecycle.py); processes that never export never pay.
+    The title cell is one anchored regex (PostgreSQL's ARE reads the escapes)."""
     skipped, starts = guard_characters()
     cell = (
         f"CASE WHEN title ~ '^[{regex_class(skipped)}]*[{regex_class(starts)}]' "
@@ -141,9 +103,6 @@ def guard() -> Guard:
     return Guard(skipped, starts, cell)
 
 
-# COPY's options: every non-NULL cell quoted, so a ';' stays inside its cell for the
-# spreadsheet locales that split on it. NULL stays an empty, unquoted cell (the contract
-# tells it from an empty text, ""); COPY never quotes the header.
 COPY_OPTIONS = "FORMAT csv, FORCE_QUOTE *"
 
 
@@ -217,13 +176,10 @@ def _utc_midnight(day: date) -> datetime:
     return datetime.combine(day, dtime(0, 0), tzinfo=UTC)
 
 
-# One statement, one snapshot: COPY first sends a marker row carrying the number of
-# matching rows (counted up to the cap + 1), then the rows in order - or no row at all
-# when there are more than the cap. The reader learns the total before the first ticket
-# arrives (progress needs it), and an export over the cap transfers nothing but its
-# count. Every cell is text, so the marker row fits the same columns. (Counting first in
-# the same statement costs one more pass over the matching rows' index entries; holding
-# the rows to count them, a MATERIALIZED CTE, cost a quarter more: bench/results/.)
+# One statement, one snapshot: a marker row with the matching count (up to cap + 1), then
+# the rows in order, or none past the cap: progress knows the total before the first row.
+# Every cell is text, so the marker fits the same columns. (A MATERIALIZED CTE holding the
+# rows to count them cost a quarter more than a second pass: bench/results/.)
 STREAM = """
     SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY;
     SET LOCAL statement_timeout = '{budget_ms}ms';
@@ -245,12 +201,9 @@ STREAM = """
 
 
 class CsvStream:
-    """The file COPY writes to: psycopg2 hands it one CSV record per call. The first is
-    the marker row (the total); every record after it is one ticket, appended to the
-    export's chunks (ledger/artifacts.py: each full one is written at once, so the
-    process holds one chunk at most), with progress every ``batch_size`` rows while the
-    stream runs. Chunks and progress during the stream go through a second connection
-    (the execution's is busy with the COPY), opened at the first need."""
+    """The file COPY writes to, one CSV record per call: first the marker row (the total),
+    then one ticket each. Chunks and progress during the stream go through a second
+    connection (the execution's is busy with the COPY), opened at the first need."""
 
     def __init__(
         self, ctx: Context, batch_size: int, reported: Callable[[], None], max_bytes: int = 0
@@ -282,9 +235,8 @@ class CsvStream:
             self.reported()
 
     def _progress_conn(self) -> Connection:
-        """The execution connection is busy with the COPY: progress during the stream goes
-        through a second one, opened at the first batch (a small export never needs it);
-        each of its statements is bounded by the ledger (ledger/lease.py)."""
+        """The second connection (a small export never needs it); the ledger bounds its
+        statements."""
         if self._progress is None:
             self._progress = self.ctx.engine.connect()  # autocommit, as the execution's
         return self._progress
@@ -315,11 +267,8 @@ def _writer(ctx: Context) -> artifacts.ChunkWriter | artifacts.ObjectSink:
 
 
 def read_csv(ctx: Context, where: str, params: dict[str, Any]) -> CsvStream:
-    """The export's rows as CSV, streamed by one COPY on the execution connection: one
-    REPEATABLE READ, READ ONLY snapshot, bounded to EXPORT_READ_BUDGET_S by
-    statement_timeout, and cancelled when it goes half of STALE_AFTER_S without writing
-    progress (tasks/watchdog.py), so the read gives up before its silence would look
-    like a stalled execution."""
+    """The export's rows as CSV, streamed by one COPY on the execution connection. Raises
+    ExportReadTimeout, ExportReadSilent (tasks/watchdog.py), TooManyRows or CsvTooLarge."""
     dbapi = ctx.conn.connection.dbapi_connection
     cursor = dbapi.cursor()  # type: ignore[union-attr]
     limit = ctx.settings.export_max_rows
@@ -361,9 +310,7 @@ def run_export(ctx: Context) -> str:
     stream = read_csv(ctx, where, params)
     tracing.event("export.read", rows=stream.rows)
     if stream.rows:
-        # After the last batch only the completion is written: the queue's next word is
-        # the task's end, and the completion itself checks the owner's role now (its guard,
-        # ledger/permissions.py), so no write or read of the ledger comes between.
+        # Nothing comes between the read and the completion, whose guard checks the role.
         hooks.fire("export.after_read", claim=claim, done=stream.rows, total=stream.rows)
     hooks.fire("export.before_result_write", claim=claim)
     summary = f"{stream.rows} rows"

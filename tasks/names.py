@@ -1,7 +1,5 @@
-"""Names other modules need: the task names, their queues, and which kind goes where.
-
-A leaf module (it imports nothing of the project), so that the dispatcher, the workers,
-the tests and the app builder all read the routing from one place.
+"""The task names, their queues and which kind goes where: a leaf module, the one place
+every process reads the routing from.
 """
 
 from __future__ import annotations
@@ -16,12 +14,6 @@ TASK_OF_KIND = {"EXPORT": EXPORT_TASK, "REMINDER": REMINDER_TASK}
 QUEUE_OF_KIND = {kind: QUEUE_OF[task] for kind, task in TASK_OF_KIND.items()}
 TASK_QUEUES = (EXPORTS_QUEUE, REMINDERS_QUEUE)
 
-# The event that carries an export's progress to Flower (tasks/queueing.py). Celery's
-# event state (which Flower keeps) turns a task event's type into a state and lets an
-# event change the state only if that state does not rank as "happened before" the
-# current one (celery.states.PRECEDENCE). A made-up type such as ``task-progress`` becomes
-# a state of its own that outranks REVOKED: a cancelled export stayed PROGRESS forever.
-# ``task-pending`` becomes PENDING, the lowest rank: after task-started it only updates
-# the fields (the ``result`` text Flower shows) and never the state, so STARTED, then
-# SUCCESS, FAILURE or REVOKED, whichever comes, late progress events included.
+# An export's progress to Flower; PENDING ranks lowest, so it never changes the state
+# (docs/design.md, "Lease", what Flower shows).
 PROGRESS_EVENT = "task-pending"

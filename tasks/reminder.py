@@ -1,16 +1,6 @@
-"""Reminder: one notification, the ticket's version +1 and one system event, committed in
-one transaction with the task's completion under the lease (docs/design.md, "Exports"
-and "Lifecycle").
-
-One transaction on the execution's own connection (no second connection, no pool check),
-in three round trips: open it, bound it, take the team's lock and read the ticket with its
-assignee's role (one); the side effects with the completion, one statement (one); COMMIT.
-The per-team advisory lock serialises reminders of one team; the claim happens outside
-it, so holding the lock proves nothing about the lease: the completion's own guard
-decides. Each side effect is written through the completed row, so a lost lease writes
-none of them and the 0-row completion raises LeaseLost, which rolls the transaction back.
-No separate lease check runs first: a replaced execution does its read for nothing,
-which costs less than a round trip on every reminder.
+"""Reminder: its side effects and the completion in one transaction of three round trips on
+the execution's connection (docs/design.md, "Exports" and "Lifecycle"). The team's lock
+proves nothing about the lease (the claim is outside it): the completion's guard decides.
 """
 
 from __future__ import annotations
@@ -35,26 +25,16 @@ NOTIFICATION_KIND = "TICKET_REMINDER"
 
 MSG_BAD_TICKET = "The reminder does not name a ticket."
 
-# Every bound of the reminder's transaction. A process frozen inside it (SIGSTOP, a VM
-# pause, a half-open connection) would otherwise hold its team's lock for as long as it
-# stays frozen: the server ends that session after the budget idle in the transaction,
-# which releases the lock, and a reminder waiting for the lock gives up after the same
-# time (a failed attempt, retried after the backoff, when the lock is free again). Other
-# teams never wait: the lock is per team.
-TX_BUDGET_S = 15
+TX_BUDGET_S = 15  # every bound of the transaction, so a frozen process frees its team's lock
 
 
 def tx_budget_s(settings: Settings) -> float:
-    """TX_BUDGET_S, or half of STALE_AFTER_S if that is less: a reminder waiting for its
-    team's lock writes nothing to its row, and must give up (a failed attempt) before the
-    dispatcher takes that silence for a stalled execution and revokes a live lease."""
+    """TX_BUDGET_S, or half of STALE_AFTER_S if less: a reminder waiting for the lock must
+    give up before its silence passes for a stalled execution."""
     return min(TX_BUDGET_S, settings.stale_after_s / 2)
 
 
-# The transaction opens (on the autocommit execution connection), takes its bounds (in
-# ms) and the team's lock, and reads the ticket, locked, with its assignee's role in the
-# team: one round trip; the read is the session's prepared statement (ledger/prepared.py),
-# what comes before it is sent as it is.
+# One round trip; only the last statement is prepared (ledger/prepared.py).
 OPEN_AND_READ = """
     BEGIN;
     SET LOCAL lock_timeout = %(budget_ms)s;
@@ -68,9 +48,8 @@ OPEN_AND_READ = """
        FOR UPDATE OF t
 """
 
-# The three side effects and the completion in one statement (ledger/lease.py builds
-# the completion and its guard): each side effect is written through the completed row,
-# so a lost lease writes none of them.
+# Each side effect is written through the completed row (``changed``, ledger/lease.py), so
+# a lost lease writes none of them.
 SEND_AND_COMPLETE = lease.completion_with(
     """, notified AS (
         INSERT INTO notifications (user_id, ticket_id, task_id, kind)
@@ -134,7 +113,6 @@ def run_reminder(ctx: Context) -> str:
         _rollback(conn)
         raise
     prepared.end_transaction(conn, commit=True)
-    # The side effects and the completion, committed in one transaction.
     tracing.event("reminder.completed", skipped=summary.startswith(SKIPPED_PREFIX))
     return summary
 

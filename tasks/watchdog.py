@@ -1,27 +1,10 @@
-"""A bound on silence: cancel a statement that has not reported for too long.
+"""Cancel a statement that has not reported for too long: an export's silences, which
+``statement_timeout`` does not bound (docs/design.md, "Exports").
 
-An export streams its CSV with one COPY and writes progress every batch; between two
-writes its ledger row is silent, and a row silent for ``STALE_AFTER_S`` is taken back
-(docs/design.md, "Lease"). ``statement_timeout`` bounds the whole read, not the silences
-inside it, and no Python runs while psycopg2 waits for the next record. So a read under
-:func:`watch` that goes ``limit_s`` without :meth:`Watch.touch` is cancelled (libpq's
-cancel request, which PostgreSQL serves outside ``max_connections`` and PgBouncer
-forwards): the COPY ends with ``QueryCanceled``, a failed attempt retried as usual,
-before the silence could look like a stalled execution.
-
-One daemon thread per process (started on first use; a forked child starts with a fresh
-registry and lock, never one the parent's thread held at the fork) sleeps until the
-earliest deadline. A cancel is sent only while its watch is *armed*, under the watch's
-own lock, and the caller disarms it (:meth:`Watch.disarm`, also on leaving
-:func:`watch`) under that lock as soon as its statement returns, before it sends the
-next: a deadline that passes just as the statement ends sends nothing once the caller has
-disarmed, and one being sent makes the disarm wait until it has been sent (libpq's cancel
-returns once the server has it, and a server ignores a cancel that finds its session
-idle). So no cancel of a watch is still on its way when the caller's next statement (an
-export's completion) goes out.
-
-Deadlines are this host's monotonic clock: a timeout of one process's own wait, like a
-socket timeout, not a threshold other hosts compare against.
+A cancel is sent only while its watch is armed, under the watch's lock, and the caller
+disarms under that lock as soon as its statement returns: so no cancel is still on its way
+when the next statement (the completion) goes out. One daemon thread per process (a forked
+child gets a fresh registry and lock); deadlines are this host's monotonic clock.
 """
 
 from __future__ import annotations
@@ -67,8 +50,7 @@ class Watch:
 _cond = threading.Condition()
 _watches: set[Watch] = set()
 _thread_pid: int | None = None
-# When the thread wakes next on its own (monotonic): a new watch due later needs no wake-up
-# (one thread switch per export saved), as it is looked at then.
+# When the thread wakes next on its own: a new watch due later needs no wake-up.
 _wake_at = 0.0
 
 
@@ -80,8 +62,7 @@ def _run() -> None:
             now = time.monotonic()
             for expired in [w for w in _watches if w.deadline <= now]:
                 _watches.discard(expired)
-                # Sent without the registry's lock (a cancel may wait on the network):
-                # other watches of the process go on meanwhile.
+                # Without the registry's lock: a cancel may wait on the network.
                 cond.release()
                 try:
                     _cancel(expired)

@@ -1,10 +1,7 @@
-"""Configuration: the environment variables of docs/design.md, "Configuration", read and
-validated once.
+"""The environment variables, read and validated once (docs/design.md, "Configuration").
 
-Every process calls :func:`get_settings` (or :func:`load_settings` with an explicit
-mapping in tests). A bad value raises :class:`ConfigError` whose message names the
-variable; entry points turn it into one line on stderr and exit code 2 (see
-:func:`settings_or_exit`), never a traceback and never a silent default.
+A bad value raises :class:`ConfigError` naming the variable; :func:`settings_or_exit`
+makes it one stderr line and exit 2.
 """
 
 from __future__ import annotations
@@ -34,9 +31,7 @@ SENTINEL_SEPARATOR = ";"
 
 
 def is_redis_url(url: str) -> bool:
-    """Whether ``url`` names a Redis server, directly or through its sentinels (the one
-    test used everywhere: the broker's transport options, the queued markers' home, the
-    workers' visibility renewal)."""
+    """Whether ``url`` names a Redis server, directly or through its sentinels."""
     return urlsplit(url).scheme in REDIS_SCHEMES
 
 
@@ -46,10 +41,7 @@ def is_sentinel_url(url: str) -> bool:
     return urlsplit(url).scheme == SENTINEL_SCHEME
 
 
-# A quarter of STALE_AFTER_S: a database crash moves a run's last write back by at most
-# this much (plus the WAL writer's window), so an execution writing at least every half
-# of STALE_AFTER_S is never taken for a stalled one (docs/design.md, "Lease").
-DURABLE_PROGRESS_FRACTION = 4
+DURABLE_PROGRESS_FRACTION = 4  # of STALE_AFTER_S (docs/design.md, "Lease")
 
 
 class ConfigError(Exception):
@@ -67,26 +59,19 @@ class Span(NamedTuple):
         return f"from {self.low:g} to {self.high:g} {self.unit}"
 
 
-# Every duration setting's range: a value outside it stops the process at start.
+# A value outside its range stops the process at start.
 DURATIONS: dict[str, Span] = {
-    # 0: retry at once; later attempts wait twice as long each, so an hour is plenty.
-    "RETRY_BASE_DELAY_S": Span(0.0, 3600.0, "seconds"),
-    # Below a second a database round trip or a pause already looks like a stalled run; a
-    # run silent for a day is dead whatever it does.
+    "RETRY_BASE_DELAY_S": Span(0.0, 3600.0, "seconds"),  # later attempts double it
+    # Below a second a round trip or a pause already looks like a stalled run.
     "STALE_AFTER_S": Span(1.0, 86_400.0, "seconds"),
-    # The loop wakes on notifications anyway: more than 10 scans a second only loads the
-    # database; past 5 minutes a lost message or a stalled run waits too long.
+    # The loop wakes on notifications: more than 10 scans a second only loads the database.
     "SCAN_INTERVAL_S": Span(0.1, 300.0, "seconds"),
-    # Renewed every quarter of it, at most every 0.1 s (worker/liveness.py); past 10
-    # minutes a dead worker's runs wait that long for the heartbeat rule.
-    "HEARTBEAT_TTL_S": Span(1.0, 600.0, "seconds"),
-    # 0: a cold stop at once; an hour covers the longest export read (below).
+    "HEARTBEAT_TTL_S": Span(1.0, 600.0, "seconds"),  # renewed every quarter, at most every 0.1 s
     "SHUTDOWN_TIMEOUT_S": Span(0.0, 3600.0, "seconds"),
-    # At most the Redis broker's visibility timeout (tasks/celery_app.py, an hour): an
-    # export unacknowledged longer has its message delivered again.
+    # At most the Redis broker's visibility timeout (an hour): past it the message returns.
     "EXPORT_READ_BUDGET_S": Span(1.0, 3600.0, "seconds"),
-    # One day is the purge function's own floor. Ten years: longer is an archive's job, and
-    # a far larger value puts the cut-off outside PostgreSQL's dates (every purge fails).
+    # One day is the purge function's floor; far past ten years the cut-off leaves
+    # PostgreSQL's dates and every purge fails.
     "TASK_RETENTION_DAYS": Span(1.0, 3650.0, "days"),
     "AUDIT_RETENTION_DAYS": Span(1.0, 3650.0, "days"),
 }
@@ -122,29 +107,16 @@ class Settings:
     team_exports_per_day: int = 1000  # exports one team may create in 24 hours
     team_export_bytes_per_day: int = 2 << 30  # CSV bytes of one team's exports, 24 hours
     export_max_bytes: int = 32 << 20  # one export's CSV
-    # Lease and dispatcher statements as session-level prepared statements; off behind
-    # PgBouncer in transaction pooling, where a session's statements do not follow it.
-    database_prepared_statements: bool = True
-    # Prometheus endpoint of this process (teamdesk/metrics.py): 0 = none; loopback unless
-    # METRICS_HOST says otherwise (never public by default).
-    metrics_port: int = 0
+    database_prepared_statements: bool = True  # off behind PgBouncer in transaction pooling
+    metrics_port: int = 0  # 0: no /metrics
     metrics_host: str = "127.0.0.1"
-    # Retention (docs/design.md, "Retention"): finished tasks after they finished, audit
-    # rows after they were written; at least one day (the purge function's own floor).
     task_retention_days: float = 30.0
     audit_retention_days: float = 30.0
-    # Redis under Sentinel (REDIS_URL / BROKER_URL as sentinel://...): the name of the
-    # master the sentinels monitor, and the sentinels' own password if they require one.
     redis_sentinel_master: str = ""
     redis_sentinel_password: str = ""
-    # How long an export's read (one COPY statement) may take in all; its silences (no
-    # progress written) are bounded apart, by half of STALE_AFTER_S (tasks/watchdog.py).
-    export_read_budget_s: float = 60.0
-    # Where exports' CSVs are kept (teamdesk/export_store.py): "postgres" or
-    # "s3://BUCKET[/PREFIX]"; how the API hands one out: "stream" (through the API) or,
-    # with an object store, "redirect" (to a short-lived presigned URL).
-    export_store: str = "postgres"
-    export_download: str = "stream"
+    export_read_budget_s: float = 60.0  # one COPY in all (docs/design.md, "Exports")
+    export_store: str = "postgres"  # or "s3://BUCKET/PREFIX/"
+    export_download: str = "stream"  # or "redirect" (an object store only)
 
     @property
     def listen_url(self) -> str | None:
@@ -155,8 +127,7 @@ class Settings:
 
     @property
     def durable_progress_after_s(self) -> float:
-        """A progress write this long after the run's previous write commits durably, so a
-        database crash cannot make a live run look stale (docs/design.md, "Lease")."""
+        """A progress write this long after the run's previous write commits durably."""
         return self.stale_after_s / DURABLE_PROGRESS_FRACTION
 
     def with_overrides(self, **changes: object) -> Settings:
@@ -274,9 +245,8 @@ def _listen_url(env: Mapping[str, str]) -> str | None:
 
 
 def _broker_url(env: Mapping[str, str], redis_url: str, queue_prefix: str) -> str:
-    """BROKER_URL. On RabbitMQ the queues are named ``exports`` and ``reminders`` (workers
-    select them with ``-Q``), so two clusters on one virtual host would take each other's
-    messages: the virtual host must be the cluster's own, named like QUEUE_PREFIX."""
+    """BROKER_URL; on RabbitMQ its virtual host must be named like QUEUE_PREFIX, since
+    queue names are not prefixed there (docs/design.md, "Processes")."""
     url = _url(env, "BROKER_URL", redis_url, _BROKER_SCHEMES)
     if is_redis_url(url):
         return url
@@ -417,8 +387,7 @@ def _checked(settings: Settings) -> Settings:
     return settings
 
 
-# FORWARDED_ALLOW_IPS: the proxies whose X-Forwarded-For the API believes (api/middleware.py,
-# ForwardedClient), read by the API server only (cli/commands/serve.py, api/app.py).
+# Read by the API server only (cli/commands/serve.py, api/app.py).
 FORWARDED_ALLOW_IPS = "FORWARDED_ALLOW_IPS"
 DEFAULT_FORWARDED_ALLOW_IPS = "127.0.0.1,::1"  # uvicorn's own default
 MSG_TRUST_ALL = (
@@ -431,10 +400,9 @@ ProxyNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 def trusted_proxies(env: Mapping[str, str] | None = None) -> tuple[ProxyNetwork, ...]:
-    """FORWARDED_ALLOW_IPS as networks (an address is its /32 or /128), separated by commas.
-    ConfigError for ``*``, for networks that together hold every address of a family
-    (``0.0.0.0/0``, ``::/0``, ``0.0.0.0/1,128.0.0.0/1``) and for an entry that is neither
-    an address nor a network (uvicorn took it as a name no peer ever has)."""
+    """FORWARDED_ALLOW_IPS as networks. ConfigError for ``*``, for networks that together
+    hold every address of a family (``0.0.0.0/1,128.0.0.0/1``) and for an entry that is
+    neither an address nor a network."""
     env = os.environ if env is None else env
     raw = (env.get(FORWARDED_ALLOW_IPS) or "").strip() or DEFAULT_FORWARDED_ALLOW_IPS
     networks: list[ProxyNetwork] = []

@@ -1,4 +1,5 @@
-"""SQLAlchemy engines: one per process (per child after a fork), created on first use."""
+"""SQLAlchemy engines, one per process (per child after a fork), created on first use
+(docs/design.md, "Lease", connections and bounds per transaction)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,8 @@ PREPARED_KEY = "teamdesk_prepared"
 
 
 def sqlalchemy_url(url: str) -> str:
-    """DATABASE_URL with the psycopg2 driver named (SQLAlchemy 2.1 defaults to psycopg 3).
-
-    libpq's list of hosts (``postgresql://u@h1:5432,h2:5432/db?target_session_attrs=
-    read-write``, a primary and its standbys, tried in order) is written in SQLAlchemy's
-    form, one ``host`` query parameter per host (``postgresql+psycopg2://u@/db?host=h1:5432
-    &host=h2:5432&...``); the driver hands libpq the same list."""
+    """DATABASE_URL with the psycopg2 driver named (SQLAlchemy 2.1 defaults to psycopg 3),
+    and libpq's list of hosts as SQLAlchemy's ``?host=h1:5432&host=h2:5432``."""
     for prefix in ("postgresql://", "postgres://"):
         if url.startswith(prefix):
             url = "postgresql+psycopg2://" + url[len(prefix) :]
@@ -47,9 +44,8 @@ def sqlalchemy_url(url: str) -> str:
 
 
 def make_engine(url: str, prepared_statements: bool = True, **kwargs: object) -> Engine:
-    """An engine whose connections give up quickly when PostgreSQL is away.
-    ``prepared_statements``: whether the ledger may prepare statements on its sessions
-    (off behind PgBouncer in transaction pooling)."""
+    """An engine whose connections give up quickly when PostgreSQL is away, and whose
+    checkout refuses a hung-up connection (:func:`hung_up`)."""
     url = sqlalchemy_url(url)
     connect_args = {"connect_timeout": 5, "application_name": "teamdesk-tasks"}
     options: dict[str, Any] = {
@@ -78,19 +74,9 @@ MSG_HUNG_UP = "PostgreSQL closed this pooled connection while it was idle"
 
 
 def hung_up(dbapi: Any) -> bool:
-    """Whether the server closed this idle psycopg2 connection (a restart, a failover,
-    ``pg_terminate_backend``, an idle timeout), told without a round trip. A server that
-    ends a session sends its reason (a FATAL message) and closes the socket, so an idle
-    connection with something to read has been hung up on, unless what waits is only a
-    notification (a ``LISTEN``): libpq reads whatever is there (``poll``), and the server's
-    last word arrives as a notice, or the end of the stream raises.
-
-    This replaces SQLAlchemy's pre-ping (a ``SELECT 1`` round trip at every checkout, a
-    third of an export's round trips). A pooled connection dropped since its last use is
-    still replaced before anything is sent on it; a flow that a NAT or load balancer
-    dropped silently is kept alive by TCP keepalives (``KEEPALIVES``); neither check can
-    tell a frozen or unreachable server from a slow one, which the statement timeouts
-    bound."""
+    """Whether the server closed this idle psycopg2 connection, told without a round trip:
+    readable data that is not only a notification is the server's last word (a notice
+    after ``poll``, or an error at the end of the stream)."""
     try:
         for _ in range(_POLLS):
             if dbapi.closed:
@@ -110,10 +96,8 @@ def hung_up(dbapi: Any) -> bool:
 
 _POLLS = 3  # a notification or two may wait; more than that is not an idle session
 
-# TCP keepalives on every connection: an idle pooled connection keeps its flow open
-# through NATs and load balancers that drop silent flows after a few minutes (the next
-# packet would get a reset, so the first statement after the idle time would fail), and
-# a peer that vanished is noticed within about 90 s.
+# Keep idle pooled flows open through NATs and load balancers that drop silent ones; a
+# vanished peer is noticed within about 90 s.
 KEEPALIVES = {
     "keepalives": 1,
     "keepalives_idle": 60,
@@ -123,12 +107,9 @@ KEEPALIVES = {
 
 
 def bound_transactions(engine: Engine, statement_timeout_ms: int, **settings: str) -> Engine:
-    """Open every transaction of ``engine`` with its bounds, as settings of that
-    transaction only (``set_config(..., true)``, one round trip): what startup parameters
-    would do, which PgBouncer refuses, and what a session-wide setting must not do behind
-    a pooler in transaction mode (the next client of that server connection would
-    inherit it). ``settings``: more of them, e.g. ``synchronous_commit``.
-    For engines whose connections run transactions (not autocommit)."""
+    """Open every transaction of ``engine`` with its bounds, set for that transaction only
+    (``set_config(..., true)``); ``settings``: more, e.g. ``synchronous_commit``. Not for
+    autocommit engines."""
     values = {"statement_timeout": f"{int(statement_timeout_ms)}ms", **settings}
     statement = "SELECT " + ", ".join(
         f"set_config('{name}', '{value}', true)" for name, value in values.items()
@@ -141,8 +122,7 @@ def bound_transactions(engine: Engine, statement_timeout_ms: int, **settings: st
     return engine
 
 
-# Errors that mean "PostgreSQL is unreachable or stuck", not a bug (the ledger's hot-path
-# statements run on the driver's cursor, so the driver's own errors count too).
+# "PostgreSQL is unreachable or stuck", not a bug; hot-path statements raise psycopg2's own.
 DATABASE_ERRORS = (
     sa.exc.OperationalError,
     sa.exc.InterfaceError,
@@ -153,9 +133,8 @@ DATABASE_ERRORS = (
 
 
 def select_one(database_url: str, *, timeout_s: float, application_name: str) -> bool:
-    """Whether PostgreSQL answers ``SELECT 1`` on a new, short-lived connection (no pool:
-    nothing crosses a fork), connect and statement each bounded by ``timeout_s``; raises
-    when it cannot be reached."""
+    """Whether PostgreSQL answers ``SELECT 1`` on a new connection (no pool: nothing crosses
+    a fork), connect and statement each bounded by ``timeout_s``; raises when unreachable."""
     conn = psycopg2.connect(
         libpq_url(database_url),
         connect_timeout=max(2, math.ceil(timeout_s)),  # libpq: whole seconds, 2 at least
@@ -172,8 +151,7 @@ def libpq_url(url: str) -> str:
     return url.replace("postgresql+psycopg2://", "postgresql://", 1)
 
 
-# One round trip, one transaction: the bound is set for this transaction only (never a
-# startup option: PgBouncer refuses those; never the session's: a pooler passes it on).
+# One round trip; the bound is for this transaction only.
 BOUNDED_SELECT_ONE = "SELECT set_config('statement_timeout', %s, true); SELECT 1"
 
 
@@ -196,15 +174,10 @@ def may_prepare(info: dict[object, object]) -> bool:
 
 @contextmanager
 def autocommit(engine: Engine) -> Iterator[Connection]:
-    """A connection of ``engine``'s pool whose driver connection is in autocommit for this
-    checkout, for statements sent straight to the driver (ledger/prepared.py): each commits
-    by itself, with no BEGIN or COMMIT round trip. psycopg2 switches autocommit without a
-    statement (SQLAlchemy's isolation-level option would reset the session on return:
-    one more round trip), and it is switched back before the connection returns to the
-    pool, so the next checkout finds it as the pool made it. Only for statements sent to
-    the driver: SQLAlchemy's own ``execute`` would begin a transaction of its own (and,
-    on an engine with ``bound_transactions``, bound only that one). A connection left
-    inside a transaction is dropped rather than returned."""
+    """A pooled connection with psycopg2's autocommit on for this checkout (no statement
+    sent), switched back on return; one left inside a transaction is dropped instead.
+    Only for statements sent straight to the driver (ledger/prepared.py): SQLAlchemy's
+    ``execute`` would begin a transaction of its own."""
     with engine.connect() as conn:
         dbapi = conn.connection.dbapi_connection
         assert dbapi is not None
@@ -230,11 +203,8 @@ def get_engine() -> Engine:
 
 
 def get_execution_engine() -> Engine:
-    """The pool of task executions' own connections: autocommit from the start, so a
-    checkout and a return cost no statement (a connection switched to autocommit for one
-    checkout is switched back when it returns: one more round trip). Each ledger write of
-    an execution is one statement that commits by itself; a reminder opens and ends its
-    transaction explicitly."""
+    """The pool of task executions' own connections, in autocommit from the start; a
+    reminder opens and ends its transaction explicitly."""
     global _execution_engine
     with _lock:
         if _execution_engine is None:

@@ -1,16 +1,6 @@
-"""Where an export's CSV is kept (docs/design.md, "Exports": "Where a CSV is kept"), chosen
-by ``EXPORT_STORE``: ``postgres`` (the default: chunks beside the ledger row,
-ledger/artifacts.py) or ``s3://BUCKET[/PREFIX]``, any S3-compatible object store
-(teamdesk/s3_store.py), configured by the standard AWS variables.
-
-The ledger stays the claim check: an object's key names the task and the execution that
-uploaded it and ends in 128 random bits (:func:`object_key`), so a replaced or late
-execution never writes another's object and nobody names an object without reading its
-row; only the object the fenced completion recorded (``result_object``) is ever served.
-
-This module is the small interface the worker, the API and the dispatcher use (names,
-keys, the store's calls); teamdesk/s3_store.py implements it with boto3 and makes one
-client per process.
+"""Where an export's CSV is kept, by ``EXPORT_STORE`` (docs/design.md, "Exports"): the
+interface the worker, the API and the dispatcher use (names, keys, calls), which
+teamdesk/s3_store.py implements with boto3.
 """
 
 from __future__ import annotations
@@ -26,8 +16,6 @@ POSTGRES = "postgres"
 SCHEME = "s3://"
 KEY_RANDOM_BYTES = 16  # the key's unguessable part: 128 bits
 EXPORTS_FOLDER = "exports/"
-# A bucket name by S3's rules (3-63 lower-case letters, digits, dots and hyphens); a prefix
-# of path segments of safe characters.
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
 _KEY = re.compile(

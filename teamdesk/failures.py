@@ -1,11 +1,6 @@
-"""Why a server could not be used, in a few words an operator can act on.
-
-libpq and redis-py say exactly what went wrong - a database or role that does not exist,
-a refused port, a failed password - but wrapped in text meant for a traceback. These
-read that text and keep the cause: ``database "teamdsk" does not exist``,
-``connection refused at 127.0.0.1:5433``. Never a password: neither library prints one,
-and what is kept passes through :func:`teamdesk.redaction.redact_text` all the same.
-Anything they do not recognise is its first line, or the exception's class.
+"""Why a server could not be used, in words an operator can act on, read from libpq's and
+redis-py's error text (``connection refused at 127.0.0.1:5433``); redacted all the same,
+else the text's first line or the exception's class (docs/design.md, "Logs").
 """
 
 from __future__ import annotations

@@ -1,48 +1,12 @@
-"""Worker heartbeats in Redis (docs/design.md, "Heartbeats"): the protocol between the
-workers, who write it (worker/liveness.py), and the dispatcher, the API and the health
-checks, who read it. It lives below all of them, so none needs to import another.
+"""Worker heartbeats in Redis (docs/design.md, "Heartbeats"; why an epoch, a drain renewal
+that adds, and tombstones: docs/decisions.md, "Workers"): the protocol between the workers,
+who write it (worker/liveness.py), and the dispatcher, the API and the health checks, who
+read it. It lives below all of them, so none needs to import another.
 
-Every process that can take work keeps one member ``<scope>/<uuid4>`` in two sorted
-sets, ``<prefix>:worker-heartbeat:active`` (all processes) and
-``<prefix>:worker-heartbeat:active:<scope>`` (one scope, ``WORKER_INSTANCE_ID``), and in
-the *holders* set ``<prefix>:worker-heartbeat:holders`` (every process whose leases are
-alive: the active ones and the draining ones). A member's score is Redis ``TIME`` +
-``HEARTBEAT_TTL_S``: it is live while its score is later than Redis's clock. Only Redis's
-clock is used, so hosts with skewed clocks agree. The active sets say who takes work (the
-window, the health checks); the holders set says whose leases the dispatcher must leave
-alone (it reads the global active set too: every active member is a holder as well).
-
-Renewal is one Lua script: read ``TIME``, drop expired members, add the member to the
-three sets and set their keys' TTL to 2 x ttl (an abandoned set disappears on its own).
-
-**Draining.** On SIGTERM a process leaves the active sets but stays a holder while its
-in-flight work ends. The drain's renewal is the same script as its start (leave the
-active sets, be a holder, extend the holders key): it adds the member rather than only
-extending it, so a drain outlives the key's TTL, a Redis restart during the drain, and a
-removal at SIGTERM that Redis refused. :meth:`Heartbeat.finish` ends it for good.
-
-**The record's epoch.** The dispatcher may read "absent" as "dead" only while the holders
-set is the unbroken record of every live process. A FLUSHALL, an eviction (every key here
-carries a TTL, so ``volatile-*`` policies take them first), a restart, or a failover to a
-replica that lags behind all leave a set that misses live processes. So the holders set
-carries its own epoch: a member ``~epoch/<run_id>/<since>`` scored ``+inf`` (never expired
-by score), written by the first renewal that finds none from this server (``run_id``
-changes at every Redis start and differs on a replica). Whatever empties or replaces the
-set removes the epoch with it; the record is trusted only once its epoch is older than one
-TTL, by which time every live process renewed into it (docs/decisions.md, "Workers").
-
-Why a tombstone: shutdown removes the member, but a renewal may already be on its way
-to Redis when the stop begins (sent from the worker's renewal thread a moment before, or
-delayed in a socket buffer). If that renewal ran after the removal it would put the member
-back, and the stopped process would look alive for one more TTL, so the dispatcher
-would wait that long before taking its runs back. A Python flag alone cannot stop a
-command that has already left the process. So the removal sets
-``<prefix>:worker-heartbeat:stopped:<member>`` (TTL at least 2 x ttl) in the same script,
-and the renewal script refuses a member whose tombstone exists. Its value says how far the
-stop went: ``draining`` refuses active renewals only, ``done`` (set when the drain ended,
-or by a stop without one) refuses a late drain renewal too. Every script is atomic in
-Redis, so a late renewal runs either before the removal (and is undone by it) or after it
-(and is refused). The ``stopping`` flag keeps this process from sending new renewals.
+Only Redis's clock is used, so hosts with skewed clocks agree. Every change is one Lua
+script, atomic in Redis: a late renewal runs either before the removal (undone by it) or
+after it (refused by the tombstone). Every key carries a TTL of at least 2 x ttl, so an
+abandoned one disappears on its own.
 """
 
 from __future__ import annotations
@@ -200,8 +164,7 @@ def active_key(prefix: str, scope: str | None = None) -> str:
 
 
 def holders_key(prefix: str) -> str:
-    """Processes whose leases are alive - active or draining - plus the record's epoch:
-    what the dispatcher reads before taking a run back."""
+    """Processes whose leases are alive (active or draining), plus the record's epoch."""
     return f"{prefix}:worker-heartbeat:holders"
 
 
@@ -286,20 +249,17 @@ class Heartbeat:
         return self._run_renewal()
 
     def remove(self, draining: bool = False) -> bool:
-        """Stop renewing and remove this process's member (only its own) from the active
-        sets; with ``draining``, keep it a lease holder while in-flight work ends (renew
-        that with :meth:`renew_draining`), else remove it as a holder too. False: the
-        drain had ended already."""
+        """Stop renewing and remove this process's member from the active sets; with
+        ``draining`` it stays a lease holder (see :meth:`renew_draining`), else it goes
+        from the holders too. False: the drain had ended already."""
         self._stopping.set()
         if draining:
             return self.renew_draining()
         return self._script(_REMOVE, self._tombstone_ms()) == 1
 
     def renew_draining(self) -> bool:
-        """Start or extend the drain: out of the active sets, a holder until now + ttl. It
-        adds the member (a restart may have lost it; the removal at SIGTERM may have
-        failed); False once :meth:`finish` ended the drain. A process that froze while
-        draining stops renewing and expires like any other."""
+        """Start or extend the drain: out of the active sets, a holder until now + ttl
+        (added, not only extended); False once :meth:`finish` ended the drain."""
         self._stopping.set()
         return self._script(_DRAIN, self._tombstone_ms(), repr(float(self.ttl_s))) == 1
 

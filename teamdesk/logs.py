@@ -1,12 +1,7 @@
 """One JSON log setup for every process (docs/design.md, "Logs").
 
-Each line is one JSON object with ``time`` (ISO 8601 UTC), ``level``, ``event``,
-``service``, ``pid`` and, for task logs, ``task_id``, ``run``, ``attempt``. Code logs
-events through :func:`log_event` with names from :data:`EVENTS`; lines from libraries
-(Celery, kombu, uvicorn) keep their message under ``message`` with ``event`` set to
-``log``. Credentials are redacted on the way out (teamdesk/redaction.py), and no library
-logs SQL: SQLAlchemy's engine and pool loggers stay at WARNING at every level, since a
-statement's parameters hold request bodies, token hashes and ticket text.
+Our code logs :data:`EVENTS` through :func:`log_event`; a library's line keeps its text
+under ``message`` with ``event`` ``log``.
 """
 
 from __future__ import annotations
@@ -80,8 +75,7 @@ _LEVEL_NAMES = {
 
 _RESERVED = ("time", "level", "event", "service", "pid", "trace_id", "span_id")
 
-# Loggers that would print SQL with its parameters and result rows (request bodies, token
-# hashes, ticket text, CSV) at INFO or DEBUG: never below WARNING, whatever LOG_LEVEL says.
+# They would print SQL with its parameters and rows: never below WARNING, whatever LOG_LEVEL.
 NEVER_BELOW_WARNING = ("sqlalchemy.engine", "sqlalchemy.pool", "sqlalchemy.orm")
 
 
@@ -122,10 +116,7 @@ class TeamdeskJsonFormatter(JsonFormatter):
 _configured_service: str | None = None
 
 
-# Celery and kombu log these at CRITICAL while the broker connection is down, and carry on:
-# the consumer sleeps a second and reconnects; an ack that could not be sent leaves the
-# message unacked, so it comes back and the lease absorbs the repeat. "fatal" is kept for
-# what ends a process, so they print as warnings.
+# Logged at CRITICAL while the broker is down, and recovered from: printed as warnings.
 RECOVERABLE_CRITICAL = (
     "Frequent restarts detected: %r",  # celery.worker.consumer.consumer
     "Couldn't ack %r, reason:%r",  # kombu.message
@@ -140,10 +131,8 @@ class _RecoverableAsWarning(logging.Filter):
         return True
 
 
-# Celery's line for a task that raised ``Ignore`` (celery.app.trace.LOG_IGNORED): ours do
-# so for a cancelled run, already logged as ``task.cancelled`` or ``task.skipped``. Celery
-# passes the exception's traceback in the record's ``data``; a cancel is not an error, so
-# the line keeps its message and drops the traceback.
+# celery.app.trace.LOG_IGNORED, for a cancelled run: a cancel is not an error, so the
+# line drops the traceback Celery passes in the record's ``data``.
 CELERY_IGNORED = "Task %(name)s[%(id)s] %(description)s"
 
 
@@ -173,8 +162,7 @@ def setup_logging(service: str, level: str = "info", stream: Any = None) -> None
     root.addHandler(handler)
     root.setLevel(LEVELS[level])
     logging.captureWarnings(True)  # Python warnings become JSON lines too
-    # Libraries chatter at INFO (kombu connections, amqp heartbeats, botocore's "found
-    # credentials"); keep them at WARNING unless the operator asked for debug or trace.
+    # Libraries chatter at INFO: WARNING unless the operator asked for debug or trace.
     quiet = logging.WARNING if LEVELS[level] > logging.DEBUG else LEVELS[level]
     for name in ("kombu", "amqp", "urllib3", "alembic", "botocore", "boto3", "s3transfer"):
         logging.getLogger(name).setLevel(max(quiet, LEVELS[level]))

@@ -1,23 +1,5 @@
-"""Prometheus metrics: the one registry, the workers' task metrics, the scrape endpoint
-(docs/design.md, "Observe"; docs/observability.md, "Metrics").
-
-Everything goes through ``prometheus_client`` (no hand-written exposition). Each process
-role serves its own metrics on ``METRICS_HOST:METRICS_PORT`` (``/metrics``), off unless
-``METRICS_PORT`` is set, on loopback unless ``METRICS_HOST`` says otherwise.
-
-**Workers: multiprocess mode, one port per worker.** A prefork worker runs tasks in
-child processes that come and go (a crash, ``max_tasks_per_child``); a port per child
-would need a scrape target per child that nothing can discover. So the worker's main
-process switches ``prometheus_client`` to its multiprocess mode before the pool forks
-(:func:`use_multiprocess`): each child writes its samples to memory-mapped files in one
-directory, and the main process serves their sum (``MultiProcessCollector``). Counters of
-a child that died stay counted; the directory is emptied at each worker start, so a
-restart begins at zero (Prometheus's ``rate`` handles the reset).
-
-The task metrics are fed by the events the workers already log (:func:`on_event`, called
-by :func:`teamdesk.logs.log_event`) and by Celery's ``task_prerun`` (which says the
-kind and starts the clock, :func:`task_began`): the task code needs no metric calls.
-Labels are bounded: kind, outcome, stage; never a task, team or user id.
+"""Prometheus metrics: the one registry, the workers' task metrics (multiprocess mode,
+fed by logged events), the scrape endpoint (docs/design.md, "Observe").
 """
 
 from __future__ import annotations
@@ -34,8 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client import values as prometheus_values
 from prometheus_client.multiprocess import MultiProcessCollector
 
-# Every metric of a process lives here (never prometheus_client's global registry, which
-# libraries such as Flower fill with their own).
+# Never prometheus_client's global registry, which libraries such as Flower fill.
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 OUTCOMES = ("completed", "skipped", "refused", "cancelled", "lease_lost", "retried", "failed")
@@ -111,9 +92,8 @@ def task_metrics() -> TaskMetrics:
 
 
 def declare_task_families(kinds: list[str]) -> None:
-    """Create every series of the task metrics at zero, so a worker's endpoint serves
-    them from its start (a family without a sample is not served at all, and a dashboard
-    or an alert cannot tell "nothing happened" from "no such metric")."""
+    """Create every series at zero: a family without a sample is not served, and an alert
+    cannot tell "nothing happened" from "no such metric"."""
     instruments = task_metrics()
     for kind in (k.lower() for k in kinds):
         instruments.claims.labels(kind)
@@ -125,9 +105,8 @@ def declare_task_families(kinds: list[str]) -> None:
 
 
 def use_multiprocess(directory: str | None = None) -> Path:
-    """Switch this process, and the children it forks later, to multiprocess mode; call
-    before any task metric exists (a worker's ``celeryd_init``). The directory is
-    ``PROMETHEUS_MULTIPROC_DIR`` or a new temporary one; its old files are removed."""
+    """Switch this process and its later children to multiprocess mode, emptying the
+    directory; RuntimeError once a task metric exists (call it in ``celeryd_init``)."""
     global _multiprocess_dir
     if _task_metrics is not None:
         raise RuntimeError("task metrics already exist; switch to multiprocess mode first")
@@ -191,9 +170,7 @@ def _cancelled(fields: Mapping[str, Any]) -> None:
 
 
 def _failed(fields: Mapping[str, Any]) -> None:
-    # source=queue: Celery's failure callback (a time limit, a child killed in a cold
-    # shutdown), in the main process; the execution, if it ran, is gone without an
-    # outcome of its own.
+    # source=queue: Celery's failure callback in the main process; not an execution's outcome.
     if fields.get("source") != "queue":
         _finish("failed", fields)
 

@@ -1,22 +1,7 @@
 """What a log line must never carry, removed on the way out (docs/design.md, "Logs").
 
-Fields whose name says secret (password, token, cookie, authorization, ...) are replaced
-whole. In free text: the password part of any URL (everything between ``user:`` and the
-last ``@`` of the word, so a password holding ``@``, ``:``, ``/`` or ``?`` is hidden
-whole; a little more than the password may go with it, never less), the value after any
-key that names a password and ``=`` or ``:`` (``password=...`` in key=value connection
-strings, ``PGPASSWORD=...``, ``password: ...``, ``X-Api-Key: ...``, ``'password':
-'...'`` and ``"password": "..."`` as a dict's repr or JSON print them), the value after
-a key that ends in ``token``, ``cookie`` or an ``auth`` part directly before ``=``
-(``token=...``, ``REDISCLI_AUTH=...``, ``FLOWER_BASIC_AUTH=user:pw``) or quoted before
-``:`` (``"access_token": "..."``), an ``Authorization:`` header's credentials whatever
-their scheme, a Redis ``AUTH`` command's arguments, secret-named query parameters
-(``?access_token=...``), ``Bearer``/``Basic`` credentials and the API's own tokens
-(``tdk_...``) wherever they appear.
-
-Prose keeps its words: ``token`` or ``auth`` not written as a key (``a bearer token``,
-``token: expired``, ``author=...``, ``token_type=...``, ``task_id=...``) and a lower-case
-``auth`` (``auth failed``) are left alone.
+A URL's password is cut up to the last ``@`` of the word: a little more may go, never
+less. Prose keeps ``token`` and ``auth`` (``token: expired``, ``token_type=``, ``auth failed``).
 """
 
 from __future__ import annotations
@@ -34,33 +19,27 @@ _SECRET_KEY = re.compile(_SECRET_NAME, re.IGNORECASE)
 _URL_CREDENTIALS = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.\-]*://[^:/@\s]*):\S*@")
 # A value: quoted (backslash escapes included, as repr and JSON write them) or one word.
 _VALUE = r"(?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\S+)"
-# password=... in libpq-style "key=value" strings (quoted or not), and any key that names a
-# password, alone or inside a longer name, bare or quoted, before "=" or ":" (PGPASSWORD=...,
-# REDIS_PASSWORD='...', "password: ...", "X-Api-Key: ...", client_secret=..., {'password':
-# '...'}, {"password": "..."}).
+# Any key naming a password or secret, inside a longer name too, bare or quoted, before
+# "=" or ":" (PGPASSWORD=..., "X-Api-Key: ...", {'password': '...'}).
 _TEXT_SECRET_KEY = r"[\w\-]*(?:password|passwd|pwd|secret|api[_\-]?key)[\w\-]*"
 _KEY_VALUE = re.compile(
     rf"(?i)(?<![\w\-])(?P<key>(?P<q>['\"]?){_TEXT_SECRET_KEY}(?P=q))(?P<sep>\s*[=:]\s*){_VALUE}"
 )
-# Keys that hold a credential only when written as a key: the name ends in "token" or
-# "cookie" (access_token, csrftoken) or in an "auth" part (REDISCLI_AUTH, basic_auth, not
-# author or oauth). Bare: only directly before "=" (an environment variable, a flag, a
-# key=value pair); quoted (a dict's repr, JSON): before ":" or "=".
+# A name ending in "token", "cookie" or an "auth" part (REDISCLI_AUTH, not author or
+# oauth): bare only directly before "="; quoted before ":" or "=".
 _CREDENTIAL_KEY = r"(?:[\w\-]*(?:token|cookie)|(?:[\w\-]*[_\-])?auth)"
 _CREDENTIAL_ASSIGNED = re.compile(
     rf"(?i)(?<![\w\-])(?P<key>{_CREDENTIAL_KEY})(?P<sep>=)(?!\[REDACTED\]){_VALUE}"
     rf"|(?<![\w\-])(?P<qkey>(?P<q>['\"]){_CREDENTIAL_KEY}(?P=q))(?P<qsep>\s*[=:]\s*){_VALUE}"
 )
-# An Authorization header's credentials, after its scheme when one is named (Token,
-# Digest, ... as well as Bearer and Basic).
+# An Authorization header's credentials, after its scheme when one is named.
 _AUTH_SCHEMES = r"bearer|basic|token|digest|negotiate|ntlm|apikey|key|bot|hoba|mutual"
 _AUTHORIZATION = re.compile(
     rf"(?i)(?<![\w\-])(?P<head>(?:proxy-)?authorization\s*[:=]\s*(?:(?:{_AUTH_SCHEMES})\s+)?)"
     r"(?!\[REDACTED\])\S+"
 )
-# Redis's AUTH [user] password, as a command line (AUTH pw, AUTH user pw, HELLO 3 AUTH
-# user pw) or a client's argument list ('AUTH', 'user', 'pw'): every argument goes. Upper
-# case only, as commands are written; "auth failed" is prose.
+# Redis's AUTH [user] password, as a command line or a client's argument list ('AUTH',
+# 'user', 'pw'); upper case only, as commands are written.
 _REDIS_AUTH = re.compile(
     r"(?<![\w\-])(?P<head>AUTH)(?:[ \t]+\S+){1,2}"
     r"|(?P<qhead>(?P<q>['\"])AUTH(?P=q))(?:\s*,\s*(?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")){1,2}"

@@ -1,17 +1,6 @@
-"""Every Redis client the cluster opens comes from :func:`redis_client` (whether a URL
-names Redis is ``teamdesk.config.is_redis_url``).
-
-Each client bounds every call with a socket timeout, so a frozen Redis stalls no caller
-longer than the caller chose; ``retries`` immediate retries (no backoff) cover a pooled
-connection that a Redis restart cut.
-
-A URL may list sentinels instead of a server (kombu's form,
-``sentinel://h1:26379;sentinel://h2:26379/0``, with REDIS_SENTINEL_MASTER naming the
-master): the client asks the sentinels for the master before each new connection, so
-after a failover the next call (or the retry) reaches the promoted replica. A connection
-to a former master that came back as a replica fails its first write and is replaced.
-The database number, user and password of the master come from the first sentinel's
-entry, as kombu and Celery read them; REDIS_SENTINEL_PASSWORD is the sentinels' own.
+"""Every Redis client the cluster opens, direct or through sentinels (docs/design.md,
+"Topologies"). Every call is bounded by a socket timeout; ``retries`` immediate retries
+cover a pooled connection a Redis restart cut.
 """
 
 from __future__ import annotations

@@ -1,16 +1,5 @@
-"""The S3-compatible object store behind ``EXPORT_STORE=s3://...`` (teamdesk/export_store.py;
-docs/decisions.md, "S3 client: boto3").
-
-Configured the way every AWS tool is: ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_S3``) for
-a store that is not AWS, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
-``AWS_DEFAULT_REGION``, and the rest of boto3's credential chain (a web identity token in
-Kubernetes, an instance role). Signatures are SigV4 (presigned URLs included). Every call
-is bounded: 5 s to connect, 20 s per read, two attempts in all.
-
-An upload overlaps the export's read: :class:`S3Writer` sends each full part
-(``PART_BYTES``) from a thread of its own while the COPY goes on filling the next, one
-part in flight at most, so a worker holds two parts at most whatever the CSV's size. A CSV
-smaller than one part is sent whole by one ``PutObject`` when the read ends.
+"""The S3-compatible object store behind ``EXPORT_STORE=s3://...``, configured by the
+standard AWS variables (docs/design.md, "Exports"; docs/decisions.md, "S3 client: boto3").
 """
 
 from __future__ import annotations
@@ -321,11 +310,9 @@ PROBE_READ_TIMEOUT_S = 10
 
 
 def unusable(settings: Settings) -> str | None:
-    """Why ``EXPORT_STORE`` cannot be used, in one line, or None. Run at a process's start,
-    with no right of its own: it reads a key nobody writes. "No such key" (or, for a role
-    that may not list the bucket, "access denied") means the endpoint answers, the bucket
-    exists and the credentials are known; a missing bucket, unknown credentials, a bad
-    signature and an endpoint that does not answer in time are said, naming the setting."""
+    """Why ``EXPORT_STORE`` cannot be used, in one line, or None, from reading a key nobody
+    writes: "no such key" (or "access denied", for a role that may not list the bucket)
+    means the endpoint, bucket and credentials are fine."""
     try:
         target = parse_store(settings.export_store)
     except ValueError as exc:
@@ -371,8 +358,7 @@ def unusable(settings: Settings) -> str | None:
 
 
 def store_or_exit(settings: Settings, command: str) -> None:
-    """For a process's start: one line on stderr and exit code 2 when the store cannot be
-    used (a missing bucket, bad credentials, an endpoint that does not answer)."""
+    """For a process's start: one line on stderr and exit 2 when the store cannot be used."""
     problem = unusable(settings)
     if problem is not None:
         print(f"{command}: configuration error: {problem}", file=sys.stderr)

@@ -1,20 +1,7 @@
-"""OpenTelemetry traces (docs/design.md, "Tracing"): off unless the standard variables ask.
+"""OpenTelemetry traces, off unless the standard variables ask (docs/design.md, "Tracing").
 
-On when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) is set,
-``OTEL_SDK_DISABLED`` is not ``true`` and ``OTEL_TRACES_EXPORTER`` is unset or ``otlp``
-(:func:`wanted`): then teamdesk/tracing_setup.py installs the SDK in the process. This
-module needs only OpenTelemetry's API, so what imports it (every log line's formatter)
-never loads the SDK, the exporter or their dependencies.
-
-Off, nothing here does anything: no span is started, nothing is stored in the ledger, no
-header travels (:func:`enabled` is a module flag).
-
-The trace context travels in the ledger row (``background_tasks.trace_parent``, a W3C
-``traceparent``), because the dispatcher, not the API, publishes: a run published by a
-scan minutes later still joins its creation's trace. The dispatcher's publish span is the
-row context's child (a recovered run's starts a new trace linked to it), and travels to
-the worker in the message's ``traceparent`` header; the worker's execution span is its
-child.
+Only OpenTelemetry's API: what imports this (every log line's formatter) never loads the
+SDK, which teamdesk/tracing_setup.py installs. Off, everything here is a flag test.
 """
 
 from __future__ import annotations
@@ -40,7 +27,7 @@ _tracers: list[trace.Tracer] = []  # the process's tracer, once tracing is on
 
 
 def wanted(env: Mapping[str, str] = os.environ) -> bool:
-    """Whether the environment asks for traces (see the module's docstring)."""
+    """Whether the environment asks for traces (docs/design.md, "Tracing")."""
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
     if env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() not in ("otlp", ""):
@@ -111,11 +98,10 @@ def span(
     errors: bool = True,
     **values: Any,
 ) -> Iterator[Span | None]:
-    """A span named ``name`` while tracing is on (else nothing, and None): the child of
-    ``parent`` (a ``traceparent``) when given, else the first of a new trace with
-    ``root``, else the current span's child; linked to the span ``link`` names. With
-    ``errors`` an exception that leaves it marks it failed; without, the caller says
-    (Celery ends a retry or a revoked run by raising: no failure)."""
+    """A span while tracing is on (else None): the child of ``parent`` (a ``traceparent``),
+    else a new trace's first with ``root``, else the current span's child; linked to
+    ``link``. Without ``errors`` an exception does not mark it failed (Celery ends a retry
+    or a revoke by raising)."""
     if not _state["on"]:
         yield None
         return
@@ -143,8 +129,7 @@ def add_link(current: Span | None, parent: str | None) -> None:
 
 
 def event(name: str, **values: Any) -> None:
-    """An event on the active span (a step of it, at this instant): a quarter of a child
-    span's cost, so the steps of every execution are events, not spans."""
+    """An event on the active span: a step, at this instant."""
     if _state["on"]:
         trace.get_current_span().add_event(name, attributes(**values))
 

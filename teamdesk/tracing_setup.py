@@ -1,13 +1,7 @@
-"""The OpenTelemetry SDK in a process that wants traces (teamdesk/tracing.py says when).
+"""The OpenTelemetry SDK in a process that wants traces (docs/design.md, "Tracing").
 
-:func:`configure` installs the SDK's tracer provider once per process (the API, beat, a
-worker's main process before it forks its pool: the batch processor restarts its thread
-in each child) and exports spans over OTLP/HTTP in batches; the sampler is
-``OTEL_TRACES_SAMPLER``'s (default: parent-based, always on), ``service.name`` is
-``OTEL_SERVICE_NAME`` or ``teamdesk-<process>``. Every other ``OTEL_*`` variable of the
-SDK and the exporter applies as documented there. Only the processes' entry modules
-import this one: the SDK, the exporter, protobuf and requests load there, never in the
-command line or a library user.
+Only the processes' entry modules import this: the SDK, exporter, protobuf and requests
+never load in the command line or a library user.
 """
 
 from __future__ import annotations
@@ -74,9 +68,7 @@ def configure(process: str) -> bool:
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
-    # A context comes from the ledger row or our own message header only (teamdesk/
-    # tracing.py), never from a client's headers: an internet-facing API must not let a
-    # caller choose the trace id or switch sampling off (or on) for the work it queues.
+    # Never a client's headers: a caller must not choose the trace id or the sampling.
     propagate.set_global_textmap(NoIncomingContext())
     tracing.switch_on()
     return True
@@ -86,12 +78,9 @@ FLUSH_TIMEOUT_S = 2.0  # a process exiting waits at most this for its last spans
 
 
 def flush() -> None:
-    """Export the spans still queued (a pool child about to exit: billiard ends it with
-    ``os._exit``, which runs no ``atexit``, so the SDK's own flush would never come), for
-    at most :data:`FLUSH_TIMEOUT_S`. The SDK's ``force_flush`` ignores its own timeout
-    (1.45) and waits out the exporter's retries against a collector that is down or
-    silent (15-20 s a child, measured), so it runs on a daemon thread joined with the
-    bound: whatever is not out by then is dropped, the exit is not held."""
+    """Export the spans still queued (a pool child about to ``os._exit``), for at most
+    :data:`FLUSH_TIMEOUT_S`: the SDK's ``force_flush`` ignores its own timeout (1.45), so
+    it runs on a daemon thread joined with the bound, and what is not out is dropped."""
     provider = trace.get_tracer_provider()
     if not (tracing.enabled() and isinstance(provider, TracerProvider)):
         return

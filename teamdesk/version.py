@@ -1,13 +1,6 @@
-"""The version of the running code, in one place: ``teamdesk-tasks --version``,
-``GET /api/health`` and the start lines of the worker and beat all ask :func:`version`.
-
-The installed distribution's metadata says it (``pip install`` and ``pip install -e``
-both write it from pyproject.toml's ``version``; after changing that line, reinstall:
-``make install`` does). Run from a source tree that was never installed, there is no
-metadata: the tree's own pyproject.toml says it then, if it is this project's. Neither:
-:data:`UNKNOWN`. The version is reported, never relied on, so no process refuses to start
-for want of it. A leaf: imports nothing of ours. Importing it costs ~25 ms
-(importlib.metadata), so the CLI imports it only for ``--version``.
+"""The running version, for ``--version``, ``/api/health`` and start lines (docs/design.md,
+"Logs"): the installed metadata (reinstall after changing pyproject.toml), else a source
+tree's pyproject.toml, else :data:`UNKNOWN`, never a reason not to start. A leaf module.
 """
 
 from __future__ import annotations

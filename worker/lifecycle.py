@@ -1,37 +1,9 @@
-"""Worker process lifecycle: start, deploy-safe stop within a budget, exit codes
-(docs/design.md, "Shutdown").
+"""A worker's start and stop: the warm drain bounded by ``SHUTDOWN_TIMEOUT_S``, and the exit
+code (docs/design.md, "Shutdown").
 
-What Celery 5.7 gives, and what this adds:
-
-- SIGTERM / SIGINT start Celery's *warm* shutdown: the consumer stops taking messages,
-  prefetched messages that never started go back to the queue, running tasks finish with
-  their connections and are acknowledged. Celery leaves it unbounded on purpose.
-- SIGQUIT (or a second SIGINT) is Celery's *cold* shutdown: running tasks are cancelled
-  (prefork children killed) and, with late acknowledgement, their messages are restored
-  to the queue. ``worker_soft_shutdown_timeout`` only adds a fixed sleep before the cold
-  path cancels work; it does not bound a warm shutdown, so we leave it at 0.
-
-Added here, on ``worker_shutting_down`` (Celery sends it from the MainProcess signal
-handler, before the shutdown proceeds):
-
-1. log ``worker.stopping`` and remove this process's heartbeat member from the active
-   sets first (it takes no more work; the health probe fails at once), keeping it as a
-   lease *holder*: its leases are still alive, so the dispatcher must not take its
-   in-flight runs back;
-2. keep renewing the holder and the visibility of the messages still running (the
-   worker's own timer stops with the consumer), so no other worker and no scan takes a
-   draining task over however long the drain lasts - each renewal registers the holder
-   afresh, so it also survives a Redis restart and redoes a removal Redis refused at
-   SIGTERM - and a process that freezes mid-drain still expires;
-3. arm the ``SHUTDOWN_TIMEOUT_S`` budget: past it, log ``worker.shutdown_timeout`` and
-   send ourselves SIGQUIT (Celery's cold path), which cancels the tasks without writing
-   the ledger and restores their messages; the new holder's lease makes any late commit
-   of the old execution impossible. A last guard ends the process if even that hangs.
-
-On ``worker_shutdown`` the exit code becomes 1 whenever the drain did not end cleanly
-(budget exceeded, an operator's cold shutdown during the drain, or Celery's own failure
-exit code), so a failure during drain is never masked by a final exit 0; then the
-database pool is closed and ``worker.stopped`` logged.
+Celery leaves a warm shutdown unbounded, and ``worker_soft_shutdown_timeout`` only adds a
+sleep before the cold path cancels work (so it stays 0): past the budget this sends
+SIGQUIT (Celery's cold path), and ``HARD_EXIT_AFTER_S`` later ends the process.
 """
 
 from __future__ import annotations
@@ -67,7 +39,11 @@ LOST_REPORTS_WAIT_S = 5.0  # at the stop, for lost pool processes' reports under
 
 
 class Drain:
-    """This process's stop: when it began, whether it ended cleanly."""
+    """This process's stop: when it began, whether it ended cleanly (else exit 1: the
+    budget passed, an operator's cold stop during the drain, or Celery's own failure).
+    During it a thread renews the holder and the running messages' visibility: the
+    worker's own timer stops with the consumer, and each renewal re-registers the holder
+    (so it survives a Redis restart and redoes a removal Redis refused at SIGTERM)."""
 
     def __init__(self) -> None:
         self.started = threading.Event()
@@ -138,9 +114,8 @@ class Drain:
 
 
 class _CrashWatch(logging.Filter):
-    """Notices the failures Celery only logs: an "Unrecoverable error" (critical, from the
-    worker) or a step that failed to stop (error, from the bootsteps) - then the stop did
-    not end cleanly and the exit code must say so."""
+    """Notices the failures Celery only logs (an "Unrecoverable error", a bootstep that
+    failed to stop), so the exit code says the stop did not end cleanly."""
 
     def __init__(self, level: int) -> None:
         super().__init__()
@@ -235,10 +210,10 @@ _celery_remote_shutdown = celery_control.shutdown
 
 
 def _remote_shutdown(state: Any, msg: str = "Got shutdown from remote", **kwargs: Any) -> None:
-    """``celery control shutdown``: Celery's warm stop, drained as a SIGTERM is. Celery
-    sends no ``worker_shutting_down`` for it, so without this the worker would stop its
-    heartbeat outright while its pool finishes the in-flight tasks, and the dispatcher
-    would take those live runs back (their holder gone) and run them again."""
+    """``celery control shutdown``, drained as a SIGTERM is. Celery sends no
+    ``worker_shutting_down`` for it: without this the heartbeat stopped outright while the
+    pool finished its tasks, and the dispatcher took those live runs back and ran them
+    again."""
     _on_shutting_down(sig="control shutdown", how="Warm")
     _celery_remote_shutdown(state, msg, **kwargs)  # logs, raises WorkerShutdown
 
@@ -269,10 +244,9 @@ def _on_child_exit(**_: Any) -> None:
 def _on_task_failure(
     sender: Any = None, task_id: str | None = None, exception: BaseException | None = None, **_: Any
 ) -> None:
-    """The queue's failure callback only logs (docs/design.md, "Lifecycle"). Failures the
-    execution wrapper classified were logged there already, and a lost pool process never
-    comes here (worker/lost.py reports it); this logs the rest (a time limit, a pool
-    process killed in a cold shutdown) so they are not silent."""
+    """Logs only, and only the failures nothing else logged (a time limit, a pool process
+    killed in a cold shutdown): the execution wrapper logs those it classified, and
+    worker/lost.py reports a lost pool process."""
 
     hooks.fire("queue.failure_callback", task_id=task_id, exception=exception)
     if isinstance(exception, TaskRejected | TaskFailed):

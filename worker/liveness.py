@@ -1,52 +1,11 @@
-"""A worker process's liveness in Redis: its heartbeat member and its messages' visibility,
-and the database check that decides whether it takes new messages.
+"""A worker process's liveness: its heartbeat member, its messages' visibility, and the
+database check that gates intake (docs/design.md, "Heartbeats"; why a thread of the main
+process and not beat or Celery's timer: docs/decisions.md, "Workers").
 
-Mechanism: a worker bootstep (worker/steps.py) whose thread renews in the worker's
-MainProcess. A beat-scheduled task on a kombu Broadcast queue was tried for heartbeats and
-ran zero times on the Redis transport (Celery does not declare the fanout exchange when
-sending, so the message went to lists nobody reads); a beat task would also stop when beat
-stops, which says nothing about the workers. A renewal in each worker's own main process
-renews exactly that process's member, needs neither beat nor the broker, and is stopped
-by the worker's own shutdown. It runs on a thread of its own, not on Celery's event loop:
-that loop stands still while the consumer re-establishes a lost broker connection (kombu
-pauses 2, 4, 6 ... s between attempts), and the pool's processes go on executing all the
-while, so their leases must stay alive (found by the soak: a live export taken back after
-a Redis failover).
-
-Two things happen on every renewal tick (about a quarter of ``HEARTBEAT_TTL_S``), each on
-its own, so a failure of one never stops the other (the broker may be another Redis, or
-RabbitMQ, than the heartbeats); the tick waits on Redis alone, with short timeouts:
-
-- the heartbeat member (``teamdesk.heartbeat``) is renewed: it says "this process is
-  alive", and so are the leases it holds. Never once shutdown began.
-  :attr:`Liveness.registered` says whether the last renewal succeeded;
-- the visibility of this process's in-flight messages (Redis broker only). kombu keeps a
-  delivered, unacknowledged message in ``unacked_index`` scored by its delivery time and
-  hands it to another consumer once that is older than ``visibility_timeout`` (an hour,
-  tasks/celery_app.py). Moving the score of every message this process holds to "now"
-  on each tick keeps a task that runs longer than that from being handed out twice.
-
-The database is checked on a thread of its own (:meth:`Liveness.check_database`, as
-often): a new connection and a bounded ``SELECT 1``. Never on the renewal's thread:
-nothing on the client side bounds that check as a whole. libpq's ``connect_timeout``
-leaves out DNS (``getaddrinfo``) and counts per host of a multi-host URL, and behind
-PgBouncer in transaction pooling the connection succeeds at once while ``SELECT 1`` waits
-in the pooler's queue (``query_wait_timeout``, 120 s by default) whenever the server pool
-is full. A renewal that waited for it let the member expire, and the dispatcher took back
-every live run of the worker (issue 34). The renewal needs Redis alone and never a new
-database connection: PostgreSQL at ``max_connections``, a full pool, a DNS hiccup must
-not make the dispatcher take back runs whose tasks go on working on their own
-connections.
-
-The check's only effect is on intake: a worker takes messages only while its last renewal
-succeeded and a check succeeded within :func:`database_bound_s` (two renewal intervals and
-``PING_TIMEOUT_S``; :attr:`Liveness.may_take_work`, worker/steps.py): every claim names
-this member, and every claim needs a connection. So a check that fails, and one that hangs
-(in DNS, in a pooler's queue), both pause intake, the hung one once the bound has passed;
-neither delays a renewal. The renewal tick notices a check under way past its bound and
-counts it as failed (``heartbeat.failed``, stage ``database``, error ``CheckOverdue``).
-
-Each kind of failure is logged once per outage (``heartbeat.failed`` with its ``stage``).
+The check never runs on the renewal's thread, because nothing bounds it as a whole:
+libpq's ``connect_timeout`` leaves out DNS and counts per host, and behind PgBouncer
+``SELECT 1`` waits in the pooler's queue (``query_wait_timeout``, 120 s) while its server
+pool is full. A renewal that waited for it let the member expire (issue 34).
 """
 
 from __future__ import annotations
@@ -80,18 +39,14 @@ T = TypeVar("T")
 
 
 class ForkGuard:
-    """Held around the metric and log calls of this process's own threads (the renewal
-    thread, the database check's, the drain's), and by a fork: billiard forks pool
-    processes from the main thread at any time (a replaced child), and a child must not
-    inherit a lock one of those threads held at that moment - prometheus_client's
-    multiprocess values share one lock, and a child that inherited it held would hang on
-    its first task's metrics.
+    """Held around the metric and log calls of this process's own threads, and across a
+    fork: billiard forks replacement pool processes from the main thread at any time, and
+    a child that inherited a lock held at that moment (prometheus_client's multiprocess
+    values share one) hangs on its first task's metrics. The child gets a new one.
 
-    Re-entrant: the worker's SIGTERM handler runs on the main thread (Celery's
-    ``worker_shutting_down``, worker/lifecycle.py) and logs under this guard, and it may
-    interrupt that same thread while it holds the guard (``Intake.follow(at_once=True)``,
-    the fork's ``before`` hook); a plain lock would wait for itself there for ever. The
-    child gets a new, free one."""
+    Re-entrant: the SIGTERM handler (worker/lifecycle.py) logs under it on the main
+    thread, and may interrupt that thread while it holds the guard (in
+    ``Intake.follow(at_once=True)``, or the fork's ``before`` hook)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -125,15 +80,15 @@ def renew_interval_s(settings: Settings) -> float:
 
 def database_bound_s(settings: Settings) -> float:
     """How old the last successful database check may be while the worker takes messages:
-    one renewal interval (the wait between two checks) and the next check's own time, at
-    most another interval and ``PING_TIMEOUT_S``. Past it the check under way has hung."""
+    the wait between two checks, plus the next check's own time (at most another interval
+    and ``PING_TIMEOUT_S``). Past it the check under way has hung."""
     return 2 * renew_interval_s(settings) + PING_TIMEOUT_S
 
 
 def check_overdue_s(settings: Settings) -> float:
-    """How long a check may be under way before it counts as failed (logged): a check
-    starts one interval after the last one ended, so one this old has let the last
-    success age past :func:`database_bound_s`."""
+    """How long a check may be under way before it counts as failed: a check starts one
+    interval after the last ended, so by then the last success is past
+    :func:`database_bound_s`."""
     return renew_interval_s(settings) + PING_TIMEOUT_S
 
 
@@ -177,11 +132,9 @@ class Liveness:
         self._failing: set[str] = set()  # stages failing now (each logged once per outage)
         self._removed = False
         self._draining = False
-        # Makes stop()'s flags and removal one step: stop may run in a signal handler
-        # that interrupted a stop on the same (main) thread, hence re-entrant. Renewals
-        # never take it: one under way when the stop begins is settled by the heartbeat's
-        # tombstone (teamdesk/heartbeat.py), so a stop never waits for Redis to answer a
-        # renewal (before, on the renewal thread, a slow renewal held the SIGTERM handler).
+        # stop()'s flags and removal in one step; re-entrant, as a signal handler may run a
+        # stop inside a stop on the main thread. Renewals never take it (the tombstone
+        # settles one under way): a slow renewal once held up the SIGTERM handler.
         self._lock = threading.RLock()
 
     @property
@@ -194,8 +147,7 @@ class Liveness:
 
     @property
     def database_ok(self) -> bool:
-        """The last database check that ended succeeded, at most ``database_bound_s``
-        ago: a check that hangs counts as failed once that has passed."""
+        """The last database check succeeded at most ``database_bound_s`` ago."""
         at = self._database_ok_at
         return at is not None and self.clock() - at <= self.database_bound_s
 
@@ -215,9 +167,9 @@ class Liveness:
             self._note_overdue_check()
 
     def offer_now(self) -> None:
-        """Renew at once, with what the worker consumes now: after intake resumed, so the
-        dispatcher sees this worker's queues within a scan instead of one renewal interval
-        later (meanwhile it would size the window at nothing and warn of no consumers)."""
+        """Renew at once with what the worker consumes now (after intake resumed): else
+        for one interval the dispatcher sizes the window at nothing and warns of no
+        consumers."""
         if not self.heartbeat.stopping:
             self.registered = self._attempt("renew", self._renew) is True
 
@@ -227,9 +179,8 @@ class Liveness:
         return self.heartbeat.renew()
 
     def check_database(self) -> None:
-        """One database check (on the check's own thread, worker/steps.py; never on the
-        renewal's): a new connection and a bounded ``SELECT 1``. Nothing once shutdown
-        began: a check that ends after that changes and logs nothing."""
+        """One database check, on the check's own thread: a new connection and a bounded
+        ``SELECT 1``. One that ends after shutdown began changes and logs nothing."""
         if self.heartbeat.stopping:
             return
         self._checking_since = self.clock()
@@ -257,9 +208,8 @@ class Liveness:
         )
 
     def _note_overdue_check(self) -> None:
-        """On the renewal thread: a check under way for longer than ``check_overdue_s``
-        has hung (DNS, a pooler's queue). It is counted as failed, once; intake pauses by
-        ``database_ok``'s bound alone, and the check may still end either way."""
+        """On the renewal thread: count a check under way past ``check_overdue_s`` as
+        failed, once (intake pauses by ``database_ok``'s bound alone)."""
         since = self._checking_since
         if since is None or since == self._overdue_since:
             return
@@ -272,8 +222,8 @@ class Liveness:
             self._failed("database", "CheckOverdue")
 
     def _attempt(self, stage: str, action: Callable[[], T]) -> T | None:
-        """``action``'s result, or None when it raised; a failure is logged once per outage
-        of that ``stage`` (which renewal or removal it was)."""
+        """``action``'s result, or None when it raised (logged once per outage of
+        ``stage``)."""
         try:
             result = action()
         except Exception as exc:
@@ -291,7 +241,9 @@ class Liveness:
             self._failing.add(stage)
 
     def keep_messages(self) -> None:
-        """Move this process's unacknowledged messages' delivery time to now."""
+        """Move this process's unacknowledged messages' score (their delivery time) in
+        kombu's ``unacked_index`` to now, so one running past ``visibility_timeout`` is not
+        handed to another consumer."""
         if not self.renew_visibility or self.broker is None:
             return
         tags = list(self.delivery_tags())
@@ -301,12 +253,10 @@ class Liveness:
             self.broker.zadd(key, dict.fromkeys(tags, now), xx=True)
 
     def stop(self, draining: bool = False) -> None:
-        """Remove only this process's member from the active sets, once; later renewals
-        cannot re-register it (the heartbeat's tombstone refuses them). With
-        ``draining`` the member stays a lease holder, so the dispatcher keeps treating
-        this process's leases as alive while its in-flight tasks finish. Once a drain
-        began, a plain stop (the bootstep's, during the drain) leaves it alone: should
-        the removal at SIGTERM have failed, the drain's next renewal does it."""
+        """Remove this process's member from the active sets, once (``draining``: it stays
+        a lease holder). Once a drain began, a plain stop (the bootstep's) leaves it
+        alone: should the removal at SIGTERM have failed, the drain's next renewal does
+        it."""
         with self._lock:
             self._draining = self._draining or draining
             if self._removed or (self._draining and not draining):
@@ -315,8 +265,8 @@ class Liveness:
             self._removed = removed is not None
 
     def drain_tick(self) -> None:
-        """While draining: keep the in-flight messages and the lease holder alive (each on
-        its own; never raises)."""
+        """While draining: renew the messages' visibility and the holder (each on its own;
+        never raises)."""
         self._attempt("visibility", self.keep_messages)
         self._attempt("drain", self.heartbeat.renew_draining)
 

@@ -1,33 +1,13 @@
-"""A pool process lost mid-task - the OOM killer, a segfault, ``kill -9`` - is the run's
-failed attempt, reported by the worker's main process within seconds (docs/design.md,
-"Lifecycle").
+"""A pool process lost mid-task is its run's failed attempt, reported by the worker's main
+process (docs/design.md, "Lifecycle"), which also issues each delivery's execution id
+(docs/design.md, "Lease").
 
-The main process issues each delivery's execution id as it hands the message to its pool
-(:class:`ExecutionRequest`, Celery's ``Task.Request``): the id travels in the request
-the pool process receives, which claims with it (tasks/delivery.py). When billiard
-reports that process gone (``WorkerLostError``, at once: the pool watches its children),
-the main process acknowledges the message and hands the lease it knows to
-:class:`LostReports`, whose thread writes ``ledger.lease.report_lost``: the attempt
-failed, WAITING after the backoff or FAILED on the last attempt, with a ``last_error``
-that names the process and how it ended. The write is the lease's own guarded statement,
-so it changes nothing when that execution never claimed, or a newer execution or a
-cancel owns the run. Nothing waits on Celery's re-send after a lost process
-(``retry_on_worker_lost``: a 180 s countdown held in a worker's memory), nor on the
-staleness rule, and a lost process is never a recovery.
-
-The write runs on a thread of its own, never on the event loop: PostgreSQL may be away
-(then it is tried again for up to half of ``STALE_AFTER_S``, as a failure report is;
-past that the staleness rule takes the run back). billiard forks the replacement pool
-process at that very moment, and a child forked while the thread held a lock the child
-then takes waits on it forever: with an SQLAlchemy engine, a module's import lock on the
-first connection (found by tests/process/test_pool_process_lost.py). So each try is one
-psycopg2 connection of its own (imported at start, nothing imported on the way), one
-unprepared statement bounded by the lease's statement timeout, closed after it; the
-fork guard (worker/liveness.py) is held only around the log line and its metric. Holding
-it across the round trip made a slow database hold up the heartbeat renewal's logging
-and the main thread's fork, for as long as the statement took. A cold
-shutdown's killed children are not reported (the process is going away; the heartbeat's
-expiry hands their runs to the dispatcher, docs/design.md "Shutdown").
+The report's thread runs while billiard forks the replacement, and a child forked while
+that thread held a lock waits on it for ever (with an SQLAlchemy engine: an import lock on
+the first connection; found by tests/process/test_pool_process_lost.py). So each try is a
+psycopg2 connection of its own (imported at start), one unprepared bounded statement, and
+the fork guard covers only the log line: held across the round trip, a slow database held
+up the renewal thread's logging and the main thread's fork.
 """
 
 from __future__ import annotations
@@ -119,12 +99,11 @@ class ExecutionRequest(Request):
         reports().submit(lost)
 
     def _lost_execution(self, exc: BaseException) -> LostExecution | None:
-        """The execution this request's lost pool process held, or None when the failure
-        is not a lost process (or one Celery itself caused: a terminate, a revoke, a cold
-        shutdown), or the message named no run. Not during a stop either: a SIGTERM sent
-        to the whole process group (systemd's default ``KillMode=control-group``,
-        ``kill -TERM -<pgid>``) ends the pool's processes too, and their runs are not
-        failed attempts; the heartbeat's expiry hands them to the dispatcher."""
+        """The execution this request's lost pool process held; None when the failure is
+        not a lost process, Celery caused it (a terminate, a revoke, a cold shutdown), the
+        message named no run, or the worker is stopping: a SIGTERM to the whole process
+        group (systemd's ``KillMode=control-group``) ends the pool's processes too, and
+        those runs go back by the heartbeat's expiry."""
         if isinstance(exc, ExceptionWithTraceback):
             exc = exc.exc
         if state.should_terminate or state.should_stop is not None:
@@ -144,17 +123,16 @@ class ExecutionRequest(Request):
         return LostExecution(held, self.worker_pid, how_it_ended(exc))
 
 
-# How often the worker's main process looks for pool processes that exited. billiard
-# looks when a process's sentinel says it ended, but a process whose pipe closed before
-# the kernel made it a zombie is not yet reapable then, and billiard's own next look is
-# its 5 s maintenance timer: the loss was seen 0.1 to 5 s after the kill.
+# billiard looks when a process's sentinel says it ended, but one whose pipe closed before
+# it became a zombie is not reapable yet, and billiard's next look is its 5 s maintenance
+# timer: a loss was seen 0.1 to 5 s after the kill.
 POOL_LOOK_S = 0.5
 
 
 class PoolWatch(bootsteps.StartStopStep):
-    """Looks at the pool for exited processes every ``POOL_LOOK_S`` (billiard's
-    ``maintain_pool``: it reaps them, fails their jobs with ``WorkerLostError`` and
-    starts replacements), on the event loop as billiard's own timer does. Prefork only."""
+    """Runs billiard's ``maintain_pool`` (reap exited processes, fail their jobs with
+    ``WorkerLostError``, start replacements) every ``POOL_LOOK_S`` on the event loop, as
+    billiard's own timer does. Prefork only."""
 
     requires = {"celery.worker.components:Pool", "celery.worker.components:Timer"}
 
@@ -216,8 +194,8 @@ class LostReports:
                     self._settled.notify_all()
 
     def report(self, lost: LostExecution) -> lease.FailedAttempt | None:
-        """Write the lost attempt (tried again while PostgreSQL is unreachable, for up to
-        half of ``STALE_AFTER_S``) and log ``task.process_lost`` with what it did."""
+        """Write the lost attempt (tried again for up to half of ``STALE_AFTER_S`` while
+        PostgreSQL is unreachable, then raises) and log ``task.process_lost``."""
         settings = self.settings
         how = lost.how if lost.pid is None else f"pid {lost.pid}, {lost.how}"
         deadline = time.monotonic() + settings.stale_after_s / 2

@@ -1,10 +1,7 @@
-"""A worker's metrics (teamdesk/metrics.py): multiprocess mode and the endpoint in the
-main process, the clock and kind of each execution from Celery's ``task_prerun``.
-
-``celeryd_init`` runs in the worker's main process before the pool forks: with
-``METRICS_PORT`` set, the process switches to multiprocess mode there (every child then
-writes its samples to the shared directory) and serves their sum on
-``METRICS_HOST:METRICS_PORT``. Without it nothing is served and nothing is written.
+"""A worker's metrics (teamdesk/metrics.py, docs/design.md, "Observe"): multiprocess mode
+and the endpoint, set up in the main process on ``celeryd_init`` before the pool forks
+(without ``METRICS_PORT``, nothing), and each execution's kind and clock from
+``task_prerun``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
-"""``teamdesk-tasks health``: the container health check (docs/design.md, "Heartbeats").
+"""``teamdesk-tasks health``: the worker container's health check (docs/design.md,
+"Heartbeats"). One JSON line ``{"worker", "redis", "database", "scope"}`` (never an address
+or exception text; why it failed goes to stderr), exit 0 only when the scope has a live
+member and Redis and PostgreSQL answered. It never imports the Celery app or touches the
+broker, so it cannot disturb a busy worker.
 
-Prints one JSON line ``{"worker": bool, "redis": bool, "database": bool, "scope": str}``
-and returns 0 only when the scope has a live heartbeat member, Redis answered and
-PostgreSQL answered ``SELECT 1``. It reads Redis and PostgreSQL directly: it never
-imports the Celery app or talks to the broker, so it stays cheap and cannot disturb a
-busy worker.
-
-Time bounds: both checks run at once in daemon threads, each with its own socket and
-statement timeouts, and the probe stops waiting for them after ``CHECK_DEADLINE_S``
-(leaving room for interpreter start within the 2 s budget). A check that did not
-finish counts as failed: ``"redis": false`` means "this check did not complete", not
-"never connected". A watchdog enforces the hard cap: should anything still hang at
-``HARD_CAP_S`` (a frozen Redis that accepted the connection, a stuck exit), it prints
-what is known and ends the process with exit 1.
-
-The JSON line never holds addresses or exception text; only the four fields above. When
-the probe fails it also says why on stderr, one line per failed check: the scope it
-looked for and the scopes that are live (``no live worker in scope 'vm'; live scopes:
-local-exports, local-mixed``), or which server did not answer.
+Both checks run at once on daemon threads; one not done by ``CHECK_DEADLINE_S`` counts as
+failed (``"redis": false`` means "did not complete"). A watchdog prints what is known and
+exits 1 at ``HARD_CAP_S``, should anything still hang (a frozen Redis, a stuck exit).
 """
 
 from __future__ import annotations
@@ -159,11 +148,8 @@ def health_command(
     timeout_s: float = OPERATION_TIMEOUT_S,
     hard_cap_s: float = HARD_CAP_S,
 ) -> int:
-    """Run the probe, print its line, return 0 or 1 (``teamdesk-tasks health``).
-
-    For the CLI process only: a watchdog ends the process with exit 1, after printing
-    what is known, if it is still running at ``hard_cap_s``.
-    """
+    """Run the probe, print its line, return 0 or 1. For the CLI process only: its
+    watchdog ends the process at ``hard_cap_s``."""
     probe = HealthProbe(settings, scope or settings.worker_instance_id, sys.stdout, sys.stderr)
     _start_watchdog(hard_cap_s, probe.emit)
     return probe.run(deadline_s, timeout_s)

@@ -1,6 +1,6 @@
-"""The worker bootstep that keeps a worker process's liveness in Redis (see liveness.py),
-checks its database on a thread of its own, and takes messages only while that liveness
-is registered and a check succeeded recently."""
+"""The worker bootstep that keeps a worker process's liveness in Redis (worker/liveness.py),
+checks its database on a thread of its own, and takes messages only while both hold
+(docs/design.md, "Heartbeats")."""
 
 from __future__ import annotations
 
@@ -52,11 +52,9 @@ def lease_holder() -> str | None:
 
 
 def _consumes(worker: Any) -> WorkerSlots:
-    """The task queues this worker consumes now and its pool size now: the dispatcher
-    sizes each queue's window from what live workers offer. Read at every renewal, so the
-    window follows Celery's own controls: ``-Q`` at start, ``cancel_consumer`` /
-    ``add_consumer`` (they deselect and select the app's queues), ``autoscale`` and
-    ``pool_grow`` / ``pool_shrink`` (the pool's size); a paused intake offers nothing."""
+    """The task queues this worker consumes now (``cancel_consumer`` / ``add_consumer``
+    deselect and select the app's queues; a paused intake offers nothing) and its pool
+    size now, read at every renewal."""
     try:
         queues = tuple(sorted(worker.app.amqp.queues.consume_from))
     except AttributeError:
@@ -67,28 +65,12 @@ def _consumes(worker: Any) -> WorkerSlots:
 
 
 class Intake:
-    """Whether this worker takes messages: only while its heartbeat is registered and a
-    database check succeeded recently (``Liveness.may_take_work``).
-
-    Every claim records this process's member as the lease holder, and the dispatcher
-    takes back a run whose holder it cannot find (docs/design.md, "Heartbeats"). A worker
-    that cannot renew (Redis refuses writes) would otherwise claim runs only to have each
-    one recovered, until ``MAX_RECOVERIES`` failed it; one that cannot open a connection
-    (PostgreSQL refuses new ones while pooled ones still work; a pooler's queue holds its
-    check) would fail or hang on every claim. So a failed renewal or check (or one that
-    hangs past its bound) stops consumption, both succeeding again resumes it, each logged
-    once (``worker.consuming_paused`` / ``worker.consuming_resumed``). The in-flight tasks
-    go on; only new messages wait.
-
-    How, in Celery's terms: what Celery's own ``cancel_consumer`` / ``add_consumer``
-    remote-control commands do - ``Consumer.cancel_task_queue`` / ``add_task_queue``,
-    scheduled with ``Consumer.call_soon`` so they run on the consumer's own thread (the
-    event loop). The queues are also deselected from the app's queue list, so a consumer
-    restarted after a broker reconnect stays paused. A message a pending read returns
-    after the cancel is handed back to the broker by kombu. Warm shutdown: nothing here
-    acts once the stop began (the consumer is cancelled by Celery itself then), and a
-    resume already scheduled checks again when it runs.
-    """
+    """Pauses and resumes consumption as ``Liveness.may_take_work`` says (why:
+    docs/decisions.md, "Workers"), as ``cancel_consumer`` / ``add_consumer`` do, on the
+    consumer's own thread (``Consumer.call_soon``). The queues are also deselected from
+    the app's list, so a consumer restarted after a broker reconnect stays paused; kombu
+    hands back a message a pending read returns after the cancel. Nothing acts once the
+    stop began (Celery cancels the consumer then); a scheduled resume checks again."""
 
     def __init__(self, worker: Any, liveness: Liveness, queues: tuple[str, ...]) -> None:
         self.worker = worker
@@ -100,12 +82,10 @@ class Intake:
         self.resume: tuple[str, ...] = queues
 
     def follow(self, at_once: bool = False) -> None:
-        """After a tick: pause when the heartbeat is not registered or no database check
-        succeeded recently enough, resume once both hold. Until the consumer's thread has
-        carried the decision out, every tick asks it again (:meth:`apply` is idempotent):
-        while Celery reconnects to the broker its event loop stands still, decisions pile
-        up, and a callback may be lost with the connection. ``at_once``: the consumer has
-        not started yet (the worker's own thread)."""
+        """After a tick: decide pause or resume. Until the consumer's thread has carried
+        the decision out, every tick asks again (:meth:`apply` is idempotent): while
+        Celery reconnects to the broker its event loop stands still and a callback may be
+        lost with the connection. ``at_once``: the consumer has not started yet."""
         if self.liveness.stopping:
             return
         paused = not self.liveness.may_take_work
@@ -130,9 +110,8 @@ class Intake:
             consumer.call_soon(action)
 
     def apply(self) -> None:
-        """Bring the consumer to the latest decision (on the consumer's thread): however
-        many of these run, in whatever order, each pauses or resumes only when the
-        consumer is not yet as decided. Nothing once the stop began."""
+        """Bring the consumer to the latest decision (on the consumer's thread; any number,
+        in any order). Nothing once the stop began."""
         consumer = self.worker.consumer
         if consumer is None or self.liveness.stopping:
             return
@@ -174,12 +153,9 @@ CHECKS = "teamdesk-liveness-database"
 
 class Renewals:
     """Calls ``tick`` every ``interval_s`` on a thread of its own until stopped (``at_once``:
-    the first call right away). Two of them per worker: the renewals, and the database
-    checks (``name`` CHECKS), so a check that hangs never delays a renewal.
-
-    Not on Celery's timer: the timer runs on the event loop, which stands still while the
-    consumer retries a lost broker connection (worker/liveness.py). A tick never raises;
-    should one, the failure is logged and the next tick comes on time."""
+    the first call right away): one for the renewals, one for the database checks
+    (``name`` CHECKS), so a hung check never delays a renewal. A tick that raises is
+    logged; the next comes on time."""
 
     def __init__(
         self,
@@ -209,25 +185,18 @@ class Renewals:
                     log_event(log, "heartbeat.failed", logging.ERROR, error=error, stage="tick")
 
     def stop(self, wait_s: float = 0.0) -> None:
-        """No tick starts after this; one under way is waited for, up to ``wait_s`` (a
-        renewal's calls are bounded, RENEW_TIMEOUT_S each), so nothing of this worker runs
-        on after its stop. Should one outlast that, the heartbeat's tombstone still
-        refuses a renewal that comes after the removal, and a database check that ends
-        after the stop changes and logs nothing (``Liveness.check_database``)."""
+        """No tick starts after this; one under way is waited for up to ``wait_s``. One
+        that outlasts it does no harm: the tombstone refuses a late renewal, and a check
+        that ends after the stop changes nothing."""
         self._stopped.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(wait_s)
 
 
 class LivenessStep(bootsteps.StartStopStep):
-    """Renews the heartbeat member and message visibility on a thread of its own
-    (:class:`Renewals`), checks the database on another, and lets the worker take messages
-    only while the member is registered and a check succeeded recently (:class:`Intake`).
-
-    The member is chosen when the worker is built, before the pool forks, so the pool's
-    children record it in every claim (``lease_holder``) and the dispatcher can tell
-    when the process holding a lease is gone.
-    """
+    """Runs the renewals and the database checks (:class:`Renewals`) and the intake
+    (:class:`Intake`). The member is chosen when the worker is built, before the pool
+    forks, so the pool's children record it in every claim (``lease_holder``)."""
 
     requires = {"celery.worker.components:Timer"}
 
@@ -250,10 +219,8 @@ class LivenessStep(bootsteps.StartStopStep):
         _holder = self.liveness.member  # chosen before the pool forks: children inherit it
 
     def start(self, parent: Any) -> None:
-        # The consumer starts after this step: a worker whose first renewal or check failed
-        # starts without consuming, and no message reaches it before its member is
-        # registered. The first check runs beside the first renewal; the start waits for
-        # it within a check's own bounds (CHECK_WAIT_S), so a hung one starts it paused.
+        # The consumer starts after this step, so a worker whose first renewal or check
+        # failed (or hung past CHECK_WAIT_S) starts paused.
         interval_s = renew_interval_s(self.liveness.settings)
         self.checks = Renewals(self.liveness.check_database, interval_s, CHECKS, at_once=True)
         self.checks.start()
@@ -262,14 +229,12 @@ class LivenessStep(bootsteps.StartStopStep):
         self.intake.follow(at_once=True)
         self.renewals = Renewals(self.tick, interval_s)
         self.renewals.start()
-        # The worker's event loop sleeps until its next timer, up to 1 s, and a signal
-        # does not cut that sleep short; a no-op timer every WAKE_S makes a SIGTERM start
-        # the drain within WAKE_S instead (an idle worker then exits about 0.8 s sooner).
+        # The event loop sleeps until its next timer (up to 1 s) and a signal does not cut
+        # that short: a no-op timer every WAKE_S starts a SIGTERM's drain within WAKE_S.
         self.wake = parent.timer.call_repeatedly(WAKE_S, _noop, priority=0)
 
     def tick(self) -> None:
-        """One renewal (on the renewal thread); a pause or resume it decides is carried
-        out on the consumer's own thread (``Consumer.call_soon`` wakes the event loop)."""
+        """One renewal (on the renewal thread), then the intake's decision."""
         self.liveness.tick()
         self.intake.follow()
 
@@ -277,18 +242,15 @@ class LivenessStep(bootsteps.StartStopStep):
         self._end(draining=False)
 
     def terminate(self, parent: Any) -> None:
-        """A cold shutdown (and every ``celery.contrib.testing`` worker's end): Celery's
-        blueprint calls ``terminate`` then, whose default acts only on ``self.obj``, which
-        this step has none of; the renewal thread ran on past the worker. This step ends
-        before the pool's, whose children may still be running: the member leaves the
-        active sets but stays a lease holder until it expires, one TTL on, so no run of a
-        child that is still alive is taken over (the warm stop's drain does the same)."""
+        """A cold shutdown (and every ``celery.contrib.testing`` worker's end). The default
+        acts only on ``self.obj`` (none here): the renewal thread ran on past the worker.
+        This step ends before the pool's, whose children may still run, so the member
+        stays a lease holder until it expires, one TTL on."""
         self._end(draining=True)
 
     def _end(self, draining: bool) -> None:
-        """Stop both threads and remove the member. A database check under way is waited
-        for only after the removal, and only within its own bounds: one hung in DNS or a
-        pooler's queue cannot be cut short (it ends with the process, changing nothing)."""
+        """Stop both threads and remove the member. A check under way is waited for only
+        after the removal, within its own bounds: a hung one cannot be cut short."""
         global _holder
         checks, self.checks = self.checks, None
         if checks is not None:

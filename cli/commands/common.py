@@ -1,10 +1,7 @@
-"""What every task command shares: argument types, error handling, exit codes.
+"""What every task command shares: argument types, error handling, exit codes (EXIT_STATUS_HELP).
 
-Exit status of every command here: 0 done; 1 refused or failed (not found, not allowed,
-wrong state, PostgreSQL unreachable); 2 invalid arguments or input (a bad UUID, bad
-filters, a bad configuration value). Expected failures print one line on stderr, never
-a traceback; messages are the ledger's fixed texts or ours, never a driver's (which may
-hold the database address).
+Expected failures print one line on stderr, never a traceback nor a driver's message
+(which may hold the database address).
 """
 
 from __future__ import annotations

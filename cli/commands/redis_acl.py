@@ -1,12 +1,6 @@
-"""``teamdesk-tasks redis-acl``: print the Redis ACL users of the cluster's roles
-(teamdesk/redis_acl.py) for an operator to load: an ACL file (``aclfile``, the default) or
-``ACL SETUSER`` commands for ``redis-cli``.
-
-Key patterns follow QUEUE_PREFIX. Each user's password comes from its variable
-(``REDIS_API_PASSWORD``, ``REDIS_WORKER_PASSWORD``, ``REDIS_BEAT_PASSWORD``,
-``REDIS_FLOWER_PASSWORD``; ``REDIS_PASSWORD`` for the administrator, ``default``) and is
-printed only as its SHA-256, never in clear text; ``--placeholders`` prints a placeholder
-instead, which Redis refuses to load until it is replaced (deploy/redis/users.acl).
+"""``teamdesk-tasks redis-acl``: print the Redis users of teamdesk/redis_acl.py as an ACL
+file or ``ACL SETUSER`` commands (docs/design.md, "Processes"). Passwords are printed only
+as their SHA-256; a ``--placeholders`` file does not load until they are replaced.
 """
 
 from __future__ import annotations

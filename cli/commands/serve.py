@@ -1,9 +1,5 @@
-"""``teamdesk-tasks api``: serve the HTTP API (``api.app:app``) with uvicorn.
-
-Logs are the project's JSON lines (service ``api``): uvicorn's own logging setup is
-turned off (``log_config=None``) so its records reach our root handler. SIGTERM or
-Ctrl-C stops it gracefully (requests in flight finish) and the process exits 0; a
-server that cannot start (port taken, app not importable) exits non-zero.
+"""``teamdesk-tasks api``: serve ``api.app:app`` with uvicorn, logging our JSON lines
+(``log_config=None``); a graceful stop on SIGTERM or Ctrl-C exits 0.
 """
 
 from __future__ import annotations
@@ -22,11 +18,8 @@ APP = "api.app:app"
 
 
 def _note_signal(signum: int, frame: FrameType | None) -> None:
-    """Receives the signal uvicorn re-raises after its graceful shutdown.
-
-    uvicorn handles SIGTERM/SIGINT itself, then restores the previous handlers and raises
-    the signal again so the process ends "as if" killed by it (exit 143 / 130). A stop
-    that ended cleanly should exit 0, so the previous handler is this no-op."""
+    """Receives the signal uvicorn re-raises after its graceful shutdown (which would
+    otherwise exit 143 / 130): a clean stop exits 0."""
 
 
 def cmd_api(args: argparse.Namespace) -> int:
@@ -34,11 +27,8 @@ def cmd_api(args: argparse.Namespace) -> int:
 
     from teamdesk import s3_store
 
-    # FORWARDED_ALLOW_IPS names the proxies whose X-Forwarded-For is believed; the app
-    # reads it (api/middleware.py, ForwardedClient), uvicorn's own handling is off. '*' or
-    # a network of every address stops the start: with either, a client could pick the
-    # address its failed authentications are counted against (escape the limit, or aim it
-    # at someone else). So does an entry that is not an address (a typo trusts nobody).
+    # A FORWARDED_ALLOW_IPS that trusts every address, or is not one, stops the start:
+    # a client could pick the address its failed authentications count against.
     try:
         trusted_proxies()
     except ConfigError as exc:

@@ -1,9 +1,5 @@
-"""``teamdesk-tasks watch ID``: follow a task until it ends.
-
-On a terminal one line is redrawn in place (``[#####.....] 50% RUNNING run 0 attempt 1``);
-otherwise one line is printed per change. Exit 0 when the task ends COMPLETED, 1 when
-it ends FAILED or CANCELLED (its last_error on stderr), 3 when ``--timeout`` passes
-first. The ledger is the truth shown: it is read every ``--interval`` seconds.
+"""``teamdesk-tasks watch ID``: follow a task in the ledger until it ends (exit codes in
+the parser's epilog); one line redrawn on a terminal, a line per change otherwise.
 """
 
 from __future__ import annotations
@@ -26,10 +22,8 @@ View = dict[str, Any]
 
 
 def progress_line(view: View) -> str:
-    """``[#####.....] 50% RUNNING run 0 attempt 1``: the ledger's run number, as the API,
-    the CLI's JSON and Flower's message id (``<task>-<run>``) show it. A task waiting too
-    long says so: ``... 0% WAITING run 0 - waiting 60 s: no worker consumes exports``
-    (seconds in steps of :data:`WAITING_STEP_S`, so a log gets a line per step)."""
+    """``[#####.....] 50% RUNNING run 0 attempt 1``, with ``- waiting 60 s: <reason>`` for
+    a late task (seconds in steps of :data:`WAITING_STEP_S`, so a log gets a line per step)."""
     percent = max(0, min(100, int(view["progress"])))
     filled = percent * BAR_WIDTH // 100
     line = f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {percent}% {view['status']}"

@@ -1,22 +1,7 @@
-"""Alembic environment: online migrations only, serialised by an advisory lock so two
-``teamdesk-tasks migrate`` runs started together (two containers) cannot collide.
-
-The lock is transaction-level (``pg_advisory_xact_lock``), held by a transaction of its
-own on a second connection that stays open while the migrations run on the first (each
-revision in its own transaction, a concurrent index build outside any). A session-level
-lock taken in one transaction and released in another is not safe behind PgBouncer in
-transaction pooling: the unlock may land on another server session (the lock leaks until
-PgBouncer closes the one that holds it, and every later migrate waits for it), and the
-work may run on a session that never held it. An open transaction keeps its server
-session, and it ends - the lock with it - when the migrations end, fail, or the process
-dies (ledger/migrate.py, ``MIGRATION_LOCK``).
-
-A migrate that finds the lock taken tries again every ``LOCK_POLL_S``, each try a short
-transaction of its own, rather than wait inside one: a statement waiting for a lock holds
-a snapshot, and ``CREATE INDEX CONCURRENTLY`` in the running migrate waits for every
-transaction with an older one to end - which would never happen (each would wait for the
-other, and PostgreSQL cannot see the cycle, which passes through the first migrate's
-process)."""
+"""Alembic environment: online migrations only (docs/design.md, "Processes"), serialised by
+a transaction-level advisory lock that a second connection holds in an open transaction
+while the revisions run on the first; behind PgBouncer a session-level lock's unlock may
+land on another server session (docs/decisions.md, "Issue 34: smaller items")."""
 
 from __future__ import annotations
 
@@ -40,7 +25,9 @@ TRY_LOCK = sa.text(
 
 def take_lock(guard: sa.Connection) -> None:
     """Hold the migration lock in ``guard``'s transaction, waiting for another migrate to
-    end (outside any transaction: see the module's docstring)."""
+    end. Each try is a transaction of its own: waiting inside one holds a snapshot, which
+    the running migrate's ``CREATE INDEX CONCURRENTLY`` would wait for, a cycle PostgreSQL
+    cannot see."""
     while not guard.execute(TRY_LOCK, {"k": MIGRATION_LOCK}).one()[1]:
         guard.rollback()
         time.sleep(LOCK_POLL_S)

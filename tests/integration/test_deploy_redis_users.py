@@ -59,7 +59,7 @@ def compose_redis(
     port = free_port()
     (workdir / "data").mkdir(exist_ok=True)
     (workdir / "secrets").mkdir()
-    for role, password in passwords.items():  # as deploy/README.md writes them: a newline
+    for role, password in passwords.items():  # as deploy/compose.md writes them: a newline
         (workdir / "secrets" / PASSWORD_VARS[role].lower()).write_text(password + "\n")
     env = {"PATH": os.environ["PATH"], "QUEUE_PREFIX": prefix}
     process = subprocess.Popen(
@@ -134,7 +134,7 @@ def test_composes_redis_does_not_start_with_an_empty_password(tmp_path: Path) ->
     assert code == 1
     assert err == (
         "redis/secrets/redis_worker_password is missing or empty "
-        '(deploy/README.md, "Docker Compose")\n'
+        '(deploy/compose.md, "Docker Compose (one host)")\n'
     )
 
 

@@ -1,11 +1,11 @@
-"""One Redis user per role (teamdesk/redis_acl.py; deploy/README.md, "Redis users"), loaded
+"""One Redis user per role (teamdesk/redis_acl.py; deploy/security.md, "Redis users"), loaded
 into a dedicated ``redis-server`` from the ACL file ``teamdesk-tasks redis-acl`` prints.
 
 - The API works as its user: task creation, both rate limits (429 from Redis's counts,
   not the limiter failing open), ``/api/workers/health`` reading a worker's heartbeat and
   the dispatcher's lock, which the worker and beat users wrote; Redis refused nothing.
 - The API user may not touch the broker (a task queue, Celery's event and control
-  channels, kombu's keys), the markers, the heartbeats, the lock, or run server-wide
+  channels, kombu's keys), the heartbeats, the lock, or run server-wide
   commands; beat, the worker and Flower are refused what is not theirs; no user may
   SELECT another database, nor run a script command its code does not run.
 - A cluster on database 3: every role's client selects it as it connects, and may select

@@ -1,5 +1,5 @@
 """Redis under Sentinel (docs/design.md, "Topologies"): the broker, the results, the
-heartbeats, the queued markers and the leader lock all reach Redis through its sentinels
+heartbeats and the leader lock all reach Redis through its sentinels
 (``REDIS_URL`` = ``BROKER_URL`` = ``sentinel://...;sentinel://...``, ``REDIS_SENTINEL_MASTER``),
 and a failover costs seconds: every task completes once, no process exits.
 
@@ -10,7 +10,7 @@ not the one failed over), so when the four worker processes are all parked, four
 are mid-run and the rest of the work is queued or in the broker. Then the master is
 killed (SIGKILL: what it had not replicated is lost) and the sentinels promote the
 replica; the parked exports are let go. Asynchronous replication may have lost the
-newest messages, markers and acknowledgements: the ledger's scan publishes what the
+newest messages and acknowledgements: the ledger's scan publishes what the
 broker no longer holds, and the lease refuses any second execution of a run.
 """
 

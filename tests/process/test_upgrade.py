@@ -1,6 +1,6 @@
 """A rolling upgrade from the previous release, and the rollback of its code, under load
 (docs/decisions.md, "Expand and contract: the previous release keeps working";
-deploy/README.md, "Upgrading").
+deploy/operations.md, "Upgrading").
 
 The previous release (harness/previous_release.txt) runs from its own checkout and
 virtualenv (harness/releases.py). **Upgrade**: its own ``migrate`` makes the database,

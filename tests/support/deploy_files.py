@@ -25,7 +25,7 @@ K8S_DIR = DEPLOY / "k8s"
 DRAIN_S = 75.0  # SHUTDOWN_TIMEOUT_S default
 WORKER_GRACE_S = 90.0  # the orchestrator's grace the drain is sized for
 HEALTH_HARD_CAP_S = 4.0  # `teamdesk-tasks health` hard cap
-BEAT_REPLICAS = 2  # the leader and a hot standby (deploy/README.md, "The dispatcher")
+BEAT_REPLICAS = 2  # the leader and a hot standby (deploy/operations.md, "The dispatcher (beat)")
 
 HEALTH_CMD = ["teamdesk-tasks", "health"]
 SHELLS = {"sh", "bash", "/bin/sh", "/bin/bash", "dash", "/bin/dash"}
@@ -34,7 +34,7 @@ SHELLS = {"sh", "bash", "/bin/sh", "/bin/bash", "dash", "/bin/dash"}
 # naming any other queue (the old `maintenance`) fails at start.
 TASK_QUEUES = frozenset(DECLARED_QUEUES)
 
-# Who gets which credential (deploy/README.md, "Who gets which secret"): the variables
+# Who gets which credential (deploy/security.md, "Who gets which secret"): the variables
 # holding one, and each component's share of them. Only migrate has the schema owner's
 # DATABASE_URL and the roles' passwords; the API connects as API_ROLE, the workers and
 # beat as APP_ROLE; Flower has no database URL at all. Each component's REDIS_URL (and a

@@ -7,7 +7,7 @@ import urllib.request
 
 def flower_sees_worker(port: int, node: str = "w1") -> bool:
     """Whether Flower on ``port`` counts worker ``node`` online. /metrics answers without
-    credentials even with basic auth on (deploy/README.md)."""
+    credentials even with basic auth on (deploy/operations.md, "Flower")."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
             metrics = response.read().decode()

@@ -1,4 +1,4 @@
-"""Who gets which credential, in deploy/compose.yaml and deploy/k8s/ (deploy/README.md,
+"""Who gets which credential, in deploy/compose.yaml and deploy/k8s/ (deploy/security.md,
 "Who gets which secret"), checked offline on the parsed files.
 
 - **One Redis user per component.** Compose starts Redis with ``--aclfile``: the users of

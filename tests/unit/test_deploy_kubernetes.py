@@ -48,10 +48,10 @@ from tests.support.deploy_files import (
 # Oldest Kubernetes minor the manifests are written for; kubernetes-validate ships its schemas.
 K8S_VERSION = "1.31.0"
 
-# Each component serving /metrics (docs/observability.md; deploy/README.md, "Metrics").
+# Each component serving /metrics (docs/observability.md; deploy/operations.md, "Metrics").
 METRICS_DEPLOYMENTS = ("teamdesk-api", "teamdesk-worker", "teamdesk-beat")
 
-# Each component's own Secret (deploy/README.md, "Who gets which secret").
+# Each component's own Secret (deploy/security.md, "Who gets which secret").
 SECRETS = [("Secret", f"teamdesk-{component}") for component in COMPONENTS]
 
 

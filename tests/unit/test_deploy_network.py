@@ -1,5 +1,5 @@
 """deploy/k8s/networkpolicy.yaml: what each TeamDesk pod may receive and send, computed
-from the NetworkPolicies that select its pod template (deploy/README.md, "Network
+from the NetworkPolicies that select its pod template (deploy/security.md, "Network
 policies"), checked offline.
 
 - A default deny selects every TeamDesk pod, both ways; every workload is isolated.

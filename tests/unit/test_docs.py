@@ -1,7 +1,8 @@
 """The design the code cites is in the repository: every ``docs/design.md, "Section"``
 reference (also as a Markdown link, ``[docs/design.md](...), "Section"``) names a heading
-that exists, and the links of the README and the docs reach a file and, with ``#anchor``,
-one of its headings."""
+that exists, so does every ``deploy/<page>.md, "Section"`` reference in the page it names,
+and the links of the README, the docs and the deployment guide (deploy/*.md) reach a file
+and, with ``#anchor``, one of its headings."""
 
 from __future__ import annotations
 
@@ -59,7 +60,11 @@ def test_the_docs_link_to_files_that_exist() -> None:
 
 FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-DEPLOY_CITATION = re.compile(r'deploy/README\.md(?:\]\([^)]*\))?,\s+"([^"]+)"')
+# ``deploy/security.md, "Redis users"``, also as a Markdown link.
+DEPLOY_CITATION = re.compile(
+    r'deploy/([\w-]+\.md)(?:\]\([^)]*\))?,\s+((?:"[^"]+"(?:,\s*|\s+and\s+)?)+)'
+)
+COMMENT_WRAP = re.compile(r"\n[ \t]*#+[ \t]*")  # a citation wrapped in a YAML or Python comment
 
 
 def slug(heading: str) -> str:
@@ -73,10 +78,14 @@ def anchors(doc: Path) -> set[str]:
 
 
 def pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "deploy").glob("*.md")),
+    ]
 
 
-def test_the_links_of_the_readme_and_the_docs_reach_a_file_and_its_heading() -> None:
+def test_the_links_of_the_readme_the_docs_and_deploy_reach_a_file_and_its_heading() -> None:
     broken = []
     for doc in pages():
         for target in LINK.findall(FENCE.sub("", doc.read_text())):
@@ -89,15 +98,39 @@ def test_the_links_of_the_readme_and_the_docs_reach_a_file_and_its_heading() -> 
     assert broken == []
 
 
-def test_the_readme_and_the_docs_cite_sections_of_deploy_readme_that_exist() -> None:
-    deploy = ROOT / "deploy" / "README.md"
-    sections = headings(deploy)
-    cited = set()
-    for doc in pages():
-        text = " ".join(doc.read_text().split())  # citations may wrap
-        cited.update(DEPLOY_CITATION.findall(text))
-    assert cited
-    assert sorted(cited - sections) == []
+def deploy_citations(text: str) -> set[tuple[str, str]]:
+    """The ``(page, section)`` pairs ``text`` cites as ``deploy/<page>.md, "Section"``."""
+    text = " ".join(COMMENT_WRAP.sub("\n", text).split())  # citations may wrap
+    return {
+        (page, name)
+        for page, names in DEPLOY_CITATION.findall(text)
+        for name in SECTION.findall(names)
+    }
+
+
+def test_citations_of_the_deployment_guide_name_a_page_and_a_section_that_exist() -> None:
+    cited: dict[tuple[str, str], set[str]] = {}
+    for path in {*sources(), *pages()}:
+        for citation in deploy_citations(path.read_text(errors="replace")):
+            cited.setdefault(citation, set()).add(str(path.relative_to(ROOT)))
+    assert {page for page, _ in cited} >= {"security.md", "operations.md"}, "pattern is wrong"
+    missing = {
+        f"deploy/{page}, {name!r}": sorted(paths)
+        for (page, name), paths in cited.items()
+        if not (ROOT / "deploy" / page).exists() or name not in headings(ROOT / "deploy" / page)
+    }
+    assert missing == {}
+
+
+def test_the_citation_pattern_reads_each_form() -> None:
+    assert deploy_citations(
+        '(deploy/security.md, "Redis users"); [deploy/operations.md](../deploy/operations.md),\n'
+        '"Metrics" and (deploy/compose.md, "Docker Compose\n    # (one host)")'
+    ) == {
+        ("security.md", "Redis users"),
+        ("operations.md", "Metrics"),
+        ("compose.md", "Docker Compose (one host)"),
+    }
 
 
 def _layout_block() -> str:

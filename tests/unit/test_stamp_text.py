@@ -1,4 +1,4 @@
-"""A publish's stamp as messages and markers carry it (tasks/queueing.py): in UTC whatever
+"""A publish's stamp as messages carry it (tasks/queueing.py): in UTC whatever
 the UTC offset it was read with, and compared as a timestamp when read back."""
 
 from __future__ import annotations
