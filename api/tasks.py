@@ -3,8 +3,8 @@
 Each route authenticates and calls :mod:`ledger.service` inside one short transaction;
 any error rolls it back, so a refused request writes nothing. A creation, the most
 frequent request, is two statements on an autocommit connection instead: the token, then
-every rule and the insert in one (ledger/creation.py); only when a rule refused it does
-the sequential path run, in a transaction, to say which. Create, retry and cancel
+every rule and the insert in one, which also says which rule refused (ledger/creation.py).
+Create, retry and cancel
 take from their token's rate limit first, reads from its read limit; creations and
 retries pass the team's cap on unfinished tasks (``TEAM_MAX_UNFINISHED``), and export
 creations its daily export quota, to the ledger, which checks them under a lock
@@ -19,7 +19,6 @@ answer what the first did with ``Idempotent-Replayed: true``.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, HTTPException, Query, Response
@@ -132,31 +131,8 @@ def create_export(
         caller = authenticate(conn, token)
         limits.throttle_token(caller)
         args = (team_id, caller.user_id, body.scope, body.filters, cap, quota, idempotency_key)
-        task = _first_try(lambda: service.try_submit_export(conn, *args))
-    if task is None:  # a rule refused it (the same rules, one at a time, say which) or a key
-        task = _checked(res, lambda conn: service.submit_export_checked(conn, *args))
+        task = service.submit_export(conn, *args)
     return _created(task, response, res)
-
-
-def _first_try(attempt: Callable[[], TaskView | None]) -> TaskView | None:
-    """The one-statement creation; None when it inserted nothing, also when a concurrent
-    request with the same Idempotency-Key won (on an autocommit connection nothing of
-    this statement stays)."""
-    try:
-        return attempt()
-    except KeyInUse:
-        return None
-
-
-def _checked(res: Resources, submit: Callable[[Connection], TaskView]) -> TaskView:
-    """The sequential path in a transaction of its own, once more if a concurrent request
-    with the same Idempotency-Key committed first (the second time finds its task)."""
-    try:
-        with res.engine.begin() as conn:
-            return submit(conn)
-    except KeyInUse:
-        with res.engine.begin() as conn:
-            return submit(conn)
 
 
 def _created(task: TaskView, response: Response, res: Resources) -> dict[str, Any]:
@@ -187,9 +163,7 @@ def create_reminder(
         caller = authenticate(conn, token)
         limits.throttle_token(caller)
         args = (team_id, caller.user_id, body.ticket_id, body.run_at, cap, idempotency_key)
-        task = _first_try(lambda: service.try_submit_reminder(conn, *args))
-    if task is None:  # a rule refused it (the same rules, one at a time, say which) or a key
-        task = _checked(res, lambda conn: service.submit_reminder_checked(conn, *args))
+        task = service.submit_reminder(conn, *args)
     return _created(task, response, res)
 
 

@@ -109,7 +109,6 @@ def split(per_task: dict[str, dict[str, float]]) -> dict[str, int]:
             (p for prefix, p in PG_PARTS if key.startswith(prefix)), "body reads (PostgreSQL)"
         )
         parts[part] = parts.get(part, 0.0) + value["us"]
-    parts["queued marker delete (Redis)"] = us("step:queueing.message_started")
     parts["progress: queue report (Redis update_state + event)"] = us(
         "step:queueing.report_progress"
     )
@@ -117,7 +116,6 @@ def split(per_task: dict[str, dict[str, float]]) -> dict[str, int]:
     accounted = pg_total + sum(
         us(k)
         for k in (
-            "step:queueing.message_started",
             "step:queueing.report_progress",
             "step:log_event",
         )

@@ -8,10 +8,11 @@ The table is built with set-based SQL and analysed. Each ledger gets one
 running dispatcher) and one heartbeat member offering ``SLOTS`` worker processes on both
 task queues, so the window (two per process) has room for all 60 runs and the queues are
 consumed (no "no consumers" check). Between timed scans the 60 working rows are put back
-(50 due, 10 stale), the queue lists and queued markers the scan wrote are cleared and the
-heartbeat renewed, so every timed scan recovers 10 rows and publishes 60 messages. The
-median of several scans is reported, with the part spent publishing
-(``queueing.publish_batch`` + ``set_markers``) shown apart.
+(50 due, 10 stale), the queue lists the scan wrote are cleared and the heartbeat renewed,
+so every timed scan recovers 10 rows and publishes 60 messages (its lost-message check
+finds no published run past the grace, so it does not look at the broker). The median of
+several scans is reported, with the part spent publishing (``queueing.publish_batch``)
+shown apart.
 """
 
 from __future__ import annotations
@@ -129,10 +130,10 @@ class Ledger:
 
 
 class PublishClock:
-    """Times the scan's publishing: the messages (``queueing.publish_batch``) and the
-    queued markers (``queueing.set_markers``); nested calls count once."""
+    """Times the scan's publishing: the time inside ``queueing.publish_batch`` (a nested
+    call counts once)."""
 
-    NAMES = ("publish_batch", "set_markers")
+    NAMES = ("publish_batch",)
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -176,7 +177,6 @@ class StepClock:
         (scan_module, "fill", "fill"),
         (dispatch, "purge_expired", "purge"),
         (queueing, "publish_batch", "publish"),
-        (queueing, "set_markers", "publish"),
     )
 
     def __init__(self, window: Window) -> None:
@@ -222,11 +222,9 @@ def split_scans(env: BenchEnv, scanner: Scanner, ledger: Ledger) -> dict[str, fl
 
 
 def clear_broker(env: BenchEnv, part: Part) -> None:
-    """The keys a scan writes: the queue lists and the queued markers (the broker's
-    bindings and the heartbeat stay)."""
-    keys = [f"{part.prefix}:{queue}" for queue in TASK_QUEUES]
-    keys += list(env.redis.scan_iter(match=f"{part.prefix}:queued:*", count=5000))
-    env.redis.delete(*keys)
+    """The keys a scan writes: the queue lists (the broker's bindings and the heartbeat
+    stay)."""
+    env.redis.delete(*(f"{part.prefix}:{queue}" for queue in TASK_QUEUES))
 
 
 class Scanner:
@@ -250,7 +248,7 @@ class Scanner:
             raise RuntimeError(f"bench: the P3 window is too small: {self.limits}")
 
     def scan(self) -> tuple[ScanCounts, float]:
-        config.set_settings(self.part.settings)  # queueing's marker client reads it
+        config.set_settings(self.part.settings)  # the broker view's client reads it
         self.heartbeat.renew()  # untimed: its TTL must outlive a long build or a slow scan
         started = time.perf_counter()
         counts = scan(self.cluster, self.window, purge=True)

@@ -4,9 +4,9 @@ Rows are created through ``ledger.service``. The dispatcher publishes at most it
 (two messages per live worker process), so a pre-filled queue is published here directly,
 the way the dispatcher publishes a window (:func:`publish_ready`): every ready row is
 stamped (``dispatched_at = now()``) in one statement and committed, then its messages
-(``{id}-{run}``) go out with ``tasks.queueing.publish_batch`` and the queued markers with
-``set_markers``, in chunks of ``PUBLISH_CHUNK``. Every message the worker gets is the one
-the dispatcher would have sent for that row; no dispatcher runs during a drain. All
+(``{id}-{run}``) go out with ``tasks.queueing.publish_batch``, in chunks of
+``PUBLISH_CHUNK``. Every message the worker gets is the one the dispatcher would have
+sent for that row; no dispatcher runs during a drain. All
 messages are in the queue before the worker starts; throughput is counted inside the
 worker, from its first task start to its last task end.
 
@@ -41,7 +41,6 @@ from ledger.dispatch import RunRef
 from ledger.states import KINDS
 from tasks import queueing
 from tasks.names import EXPORTS_QUEUE
-from teamdesk import config
 
 TEAMS = 100
 TICKETS_PER_TEAM = 50  # 5,000 tickets: one per export and one per reminder
@@ -120,19 +119,16 @@ def create_reminders(engine: sa.Engine, refs: list[TicketRef], n: int) -> list[u
 def publish_ready(part: Part, app: Celery, chunk: int = PUBLISH_CHUNK) -> tuple[int, float]:
     """Publish every ready row of ``part`` (a pre-filled queue, no window): stamp them with
     the dispatcher's own statement (``dispatch.stamp_ready``, with room for all of them,
-    in its publish order) and commit, then ``publish_batch`` + ``set_markers`` per chunk.
-    Returns (count, seconds)."""
+    in its publish order) and commit, then ``publish_batch`` per chunk. Returns (count,
+    seconds)."""
     started = time.perf_counter()
-    config.set_settings(part.settings)  # the markers' Redis client reads the settings
     refs: list[RunRef] = []
     with part.engine.begin() as conn:
         for kind in KINDS:
             while stamped := dispatch.stamp_ready(conn, kind=kind, n=STAMP_ALL, team_cap=0).refs:
                 refs += stamped
     for i in range(0, len(refs), chunk):
-        batch = refs[i : i + chunk]
-        queueing.publish_batch(app, batch)
-        queueing.set_markers(batch, part.settings)
+        queueing.publish_batch(app, refs[i : i + chunk])
     return len(refs), time.perf_counter() - started
 
 

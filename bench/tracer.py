@@ -9,8 +9,8 @@ Every statement is named after what it does (``claim``, ``progress``, ``complete
 nothing at checkout: teamdesk.db.hung_up), so each step's round trips can be read off
 directly.
 
-Redis: ``Redis.execute_command`` and ``Pipeline.execute`` (result backend, task events,
-queued marker), timed by command name.
+Redis: ``Redis.execute_command`` and ``Pipeline.execute`` (result backend, task events),
+timed by command name.
 
 Steps: wrappers around ``execute()`` and the named functions it calls. ``celery_child``
 is the rest of the child's task time (prerun to postrun minus ``execute()``).
@@ -218,8 +218,7 @@ def _trace_steps() -> None:
         "check_lease",
     ):
         _wrap(lease, fn, f"lease.{fn}")
-    for fn in ("message_started", "report_progress"):
-        _wrap(queueing, fn, f"queueing.{fn}")
+    _wrap(queueing, "report_progress", "queueing.report_progress")
     _wrap(execution, "log_event", "log_event")
     for fn in ("check_permission", "_read_small", "_read_in_batches", "_batch_done"):
         _wrap(export, fn, f"export.{fn}")

@@ -1,34 +1,10 @@
-"""The dispatcher's periodic scan, every ``SCAN_INTERVAL_S`` (docs/design.md, "Dispatch"):
-recover, re-publish lost messages, fill the window, purge.
+"""The dispatcher's periodic scan, every ``SCAN_INTERVAL_S``: statistics, recover,
+re-publish lost messages, fill, purge (docs/design.md, "Dispatch"). The safety net that
+needs no notification.
 
-Notifications start work at once (dispatcher/loop.py); the scan is the safety net that
-needs none of them:
-
-0. **Keep the planner's statistics current** (:func:`ledger.dispatch.refresh_statistics`):
-   the dispatcher's statements choose their indexes from them.
-1. **Recover**: RUNNING rows silent for ``STALE_AFTER_S`` by the database's clock, or held
-   by a process whose heartbeat member is gone, go back to WAITING (FAILED past
-   ``MAX_RECOVERIES``). The heartbeat rule applies only when the holders were read and
-   their record has been kept unbroken for more than one ``HEARTBEAT_TTL_S`` (its epoch,
-   docs/design.md "Heartbeats"): "cannot tell" is never "dead".
-2. **Re-publish lost messages**: a published run still WAITING whose queued marker is
-   missing or carries another publish's stamp (tasks/queueing.py) lost its message - a
-   Redis restart, a dispatcher killed between its stamp and its send, a refused batch -
-   and so did one whose message the broker itself no longer holds, in two looks a scan
-   apart (tasks/broker_view.py: ``celery purge``, a broker that lost its data; the marker
-   cannot know). It is stamped anew and published again, unless no live worker consumes
-   its queue (then its message may simply be waiting). Runs stamped less than
-   ``PUBLISH_GRACE_S`` ago are left alone: their publish may still be under way. The
-   window bounds how many runs are published at once, so this looks at all of them, not
-   the oldest few.
-3. **Fill** the window (dispatcher/window.py).
-4. **Purge** CSVs past ``expires_at``, then finished tasks and audit rows past their
-   retention (:mod:`ledger.retention`), in short batches for at most
-   ``RETENTION_BUDGET_S`` (the loop asks for it every ``PURGE_INTERVAL_S``).
-
-A Redis error ends the queue steps of this scan and is reported in
-:attr:`ScanCounts.redis_error`; recovery and purge need only PostgreSQL and still run. A
-PostgreSQL error ends the scan with :class:`ScanUnavailable`.
+A Redis error ends the queue steps of this scan (:attr:`ScanCounts.redis_error`); recovery
+and purge need only PostgreSQL and still run. A PostgreSQL error raises
+:class:`ScanUnavailable`.
 """
 
 from __future__ import annotations
@@ -67,6 +43,10 @@ PURGE_BATCH = 500  # CSVs cleared per scan
 RETENTION_BATCH = 1000  # finished tasks, and audit rows, removed per transaction
 RETENTION_BUDGET_S = 0.5  # the purge's retention batches stop after this long
 PUBLISH_GRACE_S = 5.0  # a run stamped this recently may still be on its way to the broker
+# Where the broker cannot list its messages: a run published this many STALE_AFTER_S ago
+# (at least LOST_AFTER_MIN_S) is published again, its old message refused by its claim.
+LOST_AFTER_FACTOR = 5
+LOST_AFTER_MIN_S = 60.0
 
 
 @dataclass
@@ -74,14 +54,15 @@ class ScanCounts:
     """What one scan did.
 
     ``redis_error``: the class of the Redis or broker error this scan ran into (heartbeat
-    read, markers or a publish), else None. ``no_consumers``: queues with ready runs that
-    no live worker consumes.
+    read, a look at the broker or a publish), else None. ``no_consumers``: queues with
+    ready runs that no live worker consumes.
     """
 
     recovered: int = 0
     failed_recoveries: int = 0
     redispatched: int = 0
-    missing_from_broker: int = 0  # of those judged lost, found missing by looking at the broker
+    missing_from_broker: int = 0  # of those judged lost, missing from two looks at the broker
+    overdue: int = 0  # of those judged lost, past LOST_AFTER where the broker cannot list
     dispatched: int = 0
     publish_failed: int = 0
     purged: int = 0
@@ -99,9 +80,7 @@ class ScanCounts:
 
     @property
     def of_note(self) -> bool:
-        """Worth a line at info: work beyond routine publishing (a recovery, a lost message
-        published again, a purge, a failure). Publishing due runs is the dispatcher's
-        steady state and logs at debug, as a fill does."""
+        """Worth a line at info: work beyond routine publishing, which logs at debug."""
         work = ("recovered", "failed_recoveries", "redispatched", "purged")
         return any(getattr(self, name) for name in work) or bool(
             self.publish_failed or self.redis_error
@@ -115,7 +94,8 @@ class ScanCounts:
         text = (
             f"recovered {self.recovered} (failed {self.failed_recoveries}), "
             f"re-published {self.redispatched} (missing from the broker "
-            f"{self.missing_from_broker}), dispatched {self.dispatched}, "
+            f"{self.missing_from_broker}, overdue {self.overdue}), "
+            f"dispatched {self.dispatched}, "
             f"publish failed {self.publish_failed}, purged {self.purged}; "
             f"heartbeat rule {'on' if self.heartbeat_rule else 'off'}"
         )
@@ -139,10 +119,9 @@ Uptime = Callable[[redis.Redis], float]
 def read_heartbeats(
     client: redis.Redis, prefix: str, ttl_s: float, uptime: Uptime | None = None
 ) -> HeartbeatView:
-    """Trusted only when the read worked and the holders' record has been kept unbroken
-    for more than one TTL: after a flush, an eviction, a restart or a failover it has a
-    new epoch, and live workers need one TTL to renew into it. ``uptime`` stands in for
-    the record's age (tests inject one); it is read after the holders. Never raises."""
+    """Trusted only when the read worked and the holders' record is older than one TTL
+    (docs/design.md, "Heartbeats"). ``uptime`` stands in for the record's age (tests
+    inject one); it is read after the holders. Never raises."""
     try:
         holders = read_lease_holders(client, prefix)
         age_s = holders.record_age_s if uptime is None else uptime(client)
@@ -170,8 +149,8 @@ def scan(
 
 
 def _purge(cluster: Cluster, counts: ScanCounts) -> None:
-    """Step 4: expired CSVs and idempotency keys, then what is past its retention, one
-    short transaction per batch, until a batch comes back short or the budget is spent."""
+    """Step 4: expired CSVs and idempotency keys, then retention, one short transaction
+    per batch, until a batch comes back short or ``RETENTION_BUDGET_S`` is spent."""
     with transaction(cluster.engine) as conn:
         counts.purged = dispatch.purge_expired(conn, batch=PURGE_BATCH)
         counts.forgotten_keys = idempotency.purge_expired(conn, batch=PURGE_BATCH)
@@ -255,21 +234,19 @@ def _queue_steps(cluster: Cluster, window: Window, counts: ScanCounts) -> None:
 def _republish_lost(
     cluster: Cluster, window: Window, slots: dict[str, int], counts: ScanCounts
 ) -> Published:
-    """Step 2: published runs on a consumed queue whose marker is gone or stale, or whose
-    message the broker no longer holds."""
+    """Step 2: published runs on a consumed queue whose message the broker no longer holds."""
+    overdue_s = max(LOST_AFTER_MIN_S, LOST_AFTER_FACTOR * cluster.settings.stale_after_s)
     with transaction(cluster.engine) as conn:
-        published = dispatch.published_before(conn, grace_s=PUBLISH_GRACE_S, batch=LOST_BATCH)
-    consumed = [ref for ref in published if slots.get(QUEUE_OF_KIND[ref.kind], 0) > 0]
-    matches = queueing.marker_matches(consumed, cluster.settings)
-    lost = [ref for ref, ok in zip(consumed, matches, strict=True) if not ok]
-    marked = [ref for ref, ok in zip(consumed, matches, strict=True) if ok]
-    missing = _missing_from_broker(cluster, window, marked)
-    counts.missing_from_broker = len(missing)
-    lost += missing
+        published = dispatch.published_before(
+            conn, grace_s=PUBLISH_GRACE_S, overdue_s=overdue_s, batch=LOST_BATCH
+        )
+    consumed = [(ref, old) for ref, old in published if slots.get(QUEUE_OF_KIND[ref.kind], 0) > 0]
+    missing, overdue = _missing_from_broker(cluster, window, consumed)
+    counts.missing_from_broker, counts.overdue = len(missing), len(overdue)
     restamped: list[RunRef] = []
-    if lost:
+    if missing or overdue:
         with transaction(cluster.engine) as conn:
-            restamped = dispatch.restamp(conn, lost)
+            restamped = dispatch.restamp(conn, missing + overdue)
     outcome = publish(cluster, restamped)
     counts.redispatched = outcome.sent
     counts.publish_failed += outcome.refused + outcome.uncertain
@@ -277,30 +254,36 @@ def _republish_lost(
     return outcome
 
 
-def _missing_from_broker(cluster: Cluster, window: Window, refs: list[RunRef]) -> list[RunRef]:
-    """The runs among ``refs`` (published, marker standing) whose message the broker held
-    in neither of the last two looks, a scan apart (tasks/broker_view.py): purged, lost
-    with the broker's data, discarded by hand. One look can miss a message in transit."""
-    if not refs:
+def _missing_from_broker(
+    cluster: Cluster, window: Window, published: list[tuple[RunRef, bool]]
+) -> tuple[list[RunRef], list[RunRef]]:
+    """The runs among ``published`` whose message the broker held in neither of the last
+    two looks, a scan apart; and, where the broker can only count (or cannot tell) and
+    holds messages, those overdue (stamped past LOST_AFTER)."""
+    if not published:
         window.unseen = {}
-        return []
-    queues = {QUEUE_OF_KIND[ref.kind] for ref in refs}
+        return [], []
+    queues = {QUEUE_OF_KIND[ref.kind] for ref, _ in published}
     views = broker_view.look(
-        cluster.app, queueing.marker_redis(), cluster.settings.queue_prefix, queues
+        cluster.app, broker_view.broker_redis(), cluster.settings.queue_prefix, queues
     )
     unseen: dict[tuple[uuid.UUID, int], datetime | None] = {}
-    for ref in refs:
+    overdue: list[RunRef] = []
+    for ref, old in published:
         view = views.get(QUEUE_OF_KIND[ref.kind])
-        message = queueing.message_id(ref.task_id, ref.run)
-        if view is not None and not view.holds(message, queueing.stamp_text(ref)):
+        if view is None or (view.listed is None and view.ready > 0):
+            if old:  # cannot say which message is missing: the stamp's age decides
+                overdue.append(ref)
+        elif not view.holds(queueing.message_id(ref.task_id, ref.run), queueing.stamp_text(ref)):
             unseen[(ref.task_id, ref.run)] = ref.stamp
     earlier, window.unseen = window.unseen, unseen
-    return [
+    missing = [
         ref
-        for ref in refs
+        for ref, _ in published
         if (ref.task_id, ref.run) in unseen
         and earlier.get((ref.task_id, ref.run), False) == ref.stamp
     ]
+    return missing, overdue
 
 
 def _unconsumed(cluster: Cluster, slots: dict[str, int]) -> list[str]:

@@ -1,24 +1,7 @@
-"""Filling the window: publish ready runs while their queue has room (docs/design.md,
-"Dispatch").
-
-The broker holds only a short *window* of each queue's runs: the runs published and not
-yet claimed. A queue's window is ``DISPATCH_WINDOW`` when set, else two per live worker
-process consuming it (from the workers' heartbeats), so every process that finishes a
-task finds its next message already there while the dispatcher tops the window up. When
-the tasks are short, two per process last only a few milliseconds and the dispatcher
-would have to fill after every completion; so the window also holds what the queue's
-workers take in ``WINDOW_SPAN_S`` at their recent rate (at most ``MAX_WINDOW_PER_SLOT``
-per process), which lets one fill serve many completions. Either way the broker's list
-never holds more than the window, whatever the backlog in the ledger; a team that
-arrives behind another's backlog waits for at most the window.
-
-One fill: read each queue's window, stamp up to its free room of ready runs,
-round-robin over teams from where the last turn ended (ledger/dispatch.py
-``STAMP_READY``), commit, publish them in one batch, then set their queued markers.
-Ledger first: a run is stamped before its message exists, never the other way round; a
-publish the broker refused is un-stamped (the run is ready again), one whose outcome is
-uncertain keeps its stamp and the scan's lost-message check publishes it again if its
-marker never appears.
+"""Filling the window: publish ready runs into the free room of each queue's window
+(docs/design.md, "Dispatch"; why this size: docs/decisions.md, "Dispatch"). Ledger first:
+a run is stamped and committed before its message exists; a refused publish is
+un-stamped, an uncertain one keeps its stamp for the scan's lost-message check.
 """
 
 from __future__ import annotations
@@ -120,10 +103,7 @@ class Window:
 def limits_for(
     slots: dict[str, int], settings: Settings, rates: dict[str, float] | None = None
 ) -> dict[str, int]:
-    """Each queue's window (messages published and not yet claimed): DISPATCH_WINDOW, or
-    two per live worker process consuming it - more when its workers take more than that
-    in ``WINDOW_SPAN_S`` (short tasks), up to ``MAX_WINDOW_PER_SLOT`` per process - and
-    nothing for a queue no live worker consumes."""
+    """Each queue's window: messages published and not yet claimed."""
     if settings.dispatch_window > 0:
         return dict.fromkeys(TASK_QUEUES, settings.dispatch_window)
     rates = rates or {}
@@ -168,7 +148,7 @@ def fill(cluster: Cluster, window: Window) -> FillCounts:
 
 
 def publish(cluster: Cluster, stamped: Sequence[RunRef]) -> Published:
-    """Publish stamped runs, then set their markers; un-stamp what the broker refused."""
+    """Publish stamped runs; un-stamp what the broker refused."""
     if not stamped:
         return Published()
     hooks.fire("dispatcher.before_publish", refs=stamped)
@@ -180,17 +160,5 @@ def publish(cluster: Cluster, stamped: Sequence[RunRef]) -> Published:
         sent, refused = list(stamped[: exc.sent]), list(stamped[exc.sent :])
         with transaction(cluster.engine) as conn:
             dispatch.unstamp(conn, refused)
-        _mark(cluster, sent)
         return Published(sent=len(sent), refused=len(refused), error=exc.error)
-    return Published(sent=len(stamped), error=_mark(cluster, stamped))
-
-
-def _mark(cluster: Cluster, sent: Sequence[RunRef]) -> str | None:
-    """Set the markers of sent runs; without them a run is published again after the
-    grace (a duplicate the lease absorbs), so a failure here is only reported."""
-    hooks.fire("dispatcher.before_markers", refs=sent)
-    try:
-        queueing.set_markers(sent, cluster.settings)
-    except redis.RedisError as exc:
-        return type(exc).__name__
-    return None
+    return Published(sent=len(stamped))

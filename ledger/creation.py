@@ -1,28 +1,23 @@
-"""A task's creation in one round trip: every check and the insert in one statement.
+"""A task's creation in one round trip: every rule and the insert in one statement, which
+also says which rule refused (docs/design.md, "HTTP API").
 
-:func:`ledger.service.submit_export` and ``submit_reminder`` check, one statement at a
-time, who asks (their role in the team), the ticket, the reminder's time, the team's cap
-on unfinished tasks and its daily export quota, then insert; each check that fails says
-why. That is five to seven round trips for the API's most frequent request. Here the same
-rules are the ``WHERE`` of one ``INSERT ... SELECT``, prepared once per session, after the
-team's lock in the same round trip (``LOCK_TEAM_SQL``, then the insert: two statements of
-one implicit transaction on an autocommit connection, or of the caller's transaction). The
-insert's snapshot is taken after the lock is granted, so the counts see every creation of
-the team that committed before, as the sequential path's do. The insert returns the new
-task's view, or no row when a rule refused it: the caller then runs the sequential path,
-which says which rule (and creates the task after all if nothing refuses it any more).
-
-With an Idempotency-Key the same statement also holds the key (ledger/idempotency.py): the
-task is inserted only while no live row holds it, and the key's row with the task.
-
-The rules are the sequential path's own SQL: ``ledger/permissions.py`` (``MAY_CREATE_*``)
-and ``ledger/quota.py`` (``UNFINISHED_SQL``, ``EXPORTS_OF_THE_DAY_SQL``).
+The statement reads the asker's role and one boolean per rule (``checks``), inserts the
+task only when every rule passes (and, with an Idempotency-Key, while no row holds the
+key: ledger/idempotency.py), and returns the checks beside the new task's columns, so a
+refusal is told from the same snapshot that refused it. The team's lock comes first in
+the same round trip (``LOCK_TEAM_SQL``: a second statement of one implicit transaction on
+an autocommit connection, or of the caller's transaction), so the counts see every
+creation of the team that committed before. The rules' SQL is ledger/permissions.py's
+(``MAY_CREATE_*``) and ledger/quota.py's (``UNFINISHED_SQL``, ``EXPORTS_OF_THE_DAY_SQL``).
+The insert wakes the dispatcher through the table's statement trigger (ledger/wake.py)
+and returns the new task's view: whoever may create a task may see it.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -33,9 +28,10 @@ from ledger import prepared
 from ledger.idempotency import (
     CLAIM_SQL,
     FORGET_EXPIRED_KEY_SQL,
-    KEY_FREE_SQL,
+    HELD_SQL,
     IdempotencyKey,
     KeyInUse,
+    Remembered,
     is_key_taken,
 )
 from ledger.permissions import MAY_CREATE_EXPORT_SQL, MAY_CREATE_REMINDER_SQL
@@ -59,44 +55,90 @@ RUN_AT_WINDOW_SQL = "BETWEEN now() - interval '1 day' AND now() + interval '1 ye
 TICKET_IN_TEAM_SQL = (
     "SELECT 1 FROM tickets WHERE id = CAST(%(ticket_id)s AS uuid) AND team_id = %(team_id)s"
 )
+ROLE_SQL = (
+    "SELECT role FROM memberships"
+    " WHERE team_id = CAST(%(team_id)s AS uuid) AND user_id = CAST(%(owner_id)s AS uuid)"
+)
 
-_INSERT = """
-    INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters, run_at, trace_parent)
-    SELECT '{kind}', CAST(%(team_id)s AS uuid), CAST(%(owner_id)s AS uuid),
-           CAST(%(scope)s AS text), CAST(%(filters)s AS jsonb),
-           greatest(coalesce(CAST(%(run_at)s AS timestamptz), now()), now()),
-           CAST(%(trace_parent)s AS text)
-     WHERE {conditions}
-    RETURNING {returning}"""
+# The rules, each a boolean column of ``checks``, in the order a refusal names them.
+EXPORT_RULES = {"allowed": MAY_CREATE_EXPORT_SQL}
+REMINDER_RULES = {
+    "run_at_ok": "(CAST(%(run_at)s AS timestamptz) IS NULL"
+    f" OR CAST(%(run_at)s AS timestamptz) {RUN_AT_WINDOW_SQL})",
+    "allowed": MAY_CREATE_REMINDER_SQL,
+    "ticket_ok": f"EXISTS ({TICKET_IN_TEAM_SQL})",
+}
+ROOM_RULE = {"has_room": f"{UNFINISHED_SQL} < %(cap)s"}
+# The daily export quota, from one read of the team's exports of the last 24 hours.
+DAY_SQL = f"""(SELECT count(*) AS runs, {HELD_BYTES_SQL} AS bytes,
+            ceil(extract(epoch FROM min(run_opened_at) + interval '1 day' - now())) AS frees_in_s
+      {EXPORTS_OF_THE_DAY_SQL}) AS day"""
+DAY_COLUMNS = ", day.frees_in_s"
+RUNS_RULE = {"within_runs": "day.runs < %(per_day)s"}
+BYTES_RULE = {"within_bytes": "day.bytes + %(reserve_bytes)s <= %(bytes_per_day)s"}
 
-# With an Idempotency-Key (ledger/idempotency.py): the task only while no live row holds
-# the key, and the key's row with it; a concurrent insert of the same key fails on the
-# primary key, and this statement's task with it.
-_KEYED = """
-    WITH task AS ({insert}
-    ), claimed AS ({claim}
-    )
-    SELECT * FROM task"""
+_CREATE = """
+    WITH checks AS (
+        SELECT ({role}) AS role, {rules}{sources}
+    ){held}, task AS (
+        INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters, run_at, trace_parent)
+        SELECT '{kind}', CAST(%(team_id)s AS uuid), CAST(%(owner_id)s AS uuid),
+               CAST(%(scope)s AS text), CAST(%(filters)s AS jsonb),
+               greatest(coalesce(CAST(%(run_at)s AS timestamptz), now()), now()),
+               CAST(%(trace_parent)s AS text)
+          FROM checks
+         WHERE {passed}
+        RETURNING {returning}
+    ){claim}
+    SELECT checks.*, {held_columns} task.* FROM checks{held_join} LEFT JOIN task ON true"""
+_HELD = """, held AS ({held_sql}
+    )"""
+_CLAIM = """, claimed AS ({claim_sql}
+    )"""
+_HELD_COLUMNS = ("held_fingerprint", "held_task_id", "held_run")
+HELD_COLUMNS_SQL = (
+    "held.fingerprint AS held_fingerprint, held.task_id AS held_task_id, held.run AS held_run,"
+)
 
 _STATEMENTS: dict[tuple[Any, ...], str] = {}
 
 
-def _statement(
-    kind: str, conditions: tuple[str, ...], locked: bool, returning: str, keyed: bool
-) -> str:
-    key = (kind, conditions, locked, returning, keyed)
+@dataclass(frozen=True)
+class Created:
+    """What the statement did: the new task's ``returning`` columns (``row``), else why
+    not: the asker's ``role`` (None: not a member), each rule's verdict in order
+    (``passed``), when the day's quota frees (``frees_in_s``), and what a live
+    Idempotency-Key did (``held``, with the fingerprint of the request it was kept for)."""
+
+    row: dict[str, Any] | None
+    role: str | None
+    passed: dict[str, bool]
+    frees_in_s: int
+    held: Remembered | None
+    held_fingerprint: bytes | None
+
+
+def _statement(kind: str, rules: dict[str, str], day: bool, returning: str, keyed: bool) -> str:
+    key = (kind, tuple(rules), day, returning, keyed)
     sql = _STATEMENTS.get(key)
     if sql is None:
-        if keyed:
-            conditions = (*conditions, KEY_FREE_SQL)
-        insert = _INSERT.format(
-            kind=kind, conditions="\n       AND ".join(conditions), returning=returning
+        passed = [*rules, *(["NOT EXISTS (SELECT 1 FROM held)"] if keyed else [])]
+        create = _CREATE.format(
+            role=ROLE_SQL,
+            rules=", ".join(f"{expression} AS {name}" for name, expression in rules.items()),
+            sources=f"{DAY_COLUMNS} FROM {DAY_SQL}" if day else "",
+            held=_HELD.format(held_sql=HELD_SQL) if keyed else "",
+            kind=kind,
+            passed=" AND ".join(passed),
+            returning=returning,
+            claim=_CLAIM.format(claim_sql=CLAIM_SQL) if keyed else "",
+            held_columns=HELD_COLUMNS_SQL if keyed else "",
+            held_join=" LEFT JOIN held ON true" if keyed else "",
         )
-        prefix = [LOCK_TEAM_SQL] if locked else []
-        if keyed:
-            insert = _KEYED.format(insert=insert, claim=CLAIM_SQL)
-            prefix.insert(0, FORGET_EXPIRED_KEY_SQL)
-        sql = _STATEMENTS[key] = ";".join([*prefix, insert])
+        prefix = [FORGET_EXPIRED_KEY_SQL] if keyed else []
+        if "has_room" in rules or day:
+            prefix.append(LOCK_TEAM_SQL)
+        sql = _STATEMENTS[key] = ";".join([*prefix, create])
     return sql
 
 
@@ -110,24 +152,18 @@ def insert_export(
     quota: ExportQuota,
     returning: str,
     key: IdempotencyKey | None = None,
-) -> dict[str, Any] | None:
+) -> Created:
     """Insert a WAITING export when every rule allows it (the caller validated ``scope``
-    and ``filters``); its ``returning`` columns, or None when a rule refused it or a live
-    row holds ``key`` (``returning`` then names ``id``, ``team_id``, ``owner_id`` and
-    ``run``); :class:`KeyInUse` when a concurrent request with ``key`` won."""
-    conditions = [MAY_CREATE_EXPORT_SQL]
+    and ``filters``). Raises :class:`KeyInUse` when a concurrent request with ``key``
+    committed first."""
+    rules = dict(EXPORT_RULES)
     if cap > NO_CAP:
-        conditions.append(f"{UNFINISHED_SQL} < %(cap)s")
-    day: list[str] = []
+        rules.update(ROOM_RULE)
     if quota.per_day > NO_CAP:
-        day.append("count(*) < %(per_day)s")
+        rules.update(RUNS_RULE)
     if quota.bytes_per_day > NO_CAP:
-        day.append(f"{HELD_BYTES_SQL} + %(reserve_bytes)s <= %(bytes_per_day)s")
-    if day:
-        conditions.append(f"(SELECT {' AND '.join(day)} {EXPORTS_OF_THE_DAY_SQL})")
-    sql = _statement(
-        "EXPORT", tuple(conditions), cap > NO_CAP or bool(day), returning, key is not None
-    )
+        rules.update(BYTES_RULE)
+    sql = _statement("EXPORT", rules, quota.enabled, returning, key is not None)
     params = {
         "team_id": str(team_id),
         "owner_id": str(owner_id),
@@ -139,7 +175,7 @@ def insert_export(
         "bytes_per_day": quota.bytes_per_day,
         "reserve_bytes": quota.reserve_bytes,
     }
-    return _insert(conn, sql, params, key)
+    return _create(conn, sql, params, rules, returning, key)
 
 
 def insert_reminder(
@@ -151,19 +187,13 @@ def insert_reminder(
     cap: int,
     returning: str,
     key: IdempotencyKey | None = None,
-) -> dict[str, Any] | None:
+) -> Created:
     """Insert a WAITING reminder when every rule allows it (the caller validated
-    ``run_at``'s time zone); its ``returning`` columns, or None when a rule refused it or
-    a live row holds ``key``, as :func:`insert_export`."""
-    conditions = [
-        MAY_CREATE_REMINDER_SQL,
-        f"EXISTS ({TICKET_IN_TEAM_SQL})",
-        f"(CAST(%(run_at)s AS timestamptz) IS NULL"
-        f" OR CAST(%(run_at)s AS timestamptz) {RUN_AT_WINDOW_SQL})",
-    ]
+    ``run_at``'s time zone), as :func:`insert_export`."""
+    rules = dict(REMINDER_RULES)
     if cap > NO_CAP:
-        conditions.append(f"{UNFINISHED_SQL} < %(cap)s")
-    sql = _statement("REMINDER", tuple(conditions), cap > NO_CAP, returning, key is not None)
+        rules.update(ROOM_RULE)
+    sql = _statement("REMINDER", rules, False, returning, key is not None)
     params = {
         "team_id": str(team_id),
         "owner_id": str(owner_id),
@@ -173,12 +203,17 @@ def insert_reminder(
         "run_at": run_at,
         "cap": cap,
     }
-    return _insert(conn, sql, params, key)
+    return _create(conn, sql, params, rules, returning, key)
 
 
-def _insert(
-    conn: Connection, sql: str, params: dict[str, Any], key: IdempotencyKey | None
-) -> dict[str, Any] | None:
+def _create(
+    conn: Connection,
+    sql: str,
+    params: dict[str, Any],
+    rules: dict[str, str],
+    returning: str,
+    key: IdempotencyKey | None,
+) -> Created:
     params["trace_parent"] = tracing.current_parent()  # None when tracing is off
     if key is not None:
         params = {**params, **key.params()}
@@ -188,5 +223,16 @@ def _insert(
         if is_key_taken(exc):
             raise KeyInUse() from exc
         raise
-    row = cursor.fetchone()
-    return None if row is None else prepared.row_dict(cursor, row)
+    out = prepared.row_dict(cursor, cursor.fetchone())
+    role = out.pop("role")
+    passed = {name: bool(out.pop(name)) for name in rules}
+    frees_in_s = out.pop("frees_in_s", None)
+    fingerprint, task_id, run = (out.pop(name, None) for name in _HELD_COLUMNS)
+    return Created(
+        row=out if out.get("id") is not None else None,
+        role=role,
+        passed=passed,
+        frees_in_s=max(1, int(frees_in_s or 1)),
+        held=None if task_id is None else Remembered(task_id, int(run)),
+        held_fingerprint=None if fingerprint is None else bytes(fingerprint),
+    )

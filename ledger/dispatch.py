@@ -1,16 +1,7 @@
-"""The dispatcher's ledger statements (docs/design.md, "Dispatch"), each one statement.
-
-The ledger is the queue: a WAITING row with ``dispatched_at IS NULL`` is ready once its
-``run_at`` has come (until then it is *scheduled*, and each fill promotes the ones that
-became due); stamping ``dispatched_at`` puts it in the *window* (the few runs the broker
-holds); a claim takes it out again. Every threshold here is the database's clock
-(``now()``); no caller passes a time in.
-
-Selections lock their rows ``FOR UPDATE SKIP LOCKED`` inside the statement that changes
-them, so two dispatchers that overlap (a standby taking over) never stamp one row twice;
-the round-robin selection ranks before it locks, so an overlapping copy gets fewer rows,
-never a row twice. Every selection walks a partial index over live rows, so a pass costs
-what it has to do, not what the table holds.
+"""The dispatcher's ledger statements, each one statement on the database's clock
+(docs/design.md, "Dispatch"). Selections lock ``FOR UPDATE SKIP LOCKED`` in the statement
+that changes them, so overlapping dispatchers never stamp a row twice, and each walks a
+partial index over live rows, so a pass costs what it does, not what the table holds.
 """
 
 from __future__ import annotations
@@ -47,13 +38,10 @@ class RunRef:
     recovered: bool = False  # taken back from a silent execution at least once
 
 
-# Guard: still RUNNING, and silent (no ledger write for stale_after_s, database clock) or
-# held by a process whose heartbeat member is gone. Past max_recoveries the run FAILS.
-# A recovered run starts its attempts afresh: stalls have their own budget
-# (max_recoveries); the attempt budget is for errors the task itself raised.
-# The heartbeat rule only covers rows last written before ``holders_seen_at`` (the
-# database's clock when the caller read the live members): a process that registered
-# and claimed after that read is missing from the members read, not dead.
+# Guard: still RUNNING, and silent for stale_after_s or held by a member not among the
+# live ones. The heartbeat rule covers only rows last written before ``holders_seen_at``
+# (when the caller read the members): a process that registered and claimed after that
+# read is missing from it, not dead. Attempts start afresh; past max_recoveries, FAILED.
 RECOVER_STALE = text("""
     WITH silent AS (
         SELECT id, execution_id FROM background_tasks
@@ -84,15 +72,11 @@ RECOVER_STALE = text("""
     SELECT id, run, kind, status FROM recovered
 """).bindparams(bindparam("live_members", type_=ARRAY(TEXT)))
 
-# Promotion, then the window per kind. Scheduled runs (WAITING, unpublished, run_at ahead;
-# the row trigger of migration 0008 keeps ``scheduled``) are not in the ready set the
-# round-robin walks; the ones now due by the database's clock are promoted here, at most
-# :promote_batch of them, oldest first (ix_background_tasks_scheduled; rows a cancel or a
-# retry holds are left for the next fill). The promotion is in the fill's transaction, so
-# the fill's stamp, a later statement, sees the promoted runs. Then: runs published and
-# not yet claimed (ix_background_tasks_dispatched); the kinds with ready runs (one probe of
-# ix_background_tasks_ready per kind) or promoted ones; and how long until the next
-# scheduled run is due - 0 when the promotion was cut at its batch (more are due now).
+# Promote the scheduled runs now due (oldest first; rows a cancel or retry holds wait for
+# the next fill), in the fill's transaction so its stamp sees them. Then per kind: runs
+# published and not yet claimed, whether any is ready (one probe of
+# ix_background_tasks_ready) or promoted, and seconds until the next scheduled run is due
+# (0 when the promotion was cut at its batch: more are due now).
 WINDOW_STATE = text(
     """
     WITH due AS (
@@ -129,22 +113,16 @@ WINDOW_STATE = text(
 )
 PROMOTE_BATCH = 1000  # scheduled runs promoted by one fill at most
 
-# Guard: WAITING, unpublished, due by the database's clock. Chooses up to :n ready runs of
-# one kind, round-robin over teams: starting after the team served last (:cursor), a
-# loose index scan takes the next :n teams with a ready row and room under the :cap,
-# wrapping around. It walks the ready range of ix_background_tasks_ready (kind,
-# scheduled = false, team_id, ...): scheduled runs are not in it until promoted, so a fill
-# never visits a team whose runs are all ahead, however many such teams there are. A
-# team's first entry is its oldest (one promoted a moment after the statement's now() is
-# passed over, as not due yet); a team at the cap costs one probe and a count of at most
-# :cap index entries, and the walk goes on past it, so teams at their cap never hold up a
-# team with room. Each team of the turn offers its oldest ready rows up to its room, and
-# the rows go one per team per turn. A fill reads the teams it serves and the ones it
-# passes over on the way. The chosen rows are locked by primary key, re-checked and
-# stamped in the same statement; returned in publish order, with their team (the caller's
-# next :cursor, which so moves past the teams passed over).
-# A team below the :cap (0 = no cap): its runs in flight (running, or published and not
-# yet claimed; ix_background_tasks_inflight) counted up to the cap, never further.
+# Guard: WAITING, unpublished, due. Up to :n ready runs of one kind, round-robin over
+# teams from after :cursor: a loose index scan over the ready range of
+# ix_background_tasks_ready (scheduled runs are not in it), wrapping around. A team whose
+# oldest row is not due (promoted after this statement's now()) or that is at the :cap
+# is passed over (one probe, a count of at most :cap entries). Each team of the turn
+# offers its oldest ready rows up to its room, taken one per team per round. Rows are
+# locked by primary key, re-checked and stamped here; returned in publish order with their
+# team (the next :cursor, past the teams passed over).
+# A team below the :cap (0 = no cap): its runs in flight (ix_background_tasks_inflight)
+# counted up to the cap, never further.
 _HAS_ROOM = """(:cap <= 0 OR (SELECT count(*) FROM (
                     SELECT 1 FROM background_tasks r
                      WHERE r.team_id = {team}.team_id
@@ -249,15 +227,17 @@ UNSTAMP = text("""
 # Published at least :grace_s ago (database clock) and still not claimed
 # (ix_background_tasks_dispatched): the runs whose message may have been lost.
 PUBLISHED_BEFORE = text("""
-    SELECT id, run, kind, dispatched_at AS stamp FROM background_tasks
+    SELECT id, run, kind, dispatched_at AS stamp,
+           dispatched_at < now() - make_interval(secs => :overdue_s) AS overdue
+      FROM background_tasks
      WHERE status = 'WAITING' AND dispatched_at IS NOT NULL
        AND dispatched_at < now() - make_interval(secs => :grace_s)
      ORDER BY dispatched_at
      LIMIT :batch
 """)
 
-# Guard: WAITING and still carrying the stamp the caller judged lost (locks it; a row
-# claimed or re-stamped meanwhile is left alone). Stamps it anew for the re-publish.
+# Guard: WAITING and still carrying the stamp the caller judged lost (a row claimed or
+# re-stamped meanwhile is left alone). Stamps it anew for the re-publish.
 RESTAMP = text("""
     WITH judged AS (
         SELECT j.id, j.stamp
@@ -324,8 +304,7 @@ DRIFT_MIN_ROWS = 1000  # a difference smaller than this never triggers an ANALYZ
 
 DATABASE_NOW = text("SELECT clock_timestamp()")
 
-# Bounds every statement of the caller's transaction (a pass must not hang on a lock or a
-# stuck server); it ends with the transaction.
+# Bounds every statement of the caller's transaction; ends with it.
 LIMIT_STATEMENT_TIME = text("SELECT set_config('statement_timeout', :ms, true)")
 
 
@@ -482,8 +461,14 @@ def unstamp(conn: Connection, refs: Sequence[RunRef]) -> int:
     return cleared
 
 
-def published_before(conn: Connection, *, grace_s: float, batch: int) -> list[RunRef]:
-    return _refs(conn.execute(PUBLISHED_BEFORE, {"grace_s": grace_s, "batch": batch}))
+def published_before(
+    conn: Connection, *, grace_s: float, overdue_s: float, batch: int
+) -> list[tuple[RunRef, bool]]:
+    """Published runs still WAITING, stamped more than ``grace_s`` ago, oldest first, each
+    with whether its stamp is more than ``overdue_s`` old (the database's clock)."""
+    params = {"grace_s": grace_s, "overdue_s": overdue_s, "batch": batch}
+    rows = conn.execute(PUBLISHED_BEFORE, params).all()
+    return list(zip(_refs(rows), (bool(row.overdue) for row in rows), strict=True))
 
 
 def restamp(conn: Connection, refs: Sequence[RunRef]) -> list[RunRef]:
@@ -495,17 +480,9 @@ def restamp(conn: Connection, refs: Sequence[RunRef]) -> list[RunRef]:
 
 
 def refresh_statistics(conn: Connection) -> bool:
-    """ANALYZE the ledger when the planner's idea of its waiting rows is far off; True
-    when it did.
-
-    The dispatcher's statements pick their indexes from the planner's row estimates, and
-    what they read is the live part of the ledger, which changes much faster than the
-    table: a burst of 50,000 tasks into a 1,000,000-row ledger is 5 % of the table
-    (autovacuum waits for 10 %, and checks once a minute), yet the planner still believes
-    no task is waiting, walks a partial index for everything, and a fill takes 800 ms
-    instead of 3 ms. So the scan compares the waiting rows with the planner's belief and
-    refreshes the statistics when they differ by more than half (and 1,000 rows). ANALYZE
-    reads a fixed sample and takes no lock that blocks writes."""
+    """ANALYZE the ledger when the planner's idea of its waiting rows is off by more than
+    half (and ``DRIFT_MIN_ROWS``); True when it did (why: docs/decisions.md, "Dispatch").
+    ANALYZE reads a fixed sample and takes no lock that blocks writes."""
     row = conn.execute(STATISTICS_DRIFT, {"cap": DRIFT_CAP}).one()
     waiting, believed = int(row.waiting), max(float(row.believed or 0), 0.0)
     if abs(waiting - believed) < max(DRIFT_MIN_ROWS, believed / 2, waiting / 2):

@@ -1,22 +1,7 @@
 """Idempotency keys (docs/design.md, "Idempotent requests"; migration 0016).
 
-A client that timed out on a creation or a retry sends it again with the same
-``Idempotency-Key`` (IETF draft-ietf-httpapi-idempotency-key-header): the key, per team,
-names the task its first request created (or the run it retried) for :data:`KEPT_HOURS`
-hours by the database's clock. The same key with the same request answers that task
-again, a *replay*; with another request (another body, route or user) it is refused with
-:data:`MSG_KEY_REUSED`, nothing written.
-
-A request is known by its fingerprint: the SHA-256 of its route, its user and its body in
-one canonical form (:meth:`IdempotencyKey.of`), so the key table holds no request body.
-
-The database decides which of concurrent requests with one key creates the task: the
-one-statement creation (ledger/creation.py) inserts the task only while no live row holds
-the key, and the key's row in the same statement; a concurrent insert of the same key
-waits on the primary key for the first to commit, then fails, and its task goes with it.
-The loser raises :class:`KeyInUse` and its caller reads the key again, in a new
-transaction: a replay. The sequential path (ledger/service.py)
-takes the key's advisory lock first, so two of those never race at all.
+A request is known by its fingerprint, the SHA-256 of its route, user and canonical body
+(:meth:`IdempotencyKey.of`), so the key table holds no request body.
 """
 
 from __future__ import annotations
@@ -56,11 +41,10 @@ MSG_KEY_REUSED = (
 LIVE_SQL = f"created_at > now() - interval '{KEPT_HOURS} hours'"
 _THE_KEY = "team_id = CAST(%(team_id)s AS uuid) AND key = %(idem_key)s"
 
-# Run before the one-statement creation, in its round trip and its transaction: an expired
-# row of this key is removed, so the key is free again (the purge may not have run yet).
+# Before the one-statement creation, in its round trip: the purge may not have run yet.
 FORGET_EXPIRED_KEY_SQL = f"DELETE FROM idempotency_keys WHERE {_THE_KEY} AND NOT ({LIVE_SQL})"
-# The creation's condition: no (live: see above) row holds the key.
-KEY_FREE_SQL = f"NOT EXISTS (SELECT 1 FROM idempotency_keys WHERE {_THE_KEY})"
+# What the key did, read by the creating statement (expired rows were deleted just before).
+HELD_SQL = f"SELECT fingerprint, task_id, run FROM idempotency_keys WHERE {_THE_KEY}"
 # The key's row, from the creation's ``task`` CTE: inserted only with the task.
 CLAIM_SQL = """
     INSERT INTO idempotency_keys (team_id, key, user_id, fingerprint, task_id, run)
@@ -113,7 +97,7 @@ class IdempotencyKey:
         return cls(key, hashlib.sha256(canonical.encode()).digest())
 
     def params(self) -> dict[str, Any]:
-        """The parameters of :data:`CLAIM_SQL` and :data:`KEY_FREE_SQL`."""
+        """The parameters of :data:`CLAIM_SQL` and :data:`HELD_SQL`."""
         return {"idem_key": self.key, "fingerprint": self.fingerprint}
 
 

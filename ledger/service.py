@@ -6,9 +6,9 @@ ledger/permissions.py. Everything a user may not see answers :class:`NotFound`.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -17,7 +17,15 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection, RowMapping
 
 from ledger import creation, idempotency
-from ledger.errors import InvalidInput, InvalidState, NotAllowed, NotFound
+from ledger.errors import (
+    ExportQuotaExceeded,
+    InvalidInput,
+    InvalidState,
+    LedgerError,
+    NotAllowed,
+    NotFound,
+    TeamQuotaExceeded,
+)
 from ledger.filters import validate_filters
 from ledger.idempotency import IdempotencyKey, KeyInUse, Remembered
 from ledger.permissions import (
@@ -25,12 +33,17 @@ from ledger.permissions import (
     MSG_TEAM_EXPORT_NEEDS_STAFF,
     STAFF,
     export_refusal,
-    may_export,
-    may_schedule_reminder,
     may_see,
 )
-from ledger.prepared import as_text
-from ledger.quota import NO_CAP, NO_EXPORT_QUOTA, ExportQuota, ensure_export_room, ensure_room
+from ledger.quota import (
+    MSG_EXPORT_BYTES_PER_DAY,
+    MSG_EXPORTS_PER_DAY,
+    NO_CAP,
+    NO_EXPORT_QUOTA,
+    ExportQuota,
+    ensure_export_room,
+    ensure_room,
+)
 from ledger.states import SCOPES
 from ledger.wake import WAKE_SQL
 from teamdesk import tracing
@@ -43,11 +56,10 @@ MSG_RUN_AT_WINDOW = (
 )
 MSG_RETRY_STATE = "only FAILED or CANCELLED tasks can be retried"
 MSG_CANCEL_STATE = "only WAITING or RUNNING tasks can be cancelled"
+MSG_TEAM_NOT_FOUND = "Team not found."
 
 ROLE = text("SELECT role FROM memberships WHERE team_id = :team_id AND user_id = :user_id")
 
-# The window a reminder's run_at may fall in, by the database's clock (ledger/creation.py).
-RUN_AT_IN_WINDOW = text(f"SELECT CAST(:run_at AS timestamptz) {creation.RUN_AT_WINDOW_SQL}")
 
 # A completed export's CSV is kept (its 24 hours, by the database's clock, have not ended).
 # Never a test of result_csv: the API's role may not read that column (ledger/api_role.py).
@@ -69,17 +81,6 @@ TASK_COLUMNS = f"""id, kind, team_id, owner_id, scope, filters, status, run, att
          THEN CAST(floor(extract(epoch FROM now() - run_at)) AS integer) END AS waiting_s"""
 
 SELECT_TASK = text(f"SELECT {TASK_COLUMNS} FROM background_tasks WHERE id = :task_id")
-
-# The insert wakes the dispatcher through the table's statement trigger (ledger/wake.py).
-# With no run_at, or one in the past, the task is ready at once by the database's clock.
-# It returns the new task's view: whoever may create a task may see it (a MINE export is
-# its creator's; a TEAM export and a reminder need staff, who see TEAM tasks).
-INSERT_TASK = text(f"""
-    INSERT INTO background_tasks (kind, team_id, owner_id, scope, filters, run_at, trace_parent)
-    VALUES (:kind, :team_id, :owner_id, :scope, CAST(:filters AS jsonb),
-            greatest(coalesce(CAST(:run_at AS timestamptz), now()), now()), :trace_parent)
-    RETURNING {TASK_COLUMNS}
-""")
 
 SELECT_TASK_FOR_UPDATE = text(
     f"SELECT {TASK_COLUMNS} FROM background_tasks WHERE id = :task_id FOR UPDATE"
@@ -150,8 +151,6 @@ CANCEL_RUN = text(_CANCEL.format(run_guard=" AND run = :run"))
 
 WAKE = text(WAKE_SQL)
 
-TICKET_IN_TEAM = as_text(creation.TICKET_IN_TEAM_SQL)
-
 
 @dataclass(frozen=True)
 class TaskView:
@@ -196,36 +195,8 @@ def _visible_task(
 def _member_role(conn: Connection, team_id: uuid.UUID, user_id: uuid.UUID) -> str:
     role = role_of(conn, team_id, user_id)
     if role is None:
-        raise NotFound("Team not found.")
+        raise NotFound(MSG_TEAM_NOT_FOUND)
     return role
-
-
-def _insert(
-    conn: Connection,
-    kind: str,
-    team_id: uuid.UUID,
-    owner_id: uuid.UUID,
-    scope: str,
-    filters: dict[str, Any],
-    run_at: datetime | None,
-) -> TaskView:
-    row = (
-        conn.execute(
-            INSERT_TASK,
-            {
-                "kind": kind,
-                "team_id": team_id,
-                "owner_id": owner_id,
-                "scope": scope,
-                "filters": json.dumps(filters),
-                "run_at": run_at,
-                "trace_parent": tracing.current_parent(),
-            },
-        )
-        .mappings()
-        .one()
-    )
-    return TaskView(row)
 
 
 def create_export(
@@ -251,142 +222,34 @@ def submit_export(
     export_quota: ExportQuota = NO_EXPORT_QUOTA,
     idempotency_key: str | None = None,
 ) -> TaskView:
-    """Validate and insert a WAITING export; nothing is written when anything is wrong,
-    when the team already has ``max_unfinished`` unfinished tasks, or when it used its
-    daily ``export_quota`` (ledger/quota.py). Returns the new task as its creator sees it
-    (read back by the insert itself), or, for an ``idempotency_key`` this request sent
-    before, that task (``replayed``). Inside the caller's transaction: the rules are
-    checked in one statement (ledger/creation.py), and again one at a time, to say which
-    refused, only when that statement inserted nothing."""
-    args = (conn, team_id, user_id, scope, filters, max_unfinished, export_quota)
-    view = _fast(lambda: try_submit_export(*args, idempotency_key), conn, idempotency_key)
-    return view if view is not None else submit_export_checked(*args, idempotency_key)
-
-
-def _fast(
-    attempt: Callable[[], TaskView | None], conn: Connection, key: str | None
-) -> TaskView | None:
-    """The one-statement ``attempt`` inside the caller's transaction; with a key, under a
-    savepoint, so a concurrent request's win (:class:`KeyInUse`) leaves the transaction
-    usable for the sequential path, which then finds the key."""
-    if key is None:
-        return attempt()
-    try:
-        with conn.begin_nested():
-            return attempt()
-    except KeyInUse:
-        return None
-
-
-def export_key(
-    raw: str, team_id: uuid.UUID, user_id: uuid.UUID, scope: Any, filters: Any
-) -> IdempotencyKey:
-    """An export request's key (ledger/idempotency.py), validated."""
-    request = {"route": "export", "team": team_id, "user": user_id, "scope": scope}
-    return IdempotencyKey.of(raw, {**request, "filters": filters})
-
-
-def reminder_key(
-    raw: str, team_id: uuid.UUID, user_id: uuid.UUID, ticket: uuid.UUID, run_at: datetime | None
-) -> IdempotencyKey:
-    """A reminder request's key; ``run_at`` is compared as an instant (any time zone)."""
-    when = None if run_at is None else run_at.astimezone(UTC).isoformat()
-    request = {"route": "reminder", "team": team_id, "user": user_id, "ticket": ticket}
-    return IdempotencyKey.of(raw, {**request, "run_at": when})
-
-
-def _held(conn: Connection, team_id: uuid.UUID, key: IdempotencyKey | None) -> Remembered | None:
-    """The sequential path's first step with a key: the key's lock, then what it created
-    (None: nothing, or no key)."""
-    return None if key is None else idempotency.hold(conn, team_id, key)
-
-
-def _replayed(conn: Connection, done: Remembered, user_id: uuid.UUID) -> TaskView:
-    """The task a key created, as its creator may see it now (the caller checked that
-    they may still ask for it: a demoted user is refused as a new request is)."""
-    return TaskView(_visible_task(conn, done.task_id, user_id), replayed=True)
-
-
-def _created(
-    conn: Connection,
-    team_id: uuid.UUID,
-    user_id: uuid.UUID,
-    key: IdempotencyKey | None,
-    insert: Callable[[], TaskView],
-) -> TaskView:
-    """The sequential path's insert, and the key's row with it."""
-    view = insert()
-    if key is not None:
-        idempotency.remember(conn, team_id, key, user_id, Remembered(view.id, int(view.row["run"])))
-    return view
-
-
-def submit_export_checked(
-    conn: Connection,
-    team_id: uuid.UUID,
-    user_id: uuid.UUID,
-    scope: Any,
-    filters: Any,
-    max_unfinished: int = NO_CAP,
-    export_quota: ExportQuota = NO_EXPORT_QUOTA,
-    idempotency_key: str | None = None,
-) -> TaskView:
-    """The rules one at a time, in the caller's transaction, after the one statement
-    refused: raises the first that refuses, or inserts when none does any more. With a
-    key: the key's lock first, and what it created if it created anything."""
-    role = _member_role(conn, team_id, user_id)
-    key = None
-    if idempotency_key is not None:
-        key = export_key(idempotency_key, team_id, user_id, scope, filters)
-    done = _held(conn, team_id, key)
-    if not may_export(scope, role):  # a replay too: a demoted user is refused alike
-        raise NotAllowed(MSG_TEAM_EXPORT_NEEDS_STAFF)
-    if done is not None:
-        return _replayed(conn, done, user_id)
-    ensure_export_room(conn, team_id, max_unfinished, export_quota)
-    return _created(
-        conn,
-        team_id,
-        user_id,
-        key,
-        lambda: _insert(conn, "EXPORT", team_id, user_id, scope, dict(filters), None),
-    )
-
-
-def try_submit_export(
-    conn: Connection,
-    team_id: uuid.UUID,
-    user_id: uuid.UUID,
-    scope: Any,
-    filters: Any,
-    max_unfinished: int = NO_CAP,
-    export_quota: ExportQuota = NO_EXPORT_QUOTA,
-    idempotency_key: str | None = None,
-) -> TaskView | None:
-    """:func:`submit_export` in one round trip, on any connection (an autocommit one
-    too): :class:`InvalidInput` for a bad scope, filters or key, None when a rule refused
-    it or the key is held (then :func:`submit_export_checked`, in a transaction, says
-    which, or answers the key's task); :class:`KeyInUse` when a concurrent request with
-    the key won (in a transaction, that spoils it: :func:`submit_export` uses a
-    savepoint)."""
+    """Validate and insert a WAITING export in one statement (ledger/creation.py), on an
+    autocommit connection or in the caller's transaction; nothing is written when anything
+    is wrong, when the team has ``max_unfinished`` unfinished tasks, or when it used its
+    daily ``export_quota`` (ledger/quota.py): the first rule that refused raises. Returns
+    the new task as its creator sees it, or, for an ``idempotency_key`` this request sent
+    before, that task (``replayed``)."""
     if scope not in SCOPES:
         raise InvalidInput(MSG_SCOPE)
     validate_filters(filters)
     key = None
     if idempotency_key is not None:
         key = export_key(idempotency_key, team_id, user_id, scope, filters)
-    row = creation.insert_export(
+    created = _keyed(
         conn,
-        team_id,
-        user_id,
-        scope,
-        dict(filters),
-        max_unfinished,
-        export_quota,
-        TASK_COLUMNS,
         key,
+        lambda: creation.insert_export(
+            conn,
+            team_id,
+            user_id,
+            scope,
+            dict(filters),
+            max_unfinished,
+            export_quota,
+            TASK_COLUMNS,
+            key,
+        ),
     )
-    return None if row is None else TaskView(row)
+    return _answer(conn, created, user_id, key, MSG_TEAM_EXPORT_NEEDS_STAFF)
 
 
 def create_reminder(
@@ -410,75 +273,89 @@ def submit_reminder(
     max_unfinished: int = NO_CAP,
     idempotency_key: str | None = None,
 ) -> TaskView:
-    """Validate and insert a WAITING reminder for one ticket, due at ``run_at`` (default now);
-    refused like :func:`submit_export` when the team is at ``max_unfinished``. Returns the
-    new task as its creator sees it (or a key's, as :func:`submit_export` does). Checked
-    as :func:`submit_export` checks."""
-    args = (conn, team_id, user_id, ticket_id, run_at, max_unfinished)
-    view = _fast(lambda: try_submit_reminder(*args, idempotency_key), conn, idempotency_key)
-    return view if view is not None else submit_reminder_checked(*args, idempotency_key)
-
-
-def submit_reminder_checked(
-    conn: Connection,
-    team_id: uuid.UUID,
-    user_id: uuid.UUID,
-    ticket_id: Any,
-    run_at: datetime | None = None,
-    max_unfinished: int = NO_CAP,
-    idempotency_key: str | None = None,
-) -> TaskView:
-    """The reminder's rules one at a time, as :func:`submit_export_checked`."""
+    """Validate and insert a WAITING reminder for one ticket, due at ``run_at`` (default
+    now), as :func:`submit_export` does."""
     ticket = _ticket(ticket_id)
     if run_at is not None and run_at.tzinfo is None:
         raise InvalidInput(MSG_RUN_AT)
-    role = _member_role(conn, team_id, user_id)
     key = None
     if idempotency_key is not None:
         key = reminder_key(idempotency_key, team_id, user_id, ticket, run_at)
-    done = _held(conn, team_id, key)
-    if done is not None:
-        if not may_schedule_reminder(role):  # a demoted user is refused, as for an export
-            raise NotAllowed(MSG_REMINDER_NEEDS_STAFF)
-        return _replayed(conn, done, user_id)
-    if run_at is not None and not conn.execute(RUN_AT_IN_WINDOW, {"run_at": run_at}).scalar():
-        raise InvalidInput(MSG_RUN_AT_WINDOW)
-    if not may_schedule_reminder(role):
-        raise NotAllowed(MSG_REMINDER_NEEDS_STAFF)
-    if conn.execute(TICKET_IN_TEAM, {"ticket_id": ticket, "team_id": team_id}).first() is None:
-        raise InvalidInput(MSG_TICKET)
-    ensure_room(conn, team_id, max_unfinished)
-    filters = {"ticket_id": str(ticket)}
-    return _created(
+    created = _keyed(
         conn,
-        team_id,
-        user_id,
         key,
-        lambda: _insert(conn, "REMINDER", team_id, user_id, "TEAM", filters, run_at),
+        lambda: creation.insert_reminder(
+            conn, team_id, user_id, ticket, run_at, max_unfinished, TASK_COLUMNS, key
+        ),
     )
+    return _answer(conn, created, user_id, key, MSG_REMINDER_NEEDS_STAFF)
 
 
-def try_submit_reminder(
+def export_key(
+    raw: str, team_id: uuid.UUID, user_id: uuid.UUID, scope: Any, filters: Any
+) -> IdempotencyKey:
+    """An export request's key (ledger/idempotency.py), validated."""
+    request = {"route": "export", "team": team_id, "user": user_id, "scope": scope}
+    return IdempotencyKey.of(raw, {**request, "filters": filters})
+
+
+def reminder_key(
+    raw: str, team_id: uuid.UUID, user_id: uuid.UUID, ticket: uuid.UUID, run_at: datetime | None
+) -> IdempotencyKey:
+    """A reminder request's key; ``run_at`` is compared as an instant (any time zone)."""
+    when = None if run_at is None else run_at.astimezone(UTC).isoformat()
+    request = {"route": "reminder", "team": team_id, "user": user_id, "ticket": ticket}
+    return IdempotencyKey.of(raw, {**request, "run_at": when})
+
+
+def _keyed(
+    conn: Connection, key: IdempotencyKey | None, create: Callable[[], creation.Created]
+) -> creation.Created:
+    """``create``; with a key, once more when a concurrent request with it committed first
+    (:class:`KeyInUse`): the second statement finds the key's row. In the caller's
+    transaction the first try is under a savepoint, so the failure leaves it usable."""
+    if key is None:
+        return create()
+    dbapi = conn.connection.dbapi_connection
+    try:
+        with nullcontext() if dbapi is None or dbapi.autocommit else conn.begin_nested():
+            return create()
+    except KeyInUse:
+        return create()
+
+
+def _answer(
     conn: Connection,
-    team_id: uuid.UUID,
+    created: creation.Created,
     user_id: uuid.UUID,
-    ticket_id: Any,
-    run_at: datetime | None = None,
-    max_unfinished: int = NO_CAP,
-    idempotency_key: str | None = None,
-) -> TaskView | None:
-    """:func:`submit_reminder` in one round trip, on any connection, as
-    :func:`try_submit_export` is."""
-    ticket = _ticket(ticket_id)
-    if run_at is not None and run_at.tzinfo is None:
-        raise InvalidInput(MSG_RUN_AT)
-    key = None
-    if idempotency_key is not None:
-        key = reminder_key(idempotency_key, team_id, user_id, ticket, run_at)
-    row = creation.insert_reminder(
-        conn, team_id, user_id, ticket, run_at, max_unfinished, TASK_COLUMNS, key
-    )
-    return None if row is None else TaskView(row)
+    key: IdempotencyKey | None,
+    needs_staff: str,
+) -> TaskView:
+    """The new task, a key's replay, or the first refusal, in the order the rules are
+    told: who asks (404), the key (422 for another request; a replay asks ``allowed``
+    again, so a demoted user is refused as a new request is), then each rule."""
+    if created.row is not None:
+        return TaskView(created.row)
+    if created.role is None:
+        raise NotFound(MSG_TEAM_NOT_FOUND)
+    if created.held is not None:
+        if key is None or created.held_fingerprint != key.fingerprint:
+            raise InvalidInput(idempotency.MSG_KEY_REUSED)
+        if not created.passed["allowed"]:
+            raise NotAllowed(needs_staff)
+        return TaskView(_visible_task(conn, created.held.task_id, user_id), replayed=True)
+    refusals: dict[str, Callable[[], LedgerError]] = {
+        "allowed": lambda: NotAllowed(needs_staff),
+        "run_at_ok": lambda: InvalidInput(MSG_RUN_AT_WINDOW),
+        "ticket_ok": lambda: InvalidInput(MSG_TICKET),
+        "has_room": TeamQuotaExceeded,
+        "within_runs": lambda: ExportQuotaExceeded(MSG_EXPORTS_PER_DAY, created.frees_in_s),
+        "within_bytes": lambda: ExportQuotaExceeded(MSG_EXPORT_BYTES_PER_DAY, created.frees_in_s),
+    }
+    for rule, ok in created.passed.items():
+        if not ok:
+            raise refusals[rule]()
+    raise KeyInUse()  # nothing refused and nothing was inserted: a key's row came and went
 
 
 def _ticket(ticket_id: Any) -> uuid.UUID:

@@ -179,7 +179,9 @@ def exit_counts(cluster: Cluster) -> str:
 
 def log_counts(cluster: Cluster) -> dict[str, int]:
     """Events the workers and the dispatcher logged; ``missing_from_broker``: the runs the
-    dispatcher's scans published again because the broker no longer held their message."""
+    dispatcher's scans published again because the broker no longer held their message;
+    ``overdue``: those published again past LOST_AFTER because the broker could not list
+    their queue (a list longer than ``LIST_LIMIT``: rare on the soak's Redis)."""
     counts: Counter[str] = Counter()
     for inc in cluster.incarnations():
         with suppress(OSError):
@@ -189,7 +191,8 @@ def log_counts(cluster: Cluster) -> dict[str, int]:
             counts["fatal"] += text.count('"level": "fatal"')
             for record in logscan.records(inc):
                 if record.get("event") == "dispatcher.scan":
-                    counts["missing_from_broker"] += int(record.get("missing_from_broker") or 0)
+                    for field in ("missing_from_broker", "overdue"):
+                        counts[field] += int(record.get(field) or 0)
     return dict(counts)
 
 

@@ -36,6 +36,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import redis
@@ -43,7 +44,7 @@ import sqlalchemy as sa
 
 from harness.processes import settings_env
 from ledger.migrate import upgrade
-from soak import beacons, checks, hooks, logscan, workload
+from soak import beacons, checks, hooks, logscan, tools, workload
 from soak import world as W
 from soak.chaos import Chaos, Planned, Timings, plan
 from soak.cluster import Cluster
@@ -295,29 +296,35 @@ class Soak:
                         f"  {row.id} {row.status} run {row.run} attempts {row.attempts} "
                         f"recoveries {row.recoveries} dispatched_at {row.dispatched_at} "
                         f"updated_at {row.updated_at} holder {row.lease_holder}; "
-                        f"{self.queue_state(row.id, row.run)}"
+                        f"{self.queue_state(row.id, row.run, row.dispatched_at)}"
                     )
                 return False, time.monotonic() - started
             time.sleep(0.5)
 
-    def queue_state(self, task_id: uuid.UUID, run: int) -> str:
-        """Diagnosis only (the verdict reads PostgreSQL alone): the run's queued marker and
-        its message's result state in the soak's Redis."""
+    def queue_state(self, task_id: uuid.UUID, run: int, stamp: datetime | None) -> str:
+        """Diagnosis only (the verdict reads PostgreSQL alone): whether the broker holds the
+        run's message - waiting in a task queue's list, or taken by a worker and not yet
+        acknowledged (kombu's unacked hash) - and whether that is the publish its row
+        carries (``stamp``, its ``dispatched_at``); and the message's result state, in the
+        soak's Redis. The dispatcher publishes a WAITING run again once two of its looks a
+        scan apart miss the message of the row's publish (tasks/broker_view.py)."""
         assert self.redis is not None
         message = f"{task_id}-{run}"
         prefix = self.run_id
         client = self.redis.client(2.0)
         try:
-            marker = client.get(f"{prefix}:queued:{message}")
+            held = tools.held_messages(client, prefix, task_id, run)
             meta = client.get(f"{prefix}:celery-task-meta-{message}")
         except redis.RedisError as exc:
             return f"Redis unreadable ({type(exc).__name__})"
         finally:
             client.close()
         state = json.loads(meta).get("status") if meta else None
-        text = marker.decode() if isinstance(marker, bytes) else marker
-        shown = "absent" if text is None else "ended" if text.startswith("ended ") else "set"
-        return f"queued marker {shown}, message state {state}"
+        where = ", ".join(
+            f"{place} ({'this publish' if at == stamp else f'stamp {at.isoformat()}'})"
+            for place, at in held
+        )
+        return f"broker holds its message: {where or 'no'}; message state {state}"
 
     def close(self, passed: bool) -> None:
         if self.cluster is not None:

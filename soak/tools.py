@@ -3,14 +3,14 @@ the way a platform team runs them (``celery -A tasks ...`` with the cluster's
 configuration variables, as every soak process gets them).
 
 - ``purge``: ``celery -A tasks purge -f -Q exports,reminders``. The messages waiting in
-  the queues are gone while their runs stay WAITING and published, their queued markers
-  standing. The dispatcher must see from the broker itself that the messages are missing
-  and publish those runs again within two scans (tasks/broker_view.py), not when the
-  markers expire (5 x ``STALE_AFTER_S``, at least 60 s). The fault waits (up to
-  ``PURGE_WAIT_S``) for a message to wait in the queues, reads them just before the
-  command (which runs, with which stamp), leaves out those a worker took meanwhile (in
-  kombu's unacknowledged hash right after the command: not purged), and then watches the
-  ledger until each of the others goes again: re-published (a new stamp), claimed, or
+  the queues are gone while their runs stay WAITING and published: only the broker shows
+  it. The dispatcher must see from the broker itself that the messages are missing (in
+  neither the queue lists nor kombu's unacked hash, in two looks a scan apart:
+  tasks/broker_view.py) and publish those runs again within two scans. The fault waits
+  (up to ``PURGE_WAIT_S``) for a message to wait in the queues, reads them just before
+  the command (which runs, with which stamp), leaves out those a worker took meanwhile
+  (in kombu's unacknowledged hash right after the command: not purged), and then watches
+  the ledger until each of the others goes again: re-published (a new stamp), claimed, or
   ended.
 - ``revoke``: ``celery -A tasks control revoke <task_id>-<run>`` (what Flower's revoke
   button sends), or half the time ``celery -A tasks control terminate SIGTERM
@@ -62,13 +62,14 @@ PURGE_POLL_S = 0.25
 PURGE_WAIT_S = 20.0  # for a message to wait in the queues (the workload comes in waves)
 # How long the soak watches the purged runs. A run still waiting under its purged publish
 # after PURGE_GOAL_S is a violation (soak/checks.py); the watch goes on longer only to say
-# when it went after all (a marker's expiry: 60 s after its publish).
+# when it went after all (a queue the dispatcher could not list, longer than
+# broker_view.LIST_LIMIT, falls back on LOST_AFTER: 60 s after its publish in the soak).
 PURGE_WATCH_S = 75.0
 # A purged run must be going again within this (soak/checks.py): the dispatcher leaves a
 # run stamped less than 5 s ago alone (its publish may be under way) and then needs two
 # looks a scan (1 s) apart; the rest is room for a dispatcher or PostgreSQL restart that
-# another fault makes at the same time. A run published again only when its marker
-# expired takes 60 s from its publish.
+# another fault makes at the same time. A run published again only past LOST_AFTER (the
+# rule where the broker cannot list its messages) takes 60 s from its publish.
 PURGE_GOAL_S = 20.0
 REVOCABLE_CASES = ("export", "reminder", "scheduled", "spare")
 PICK_WAIT_S = 10.0  # for a run of the workload to be WAITING-published or RUNNING
@@ -212,14 +213,46 @@ def _unacked_runs(chaos: Chaos) -> set[tuple[uuid.UUID, int]]:
         client.close()
     held = set()
     for entry in entries:
-        try:
-            message = json.loads(entry)[0]
-        except (ValueError, TypeError, IndexError):
-            continue
-        found = _message_run(json.dumps(message))
+        found = _unacked_run(entry)
         if found is not None:
             held.add((found[0], found[1]))
     return held
+
+
+def held_messages(
+    client: redis.Redis, prefix: str, task_id: uuid.UUID, run: int
+) -> list[tuple[str, datetime]]:
+    """Where the broker holds a message of this run now, read in one MULTI as the
+    dispatcher's look reads it (tasks/broker_view.py): ``(queue, stamp)`` for each one
+    waiting in a task queue's list, ``("unacked", stamp)`` for each one a worker took and
+    has not acknowledged (kombu's hash). Raises redis.RedisError."""
+    key = (uuid.UUID(str(task_id)), run)
+    with client.pipeline(transaction=True) as pipe:
+        for queue in QUEUES:
+            pipe.lrange(f"{prefix}:{queue}", 0, -1)
+        pipe.hvals(f"{prefix}:unacked")
+        *lists, entries = pipe.execute()
+    held: list[tuple[str, datetime]] = []
+    for queue, items in zip(QUEUES, lists, strict=True):
+        for item in items:
+            found = _message_run(item)
+            if found is not None and found[:2] == key:
+                held.append((queue, found[2]))
+    for entry in entries:
+        found = _unacked_run(entry)
+        if found is not None and found[:2] == key:
+            held.append(("unacked", found[2]))
+    return held
+
+
+def _unacked_run(entry: Any) -> tuple[uuid.UUID, int, datetime] | None:
+    """``(task_id, run, stamp)`` of kombu's unacked entry ``[message, exchange, routing
+    key]``, when its message is one of the dispatcher's."""
+    try:
+        message = json.loads(entry)[0]
+    except (ValueError, TypeError, IndexError, KeyError):
+        return None
+    return _message_run(json.dumps(message))
 
 
 def _message_run(raw: Any) -> tuple[uuid.UUID, int, datetime] | None:

@@ -1,22 +1,7 @@
-"""What the broker holds of a queue, read from the broker itself (docs/design.md,
-"Dispatch", step 2).
-
-The queued markers say what the dispatcher sent; they cannot see what happened to the
-messages afterwards - ``celery purge``, a broker that lost its data, a message discarded
-by hand. So the scan also looks at the broker:
-
-- **Redis**: the queue's list (messages waiting) and kombu's ``unacked`` hash (messages
-  delivered to a worker and not yet acknowledged), read in one MULTI so no message is
-  between the two. Each message is known by its id and the stamp in its arguments (in UTC,
-  as the dispatcher renders it now: tasks/queueing.py, ``canonical_stamp``).
-- **RabbitMQ** (AMQP): a passive ``queue.declare`` gives the number of messages ready in
-  the queue, not which ones, and nothing of those delivered. With one message per worker
-  process in flight (prefetch 1, acknowledged late), a delivered message is claimed within
-  milliseconds, so a queue seen empty holds none of the runs still waiting for a claim.
-
-A message in transit (popped from the list, not yet in the hash; delivered and not yet
-claimed) can be missed by one look; the dispatcher acts only on runs missing from two
-looks a scan apart.
+"""What the broker holds of a queue, read from the broker itself: how the scan finds a
+lost message (docs/design.md, "Dispatch", step 2). RabbitMQ gives only a ready count, but
+with prefetch 1 and late acknowledgement a delivered message is claimed within
+milliseconds, so a queue seen empty holds none of the runs still waiting.
 """
 
 from __future__ import annotations
@@ -24,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import threading
 from collections.abc import Iterable
 from contextlib import suppress
 from dataclasses import dataclass
@@ -35,10 +21,29 @@ from celery import Celery
 from kombu.exceptions import KombuError
 
 from tasks.queueing import canonical_stamp
-from teamdesk.config import is_redis_url
+from teamdesk.config import get_settings, is_redis_url
+from teamdesk.redis_client import redis_client
 
 LIST_LIMIT = 10_000  # a queue longer than this is not listed: nothing is judged missing
 UNACKED_KEY = "unacked"  # kombu's default transport option unacked_key
+TIMEOUT_S = 5
+
+_client: redis.Redis | None = None
+_client_url: str | None = None
+_client_lock = threading.Lock()
+
+
+def broker_redis() -> redis.Redis:
+    """A client of the broker's Redis when the broker is Redis, else of REDIS_URL (then
+    :func:`look` does not use it)."""
+    global _client, _client_url
+    settings = get_settings()
+    url = settings.broker_url if is_redis_url(settings.broker_url) else settings.redis_url
+    with _client_lock:
+        if _client is None or _client_url != url:
+            _client = redis_client(settings, url, TIMEOUT_S, retries=1)
+            _client_url = url
+        return _client
 
 
 @dataclass(frozen=True)

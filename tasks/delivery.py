@@ -1,17 +1,6 @@
-"""What a task message must carry, and which execution a delivery is (docs/design.md,
-"Lease").
-
-Only the dispatcher publishes, and every message it sends is ``[task_id, run, stamp]``:
-the run's id and number and its publish's stamp (the row's ``dispatched_at`` then). A
-message that is anything else - sent by hand with ``celery call``, without a stamp, with
-a wrong id or an extra argument - is refused before it touches the ledger: one warning
-line, no traceback, nothing written. Its args are never echoed (they came from outside).
-
-Each delivery's execution id is issued by the worker's main process as it hands the
-message to its pool (worker/lost.py), in the request the pool process receives: should
-that process die, the main process can name the lease it held (ledger/lease.py,
-``report_lost``). A delivery run without a worker (a test calling the task) gets a new
-one at its claim.
+"""What a task message must carry, ``[task_id, run, stamp]``, and which execution a delivery
+is (docs/design.md, "Lease"). A refusal never echoes the args (they came from outside); a
+delivery run without a worker (a test calling the task) gets its execution id at the claim.
 """
 
 from __future__ import annotations
@@ -32,8 +21,7 @@ class Delivery:
 
     task_id: uuid.UUID
     run: int
-    stamp: str  # as published (the marker's value)
-    published: datetime  # the same stamp, as the ledger compares it
+    published: datetime  # the publish's stamp, as the ledger compares it
 
 
 def parse(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Delivery:
@@ -57,7 +45,7 @@ def parse(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Delivery:
         raise MessageRefused("the publish stamp is not a timestamp") from None
     if published.tzinfo is None:
         raise MessageRefused("the publish stamp has no time zone")
-    return Delivery(parsed_id, run, stamp, published)
+    return Delivery(parsed_id, run, published)
 
 
 # The request field that carries the execution id the main process issued.

@@ -1,25 +1,10 @@
-"""The one execution wrapper both task kinds share: claim (or skip) -> run -> classify.
+"""The execution wrapper both task kinds share: claim (or skip), run the body, classify the
+outcome, and end the queue message to match (docs/design.md, "Lease" and "Lifecycle").
 
-Outcomes (docs/design.md, "Lifecycle"):
-- success: the body committed its completion under the lease. A completion statement
-  that matches no row raises :class:`LeaseLost`, so a body that returns has completed:
-  ``task.completed`` needs no re-read of the ledger.
-- :class:`LeaseLost`: a newer execution (or the dispatcher) owns the row. Log
-  ``task.lease_lost`` and return quietly: no progress 100, no failure, no retry. When a
-  cancel of this run took the lease, log ``task.cancelled`` and end the message REVOKED.
-- :class:`TaskRejected`: write FAILED now and end the queue message failed, no retry.
-- anything else: with attempts left, write WAITING, ready again after the backoff
-  ``RETRY_BASE_DELAY_S * 2^(n-1)`` by the database's clock, and end the message as RETRY
-  (the dispatcher publishes the next attempt when it is due); on the last attempt
-  (``MAX_TASK_ATTEMPTS``, the first included) write FAILED.
-A failure report that matches 0 rows means a newer execution owns the task: return
-quietly, never raise into the queue. A claim that fails ends the message as RETRY when
-its cause passes by itself, else as a failed attempt (``_claim_failed``); a pool process
-that dies is its worker's main process's to report (worker/lost.py).
-
-No retry travels through the broker: Celery's countdowns are host clocks (the sender's
-and whichever worker receives the message), and a message parked in a worker's memory
-until its ETA would sit outside the dispatcher's window.
+A body that returns has completed (a completion that matches no row raises LeaseLost), so
+``task.completed`` needs no re-read. A lost lease or a failure report that matches no row
+returns quietly, never raising into the queue. No retry travels through the broker
+(docs/decisions.md, "Dispatch"); a lost pool process is worker/lost.py's to report.
 """
 
 from __future__ import annotations
@@ -63,9 +48,9 @@ class TaskFailed(Exception):
 
 @dataclass(frozen=True)
 class Context:
-    """What a task body gets: its claim, settings, the execution's connection (autocommit:
-    each ledger write is one statement and one round trip), the engine it came from (its
-    connections are autocommit too: for a second one) and a progress reporter."""
+    """What a task body gets: its claim, settings, the execution's connection and the
+    engine it came from (both autocommit: each ledger write is one statement and one round
+    trip) and a progress reporter."""
 
     claim: lease.Claim
     settings: Settings
@@ -98,9 +83,8 @@ def _outcome(task_id: uuid.UUID, run: int, outcome: str, **extra: Any) -> dict[s
 def execute(
     task: Task, args: tuple[Any, ...], kwargs: dict[str, Any], body: Body
 ) -> dict[str, Any]:
-    """Run one delivery of the message ``args``/``kwargs`` (``[task_id, run, stamp]``,
-    tasks/delivery.py); returns a small JSON result for the queue. A malformed message is
-    refused with one warning line and nothing written."""
+    """Run one delivery of the message ``args``/``kwargs`` (tasks/delivery.py); returns a
+    small JSON result for the queue. A malformed message is refused, nothing written."""
     try:
         message = delivery.parse(args, kwargs)
     except delivery.MessageRefused as exc:
@@ -139,13 +123,13 @@ def _ended_by(exc: BaseException) -> str:
 
 def _deliver(task: Task, message: delivery.Delivery, body: Body) -> dict[str, Any]:
     settings = get_settings()
-    task_id, run, stamp = message.task_id, message.run, message.stamp
+    task_id, run = message.task_id, message.run
     engine = get_execution_engine()
     with ExitStack() as stack:
         try:
             # Opening the connection is part of the claim: a database refusing new
-            # connections (restarting, at max_connections) must end this message as a
-            # failed claim too, or its marker would keep the run from being published again.
+            # connections (restarting, at max_connections) ends this message as a failed
+            # claim too.
             conn = stack.enter_context(_execution_connection(engine))
             hooks.fire("task.before_claim", task_id=task_id, run=run)
             claimed = lease.claim(
@@ -159,9 +143,6 @@ def _deliver(task: Task, message: delivery.Delivery, body: Body) -> dict[str, An
             )
         except Exception as exc:
             _claim_failed(task, message, exc)
-        # After the claim: until it committed the row still said WAITING, and a scan that
-        # saw no marker then would publish the run again.
-        queueing.message_started(task_id, run, stamp)
         if claimed is None:
             return _skipped(task, conn, message)
         held = claimed.lease
@@ -184,20 +165,17 @@ def _deliver(task: Task, message: delivery.Delivery, body: Body) -> dict[str, An
             return _rejected(task, conn, held, exc, fields)
         except Exception as exc:
             return _failed_attempt(task, conn, held, exc, settings, fields)
-        # The completion matched its row (else LeaseLost above): no re-read needed.
         log_event(log, "task.completed", **fields)
         return _outcome(task_id, run, "completed", summary=summary)
 
 
 @contextmanager
 def _execution_connection(engine: Engine) -> Iterator[Connection]:
-    """The execution's own connection (``engine``'s are autocommit). Closing one the
-    database dropped (a restart, a terminated backend, a failover) fails while it resets
-    the session; that must not replace the execution's outcome (its retry, rejection or
-    completion), so such a connection is invalidated instead: the pool drops it. A
-    statement sent on the raw driver connection (an export's COPY) leaves SQLAlchemy
-    unaware that the server went away, and the pool's reset would log a traceback: such a
-    connection is invalidated before it is closed."""
+    """The execution's own connection. Closing one the database dropped fails while it
+    resets the session, which must not replace the execution's outcome: it is invalidated
+    instead (the pool drops it). After a statement on the raw driver connection (an
+    export's COPY) SQLAlchemy does not know the server went away, and the pool's reset
+    would log a traceback: such a connection is invalidated before it is closed."""
     conn = engine.connect()
     try:
         yield conn
@@ -224,9 +202,8 @@ def _server_gone(conn: Connection) -> bool:
 
 
 def _skipped(task: Task, conn: Connection, message: delivery.Delivery) -> dict[str, Any]:
-    """The claim took nothing: say why (one read; a lost connection says so instead). A
-    message whose run was cancelled while it waited in the queue ends REVOKED, as the
-    cancel of a running one does, not as a success that skipped."""
+    """The claim took nothing: say why (one read). A message whose run was cancelled
+    while queued ends REVOKED, as the cancel of a running one does."""
     try:
         skip = lease.skip_reason(conn, message.task_id, message.run, message.published)
     except Exception as exc:
@@ -239,18 +216,11 @@ def _skipped(task: Task, conn: Connection, message: delivery.Delivery) -> dict[s
 
 
 def _claim_failed(task: Task, message: delivery.Delivery, exc: Exception) -> NoReturn:
-    """The claim itself failed: nothing was claimed, the row is WAITING and published, as
-    the dispatcher left it. The message ends and its queued marker goes with it.
-
-    A cause that passes by itself (the database went away, a timeout, a conflict; see
-    ``ledger.prepared.is_transient``) costs no attempt: the message ends as RETRY and the
-    dispatcher publishes the run again once the database answers (a marker outliving its
-    message would keep the run waiting until the marker expires). Any other cause - a
-    missing prepared statement, a permission, a schema mismatch, a bug - would fail every
-    delivery the same way, forever: it fails the attempt, with the cause in
-    ``last_error`` (``lease.refuse_claim``), so the run ends FAILED after its attempts."""
+    """The claim itself failed; the row is still WAITING and published. A cause that
+    passes (``ledger.prepared.is_transient``) ends the message RETRY and the scan
+    publishes the run again; any other would fail every delivery the same way, so it
+    fails the attempt (:func:`_claim_refused`). Raises Retry, TaskFailed."""
     task_id, run = message.task_id, message.run
-    queueing.message_started(task_id, run, message.stamp)
     if not prepared.is_transient(exc):
         _claim_refused(task, message, exc)
     log_event(
@@ -271,9 +241,9 @@ def _cause(exc: Exception) -> str:
 
 
 def _claim_refused(task: Task, message: delivery.Delivery, exc: Exception) -> None:
-    """A claim that failed for a lasting cause: its attempt failed (returns only when the
-    ledger could not be told, or the run is no longer this message's: then as a
-    transient failure)."""
+    """A claim that failed for a lasting cause: its attempt failed (raises Retry or
+    TaskFailed). Returns only when the ledger could not be told, or the run is no longer
+    this message's: the caller then treats it as transient."""
     settings = get_settings()
     cause = _cause(exc)
     try:
@@ -316,11 +286,9 @@ def _claim_refused(task: Task, message: delivery.Delivery, exc: Exception) -> No
 def _lease_lost(
     task: Task, conn: Connection, held: lease.Lease, fields: dict[str, Any]
 ) -> dict[str, Any]:
-    """The lease is gone. A cancel of this run ends the message as what it is: logged
-    ``task.cancelled``, REVOKED in the result backend and in Flower (a ``task-revoked``
-    event, and no ``task-succeeded``: Celery's ``Ignore`` acknowledges the message and
-    reports nothing more). Anything else (a newer execution, the dispatcher) is
-    ``task.lease_lost``. One read says which; if it fails, lease_lost."""
+    """The lease is gone: ``task.cancelled`` and REVOKED (:func:`_end_revoked`) when a
+    cancel of this run took it, else ``task.lease_lost``. One read says which; if it
+    fails, lease_lost."""
     try:
         cancelled = lease.was_cancelled(conn, held)
     except Exception:  # the connection may be the reason the lease went
@@ -335,9 +303,8 @@ def _lease_lost(
 
 def _end_revoked(task: Task) -> None:
     """End the queue message as the cancel it is: REVOKED in the result backend and in
-    Flower (a ``task-revoked`` event, and no ``task-succeeded``: Celery's ``Ignore``
-    acknowledges the message and reports nothing more). Called directly (no message),
-    it returns."""
+    Flower (a ``task-revoked`` event; Celery's ``Ignore`` acknowledges the message and
+    sends no ``task-succeeded``). Called directly (no message), it returns."""
     if task.request.called_directly:
         return
     with suppress(Exception):  # best effort: the ledger already says CANCELLED
@@ -347,10 +314,8 @@ def _end_revoked(task: Task) -> None:
 
 
 def _store_failure(task: Task, exc: Exception) -> None:
-    """The one outcome the result backend keeps: a message that ended FAILURE (the tasks
-    are ``ignore_result``: successes come to Flower as task-succeeded events, retries as
-    task-retried, and the ledger is the truth for everything else). Best effort: the
-    ledger already says FAILED."""
+    """Store FAILURE in the result backend (the tasks are ``ignore_result``, so Celery
+    stores nothing). Best effort: the ledger already says FAILED."""
     if task.request.called_directly:
         return
     try:
@@ -362,10 +327,9 @@ def _store_failure(task: Task, exc: Exception) -> None:
 def _rejected(
     task: Task, conn: Connection, held: lease.Lease, exc: TaskRejected, fields: dict[str, Any]
 ) -> dict[str, Any]:
-    """A rejection is final: FAILED with its reason. If the ledger cannot be told (tried
-    again while PostgreSQL is unreachable, as a failed attempt's report is), the row stays
-    RUNNING under this execution's lease until the staleness rule takes it back, and the
-    message still ends as the rejection it is."""
+    """FAILED with the rejection's reason, then raises it (a lost lease returns as one).
+    If the ledger cannot be told, the row stays RUNNING until the staleness rule takes it
+    back, and the message still ends as the rejection."""
     report_error: dict[str, str] = {}
     try:
         written = _report_failure(held, True, exc.message, 0.0)
@@ -395,9 +359,9 @@ def _failed_attempt(
     settings: Settings,
     fields: dict[str, Any],
 ) -> dict[str, Any]:
-    """Record the failed attempt in the ledger: FAILED on the last one, else WAITING until
-    the backoff has passed. If the ledger cannot be told, the row stays RUNNING under this
-    execution's lease until the dispatcher's staleness rule takes it back."""
+    """Report the failed attempt (FAILED on the last one, else WAITING for the backoff),
+    then raise TaskFailed or Retry (a lost lease returns as one). If the ledger cannot be
+    told, the row stays RUNNING until the staleness rule takes it back."""
     final = held.attempt >= settings.max_task_attempts
     delay = backoff_s(settings, held.attempt)
     message = MSG_EXHAUSTED.format(n=held.attempt) if final else MSG_RETRYING
@@ -435,12 +399,9 @@ REPORT_RETRY_MAX_S = 4.0
 
 
 def _report_failure(held: lease.Lease, final: bool, message: str, delay: float) -> bool:
-    """``lease.report_failure`` in a transaction of its own, tried again while the database is
-    unreachable, for up to half of ``STALE_AFTER_S``. An attempt that failed because
-    PostgreSQL went away (a restart) usually cannot report at once either; without this its
-    run waited for the staleness rule (``STALE_AFTER_S``) instead of retrying as soon as
-    PostgreSQL answers again. The budget stays under ``STALE_AFTER_S``: past it, that rule
-    decides."""
+    """``lease.report_failure`` in a transaction of its own, tried again while the database
+    is unreachable for up to half of ``STALE_AFTER_S`` (past it, the staleness rule
+    decides), then raises."""
     deadline = time.monotonic() + get_settings().stale_after_s / 2
     pause = REPORT_RETRY_FIRST_S
     while True:
@@ -459,8 +420,8 @@ def _report_failure(held: lease.Lease, final: bool, message: str, delay: float) 
 def _progress_reporter(
     task: Task, held: lease.Lease, settings: Settings
 ) -> Callable[[Connection, int, int, int], None]:
-    """Ledger first (the truth the API shows), then the queue (so Flower shows it too). The
-    body says on which connection (an export's is busy streaming its COPY)."""
+    """Ledger first, then a Flower event. The body says on which connection (an export's
+    is busy streaming its COPY)."""
 
     def report(conn: Connection, percent: int, done: int, total: int) -> None:
         lease.report_progress(conn, held, percent, settings.durable_progress_after_s)

@@ -1,9 +1,6 @@
-"""Named points in the task code where tests attach gates (or inject a failure).
-
-Production installs nothing, so :func:`fire` is a dictionary lookup that finds no
-callbacks. Tests use :func:`installed` to pause an execution at an exact point
-(after its read, before its result write, ...) and so force an interleaving
-without sleeping.
+"""Named points in the task code where tests attach gates (or inject a failure), to force
+an interleaving without sleeping (docs/design.md, "Tests"). Production installs nothing,
+so :func:`fire` is a dictionary lookup that finds no callbacks.
 """
 
 from __future__ import annotations
@@ -32,7 +29,6 @@ POINTS = frozenset(
         "queue.failure_callback",  # Celery's task_failure signal, before it logs
         "heartbeat.before_renewal",  # checked it is not stopping; the Lua call not yet sent
         "dispatcher.before_publish",  # runs stamped and committed; their messages not yet sent
-        "dispatcher.before_markers",  # messages sent; their queued markers not yet set
         "watchdog.before_cancel",  # a watch's deadline passed; its cancel not yet decided
         "cli.after_commit",  # a CLI creation or retry committed; its answer not yet printed
     }

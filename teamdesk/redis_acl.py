@@ -1,42 +1,15 @@
-"""Redis ACL users, one per process role (docs/design.md, "Processes"; deploy/README.md,
+"""Redis ACL users, one per process role (docs/design.md, "Processes"; deploy/security.md,
 "Redis users"): the one place their rules are written. ``teamdesk-tasks redis-acl``
 prints them (an ACL file, or ``ACL SETUSER`` commands), and deploy/redis/users.acl is its
 output for the default prefix.
 
-Every key of a cluster starts with ``<QUEUE_PREFIX>:`` (P below); Celery's fanout
-channels (events, remote control) are ``P:/<db>.P.celeryev/<routing key>`` and
-``P:/<db>.P.control.pidbox`` (kombu's fanout prefix ``/<db>.`` with the broker's database
-number). Redis 7 checks every command, key and channel, those a script runs included.
-
-- ``api``: its rate limits (``P:ratelimit:*``, read and written by one script) and,
-  read-only, the leader lock and the live heartbeats (``/api/workers/health``, a waiting
-  task's reason; scripts run as ``EVALSHA_RO``, teamdesk/heartbeat.py). No broker key,
-  no channel: it cannot publish a task or a control command.
-- ``beat`` (the dispatcher): publishes to the task queues (``P:<queue>*``, their kombu
-  bindings), reads them and kombu's unacknowledged hash (tasks/broker_view.py), sets the
-  queued markers (``P:queued:*``), holds the leader lock, reads the heartbeats (and
-  ``INFO``: the record's epoch). No channel.
-- ``worker``: consumes the task queues and keeps kombu's acknowledgement emulation
-  (``P:unacked``, ``P:unacked_index``, ``P:unacked_mutex``), its heartbeat
-  (``P:worker-heartbeat:*``), the markers it ends, its remote-control queue, replies and
-  bindings (``P:*.P.control.pidbox*``, ``P:_kombu.*``), gossip's event queue
-  (``P:celeryev.*``), a revoked task's result (``P:celery-task-meta-*``, also published);
-  publishes events and answers control commands (mingle's ``hello`` is a broadcast).
-- ``flower``: subscribes to the events, broadcasts control commands (inspect, revoke,
-  pool size: its buttons) and reads their replies, reads the queues' lengths. It takes
-  kombu's restore mutex (``P:unacked_mutex``) and reads the unacknowledged index, as every
-  consumer's channel does, but cannot push a message back: the workers restore. It
-  cannot publish a task.
-- ``default``: the administrator (every key, channel and command), for operators'
-  ``redis-cli`` and Celery's own commands (``celery purge``); no TeamDesk process uses it.
-
-Commands are listed, never granted by category (``+@write`` would also grant FLUSHALL),
-but for connection housekeeping (:data:`CONNECTION`), which leaves out ``SELECT``: key
-patterns hold in every database, so a role may select only its cluster's (none on 0).
-Each role gets only the script commands its code runs (:data:`SCRIPTS`); that still lets
-it run a script of its own (Redis 7 cannot allow a script by its SHA), whose every command
-Redis checks against the same rules (deploy/README.md, "Redis users").
-A user's password is given as its SHA-256 (``#<hex>``), never in clear text.
+Keys start with ``<QUEUE_PREFIX>:`` (P); Celery's fanout channels are
+``P:/<db>.P.celeryev/<routing key>`` and ``P:/<db>.P.control.pidbox``. Flower takes
+kombu's restore mutex and reads the unacknowledged index, as every consumer's channel
+does, but cannot push a message back (the workers restore). Commands are listed, never
+granted by category (``+@write`` would also grant FLUSHALL), but for :data:`CONNECTION`.
+A role may still run a script of its own (Redis 7 cannot allow one by SHA), whose every command
+Redis checks against the same rules (deploy/security.md, "Redis users").
 """
 
 from __future__ import annotations
@@ -59,29 +32,17 @@ PASSWORD_VARS = {
 PLAIN_PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MSG_PREFIX = "QUEUE_PREFIX must be letters, digits, '_', '.' or '-' to write Redis ACL rules"
 
-# Connection housekeeping (HELLO, AUTH, PING, CLIENT SETNAME/SETINFO...) as a category:
-# its commands differ between Redis versions, and a rule naming one the server lacks
-# (CLIENT SETINFO before 7.2) makes it refuse the whole file. Its administrative and
-# dangerous members (CLIENT KILL, LIST, PAUSE...), key tracking and SELECT are taken out:
-# a client on database 0 sends no SELECT (redis-py, kombu), one on N may select N only
-# (:func:`_select`).
+# A category, since its commands differ between versions and a rule naming one the server
+# lacks (CLIENT SETINFO before 7.2) refuses the whole file; less its admin and dangerous
+# members, tracking and SELECT (key patterns hold in every database: :func:`_select`).
 CONNECTION = ("+@connection", "-@admin", "-@dangerous", "-client|tracking", "-select")
-# The script commands each role's code runs. redis-py's register_script (and its Lock)
-# sends EVALSHA and, on NOSCRIPT, SCRIPT LOAD; in a pipeline it asks SCRIPT EXISTS first.
-# - api: the rate limits' bucket (api/limits.py, EVALSHA); live heartbeats
-#   (teamdesk/heartbeat.py read_only, EVALSHA_RO).
-# - beat: the queued markers (tasks/queueing.py set_markers, EVAL); the leader lock's
-#   extend and release (redis-py Lock, dispatcher/leader.py, EVALSHA); heartbeat reads
-#   (EVALSHA_RO).
-# - worker: its heartbeat (EVALSHA), a marker ended (EVAL), its probe's reads
-#   (EVALSHA_RO); kombu's restore mutex (redis-py Lock) and binding refresh (EVALSHA, in
-#   a pipeline too).
-# - flower: kombu's restore mutex and binding refresh, as every consumer.
-# No role gets FUNCTION, SCRIPT FLUSH/KILL or EVAL_RO.
+# The script commands each role's code runs: redis-py's scripts and Lock send EVALSHA and,
+# on NOSCRIPT, SCRIPT LOAD (in a pipeline SCRIPT EXISTS first); heartbeat reads are
+# EVALSHA_RO. Workers and Flower run kombu's restore mutex and binding refresh.
 SCRIPTS = {
     "api": ("+evalsha", "+evalsha_ro", "+script|load"),
-    "beat": ("+eval", "+evalsha", "+evalsha_ro", "+script|load"),
-    "worker": ("+eval", "+evalsha", "+evalsha_ro", "+script|load", "+script|exists"),
+    "beat": ("+evalsha", "+evalsha_ro", "+script|load"),
+    "worker": ("+evalsha", "+evalsha_ro", "+script|load", "+script|exists"),
     "flower": ("+evalsha", "+script|load", "+script|exists"),
 }
 TRANSACTIONS = ("+multi", "+exec", "+discard", "+watch", "+unwatch")
@@ -231,7 +192,6 @@ def _beat(layout: Layout) -> list[str]:
         *_queue_keys(layout, "~"),
         *_bindings(layout, layout.queues),
         f"%R~{layout.key('unacked')}",
-        f"~{layout.key('queued:*')}",
         f"~{layout.key('dispatcher:leader')}",
         f"%R~{_heartbeats(layout)}",
     ]
@@ -247,7 +207,6 @@ def _worker(layout: Layout) -> list[str]:
         f"~{layout.key('*.' + layout.pidbox + '*')}",
         f"~{layout.key('celeryev.*')}",
         f"~{layout.key('celery-task-meta-*')}",
-        f"~{layout.key('queued:*')}",
         f"~{_heartbeats(layout)}",
         f"&{layout.channel(layout.events)}/*",
         f"&{layout.channel(layout.events)}/worker.*",

@@ -1,46 +1,12 @@
-"""A revoked queue message cancels its run (docs/design.md, "Operating with Celery's tools").
+"""A revoked queue message cancels its run, from the worker's main process
+(docs/design.md, "Operating with Celery's tools"); Celery alone would only discard it.
 
-``celery control revoke <task_id>-<run>`` (what Flower's revoke button sends) tells every
-live worker to discard that message id; ``celery control terminate SIGTERM <id>`` (Flower's
-Terminate) also makes a worker kill the pool process running it. Celery does either in the
-worker's main process and then sends ``task_revoked``. Left there, the ledger would never
-hear of it: the run would stay WAITING and published (or RUNNING), be published again when
-its message was judged lost, and be discarded again for as long as the workers remember the
-revoke.
-
-Celery does nothing more for a plain revoke of a message that is running: the worker
-only remembers the id (``celery.worker.state.revoked``), and the task completes. Here it
-stops: :class:`RevokeWatch` looks every ``REVOKE_LOOK_S`` for an active request whose id
-is revoked, and cancels its run as below. The running execution loses its lease, finds
-that out at its next ledger write (an export's next progress batch) and ends as a cancel
-does: ``task.cancelled``, REVOKED in the result backend and in Flower.
-
-So a revoke means what an operator expects: the run named by the message is CANCELLED
-in the ledger (the fenced cancel of ``ledger.service.cancel_run``: only while WAITING or
-RUNNING, only that run), its window and team slots are free at once, and a terminated
-execution's lease is cleared with it (its process is gone anyway). If it fails
-(PostgreSQL away), the message is still gone: its queued marker is ended, so the
-dispatcher publishes the run again, a worker discards it again, and the cancel is tried
-again - the loop converges once the database answers. A terminated run whose cancel
-failed is taken back by the staleness rule and ends the same way.
-
-The write runs right there, on the main process's own thread: one short transaction on a
-connection of its own (no pool: nothing idle is kept, and nothing crosses a fork) and one
-Redis call, bounded by their connect and socket timeouts. Not on a thread: a terminate
-makes billiard fork a replacement pool process at that very moment, and a fork while
-another thread holds a lock (the Redis client's pool, the engine's) leaves the child
-with that lock held forever - its first task hung on it (found by
-tests/process/test_celery_revoke.py, about 1 run in 50).
-
-That thread is the consumer's event loop (no acknowledgement, no delivery while it
-waits), so the wait is bounded on this side too, not only by the server's
-``statement_timeout``: a server that stops answering after the connect (frozen, or the
-network dropped) would otherwise hold the loop until TCP gives up, which takes minutes.
-The connection is psycopg2's asynchronous one, and each step waits for its socket with a
-deadline (``poll``): each host of ``DATABASE_URL`` gets ``CONNECT_TIMEOUT_S`` to connect,
-in order (libpq applies ``connect_timeout`` only to blocking connects), then the
-transaction gets ``STATEMENT_TIMEOUT_S`` and ``ANSWER_MARGIN_S`` more. Past it the
-connection is closed and the cancel has failed, as when PostgreSQL is away.
+The cancel runs on the main process's own thread (the consumer's event loop), not on a
+thread of its own: a terminate makes billiard fork a replacement pool process at that
+moment, and a fork while another thread holds a lock (the Redis client's pool, the
+engine's) leaves the child hung on it for ever (found by tests/process/test_celery_revoke.py,
+about 1 run in 50). So it uses a connection of its own (no pool: nothing crosses a fork),
+and every wait is bounded on this side (docs/decisions.md, "Issue 34: smaller items").
 """
 
 from __future__ import annotations
@@ -58,15 +24,15 @@ from psycopg2 import extensions
 from sqlalchemy.dialects.postgresql import psycopg2 as pg_dialect
 
 from ledger import dispatch, service
-from tasks import delivery, queueing
+from tasks import delivery
 from teamdesk.config import get_settings
 from teamdesk.db import libpq_url
 from teamdesk.logs import log_event
 
 log = logging.getLogger("teamdesk.worker")
 
-# The worker's event loop waits this long at most for a connection (each host), and for
-# the transaction: the server's bound on a statement, and a margin for the network.
+# The event loop waits at most this long for a connection (each host), then for the
+# transaction: the server's bound on a statement, and a margin for the network.
 CONNECT_TIMEOUT_S = 2
 STATEMENT_TIMEOUT_S = 5.0
 ANSWER_MARGIN_S = 1.0
@@ -122,10 +88,10 @@ def _store_terminated(task: Any, request: Any) -> None:
 
 
 class RevokeWatch(bootsteps.StartStopStep):
-    """Cancels the run of every active request whose message id has been revoked (a plain
-    ``revoke``: Celery only remembers the id), once per request, every ``REVOKE_LOOK_S``
-    on the worker's timer (the event loop's, with prefork). A terminated request is no
-    longer active: ``task_revoked`` has cancelled its run already."""
+    """Cancels the run of every active request whose id was revoked (for a plain ``revoke``
+    of a running message Celery only remembers the id), once per request, every
+    ``REVOKE_LOOK_S`` on the worker's timer. A terminated request is no longer active:
+    ``task_revoked`` cancelled its run."""
 
     requires = {"celery.worker.components:Timer"}
 
@@ -163,8 +129,6 @@ def cancel_revoked(message: delivery.Delivery, terminated: bool, running: bool =
         "terminated": terminated,
         "running": running or terminated,
     }
-    # The message is gone either way: its marker must not hold the run back.
-    queueing.message_started(message.task_id, message.run, message.stamp)
     try:
         cancelled = cancel_run(message.task_id, message.run)
     except Exception as exc:
@@ -182,8 +146,7 @@ def cancel_revoked(message: delivery.Delivery, terminated: bool, running: bool =
 
 def cancel_run(task_id: uuid.UUID, run: int) -> bool:
     """``ledger.service.cancel_run`` in one transaction on a connection of its own, every
-    wait bounded on this side (see the module's docstring). Raises NoAnswer, or the
-    driver's error."""
+    wait bounded on this side. Raises NoAnswer, or the driver's error."""
     conn = _connect(get_settings().database_url)
     try:
         deadline = time.monotonic() + STATEMENT_TIMEOUT_S + ANSWER_MARGIN_S
@@ -200,7 +163,8 @@ def cancel_run(task_id: uuid.UUID, run: int) -> bool:
 
 def _connect(database_url: str) -> Any:
     """An asynchronous connection to the first host of ``database_url`` that answers
-    within CONNECT_TIMEOUT_S (libpq's list of hosts, tried in order, as libpq does)."""
+    within CONNECT_TIMEOUT_S, tried in order as libpq does (libpq applies
+    ``connect_timeout`` only to blocking connects)."""
     params = extensions.parse_dsn(libpq_url(database_url))
     params["application_name"] = APPLICATION_NAME
     hosts, ports = params.get("host", "").split(","), params.get("port", "").split(",")

@@ -1,14 +1,14 @@
 """The scan looks at the broker (tasks/broker_view.py, docs/design.md "Operating with
 Celery's tools"): a published run whose message the broker held in neither of two looks
-a scan apart is published again, whatever its marker says; a message waiting in the list
-or delivered and not yet acknowledged is held. Real Redis, Celery's own purge, kombu's
-own consumer."""
+a scan apart is published again; a message waiting in the list or delivered and not yet
+acknowledged is held; where the broker cannot list its messages, a run past LOST_AFTER
+is published again. Real Redis, Celery's own purge, kombu's own consumer."""
 
 from __future__ import annotations
 
+import json
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -17,26 +17,12 @@ from celery import Celery
 from kombu import Queue
 
 from dispatcher import scan as scan_module
-from dispatcher.context import Cluster
-from dispatcher.scan import ScanCounts, scan
-from dispatcher.window import Window
 from harness.factories import World, task_row
+from tasks import broker_view
 from tasks.names import EXPORTS_QUEUE
 from teamdesk.config import get_settings
 from teamdesk.heartbeat import Heartbeat
-from tests.support.dispatch_scan import ids, long_up, messages, other_team, waiting_rows
-from tests.support.queues import markers
-
-
-@contextmanager
-def dispatcher(app: Celery, team_max_running: int = 0) -> Iterator[Callable[[], ScanCounts]]:
-    """Scans of one dispatcher: one cluster and one window, remembered between scans."""
-    cluster = Cluster(app, get_settings().with_overrides(team_max_running=team_max_running))
-    window = Window(cluster)
-    try:
-        yield lambda: scan(cluster, window, uptime=long_up)
-    finally:
-        cluster.close()
+from tests.support.dispatch_scan import dispatcher, ids, messages, other_team, waiting_rows
 
 
 def stamps(engine: sa.Engine, task_ids: list[uuid.UUID]) -> dict[uuid.UUID, object]:
@@ -52,9 +38,8 @@ def test_a_purged_window_is_published_again_within_two_scans_and_runs_once(
     offer: Callable[..., Heartbeat],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``celery purge`` empties the list and leaves the markers: before, the runs stayed
-    WAITING and published, filling the window, until the markers expired (5 x
-    STALE_AFTER_S)."""
+    """``celery purge`` empties the list: the runs must not stay WAITING and published,
+    filling the window."""
     offer(concurrency=2, queues=("exports",))
     runs = waiting_rows(engine, world, 3)
     monkeypatch.setattr(scan_module, "PUBLISH_GRACE_S", 0.0)
@@ -62,7 +47,7 @@ def test_a_purged_window_is_published_again_within_two_scans_and_runs_once(
         assert next_scan().dispatched == 3
         first = stamps(engine, runs)
         assert celery_app.control.purge() == 3  # what `celery -A tasks purge -f` does
-        assert markers(redis_client, queue_prefix) == set(ids(runs))
+        assert messages(redis_client, queue_prefix)["exports"] == []
 
         look = next_scan()  # one look can miss a message in transit: nothing yet
         assert (look.redispatched, look.missing_from_broker, look.dispatched) == (0, 0, 0)
@@ -155,3 +140,53 @@ def test_a_delivered_unacknowledged_message_is_held_and_only_the_missing_one_ret
         assert after[held] == before[held]
         assert messages(redis_client, queue_prefix)["exports"] == ids([left])
         delivered.ack()
+
+
+def test_a_list_too_long_to_read_leaves_the_stamps_age_to_decide(
+    engine: sa.Engine,
+    world: World,
+    celery_app: Celery,
+    redis_client: redis.Redis,
+    queue_prefix: str,
+    offer: Callable[..., Heartbeat],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A queue longer than LIST_LIMIT is not read: the scan cannot tell which message is
+    missing. A run whose message is gone waits until its stamp is past LOST_AFTER (the
+    database's clock), then it alone is published again; the others keep their stamps."""
+    offer(concurrency=2, queues=("exports",))
+    runs = waiting_rows(engine, world, 3)
+    monkeypatch.setattr(scan_module, "PUBLISH_GRACE_S", 0.0)
+    monkeypatch.setattr(broker_view, "LIST_LIMIT", 1)
+    with dispatcher(celery_app) as next_scan:
+        assert next_scan().dispatched == 3
+        lost = runs[1]
+        entry = raw_message(redis_client, queue_prefix, lost)
+        assert redis_client.lrem(f"{queue_prefix}:{EXPORTS_QUEUE}", 1, entry) == 1
+        before = stamps(engine, runs)
+        for _ in range(2):
+            counts = next_scan()
+            assert (counts.redispatched, counts.missing_from_broker, counts.overdue) == (0, 0, 0)
+        assert stamps(engine, runs) == before
+        overdue_s = scan_module.LOST_AFTER_FACTOR * get_settings().stale_after_s
+        with engine.begin() as conn:  # its stamp, as if published LOST_AFTER ago
+            conn.execute(
+                sa.text(
+                    "UPDATE background_tasks SET dispatched_at = now() - make_interval("
+                    "secs => :s) WHERE id = :id"
+                ),
+                {"s": overdue_s + 1, "id": lost},
+            )
+        counts = next_scan()
+        assert (counts.redispatched, counts.missing_from_broker, counts.overdue) == (1, 0, 1)
+        after = stamps(engine, runs)
+    assert [after[t] == before[t] for t in runs] == [True, False, True]
+    assert sorted(messages(redis_client, queue_prefix)["exports"]) == sorted(ids(runs))
+
+
+def raw_message(client: redis.Redis, prefix: str, task_id: uuid.UUID) -> str:
+    """The raw list entry of ``task_id``'s run 0 message."""
+    for raw in client.lrange(f"{prefix}:{EXPORTS_QUEUE}", 0, -1):
+        if json.loads(raw)["headers"]["id"] == f"{task_id}-0":
+            return str(raw)
+    raise AssertionError(f"no message of {task_id}")

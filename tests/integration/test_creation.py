@@ -1,8 +1,8 @@
-"""A creation in one statement (ledger/creation.py) refuses exactly what the sequential
-path refuses, writes nothing when it does, and answers the same view.
+"""A creation in one statement (ledger/creation.py) refuses what the rules refuse, says
+which rule refused, writes nothing when it does, and answers the task's view.
 
-Each case sets up the team, then asks both ways: the one statement on an autocommit
-connection (as the API asks), and the sequential path in a transaction, which says why.
+Each case sets up the team, then asks both ways: on an autocommit connection (as the API
+asks), and in a transaction (as the CLI asks).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from ledger.errors import (
     NotFound,
     TeamQuotaExceeded,
 )
+from ledger.permissions import MSG_REMINDER_NEEDS_STAFF
 from ledger.quota import NO_CAP, NO_EXPORT_QUOTA, ExportQuota
+from ledger.service import MSG_RUN_AT_WINDOW, MSG_TEAM_NOT_FOUND, MSG_TICKET
 from teamdesk.db import autocommit
 
 Setup = Callable[[sa.Engine, World], None]
@@ -108,7 +110,7 @@ def _view(engine: sa.Engine, task_id: uuid.UUID) -> dict[str, Any]:
     [case[1:] for case in EXPORT_CASES],
     ids=[case[0] for case in EXPORT_CASES],
 )
-def test_an_export_in_one_statement_refuses_what_the_sequential_path_refuses(
+def test_an_export_in_one_statement_refuses_what_the_rules_refuse(
     engine: sa.Engine,
     world: World,
     who: str,
@@ -121,20 +123,20 @@ def test_an_export_in_one_statement_refuses_what_the_sequential_path_refuses(
     setup(engine, world)
     user = _user(world, who)
     before = _count(engine)
-    with autocommit(engine) as conn:
-        fast = service.try_submit_export(conn, world.team_id, user, scope, {}, cap, quota)
     if refusal is None:
-        assert fast is not None
+        with autocommit(engine) as conn:
+            task = service.submit_export(conn, world.team_id, user, scope, {}, cap, quota)
         assert _count(engine) == before + 1
-        assert fast.as_dict() == {**_view(engine, fast.id), "waiting_s": fast.row["waiting_s"]}
-        assert (fast.row["status"], fast.row["kind"], fast.row["scope"]) == (
+        assert task.as_dict() == {**_view(engine, task.id), "waiting_s": task.row["waiting_s"]}
+        assert (task.row["status"], task.row["kind"], task.row["scope"]) == (
             "WAITING",
             "EXPORT",
             scope,
         )
-        assert str(fast.row["owner_id"]) == str(user)
+        assert str(task.row["owner_id"]) == str(user)
         return
-    assert fast is None
+    with pytest.raises(refusal), autocommit(engine) as conn:
+        service.submit_export(conn, world.team_id, user, scope, {}, cap, quota)
     assert _count(engine) == before  # nothing written
     with pytest.raises(refusal), engine.begin() as conn:
         service.submit_export(conn, world.team_id, user, scope, {}, cap, quota)
@@ -149,18 +151,22 @@ def _ticket_elsewhere(engine: sa.Engine, world: World) -> uuid.UUID:
         return add_ticket(conn, other, world.outsider_id)
 
 
-REMINDER_CASES: list[tuple[str, str, str, timedelta | None, int, type[Exception] | None]] = [
+REMINDER_CASES: list[tuple[str, str, str, timedelta | None, int, Exception | None]] = [
     # id, who, whose ticket, run_at from the database's now, cap, refusal
     ("staff", "staff", "team", None, NO_CAP, None),
     ("later", "staff", "team", timedelta(hours=1), NO_CAP, None),
     ("a-little-late", "staff", "team", timedelta(hours=-1), NO_CAP, None),
-    ("customer", "customer", "team", None, NO_CAP, NotAllowed),
-    ("outsider", "outsider", "team", None, NO_CAP, NotFound),
-    ("ticket-elsewhere", "staff", "elsewhere", None, NO_CAP, InvalidInput),
-    ("too-late", "staff", "team", timedelta(days=-2), NO_CAP, InvalidInput),
-    ("too-far", "staff", "team", timedelta(days=400), NO_CAP, InvalidInput),
-    ("at-cap", "staff", "team", None, 1, TeamQuotaExceeded),
-]
+    ("customer", "customer", "team", None, NO_CAP, NotAllowed(MSG_REMINDER_NEEDS_STAFF)),
+    ("outsider", "outsider", "team", None, NO_CAP, NotFound(MSG_TEAM_NOT_FOUND)),
+    ("ticket-elsewhere", "staff", "elsewhere", None, NO_CAP, InvalidInput(MSG_TICKET)),
+    ("too-late", "staff", "team", timedelta(days=-2), NO_CAP, InvalidInput(MSG_RUN_AT_WINDOW)),
+    ("too-far", "staff", "team", timedelta(days=400), NO_CAP, InvalidInput(MSG_RUN_AT_WINDOW)),
+    ("at-cap", "staff", "team", None, 1, TeamQuotaExceeded()),
+    # The first rule that refuses is told: the time before who asks, who before the ticket.
+    ("late-customer", "customer", "team", timedelta(days=-2), 0, InvalidInput(MSG_RUN_AT_WINDOW)),
+    ("customer-elsewhere", "customer", "elsewhere", None, 1, NotAllowed(MSG_REMINDER_NEEDS_STAFF)),
+    ("elsewhere-at-cap", "staff", "elsewhere", None, 1, InvalidInput(MSG_TICKET)),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -168,14 +174,14 @@ REMINDER_CASES: list[tuple[str, str, str, timedelta | None, int, type[Exception]
     [case[1:] for case in REMINDER_CASES],
     ids=[case[0] for case in REMINDER_CASES],
 )
-def test_a_reminder_in_one_statement_refuses_what_the_sequential_path_refuses(
+def test_a_reminder_in_one_statement_refuses_what_the_rules_refuse(
     engine: sa.Engine,
     world: World,
     who: str,
     whose: str,
     offset: timedelta | None,
     cap: int,
-    refusal: type[Exception] | None,
+    refusal: Exception | None,
 ) -> None:
     if whose == "team":
         with engine.begin() as conn:
@@ -190,12 +196,11 @@ def test_a_reminder_in_one_statement_refuses_what_the_sequential_path_refuses(
             run_at = conn.execute(sa.text("SELECT now()")).scalar_one() + offset
     user = _user(world, who)
     before = _count(engine)
-    with autocommit(engine) as conn:
-        fast = service.try_submit_reminder(conn, world.team_id, user, ticket, run_at, cap)
     if refusal is None:
-        assert fast is not None
+        with autocommit(engine) as conn:
+            task = service.submit_reminder(conn, world.team_id, user, ticket, run_at, cap)
         assert _count(engine) == before + 1
-        row = fast.row
+        row = task.row
         assert (row["kind"], row["scope"], row["status"]) == ("REMINDER", "TEAM", "WAITING")
         assert row["filters"] == {"ticket_id": str(ticket)}
         if offset is not None and offset > timedelta(0):
@@ -203,11 +208,11 @@ def test_a_reminder_in_one_statement_refuses_what_the_sequential_path_refuses(
         else:  # now, or a time in the past: now
             assert row["run_at"] == row["created_at"]
         return
-    assert fast is None
-    assert _count(engine) == before
-    with pytest.raises(refusal), engine.begin() as conn:
-        service.submit_reminder(conn, world.team_id, user, ticket, run_at, cap)
-    assert _count(engine) == before
+    for asking in (autocommit(engine), engine.begin()):
+        with pytest.raises(type(refusal)) as raised, asking as conn:
+            service.submit_reminder(conn, world.team_id, user, ticket, run_at, cap)
+        assert str(raised.value) == str(refusal)
+        assert _count(engine) == before  # nothing written
 
 
 def test_the_autocommit_checkout_returns_the_connection_as_the_pool_made_it(
@@ -218,7 +223,7 @@ def test_the_autocommit_checkout_returns_the_connection_as_the_pool_made_it(
     with autocommit(engine) as conn:
         dbapi = conn.connection.dbapi_connection
         assert dbapi is not None and dbapi.autocommit
-        service.try_submit_export(conn, world.team_id, world.staff_id, "TEAM", {})
+        service.submit_export(conn, world.team_id, world.staff_id, "TEAM", {})
     assert not dbapi.autocommit
     before = _count(engine)
     with engine.connect() as conn:
@@ -258,13 +263,11 @@ def test_a_refused_creation_wakes_no_dispatcher_an_accepted_one_does(
         cursor = listener.cursor()
         cursor.execute("LISTEN teamdesk_dispatch")
         cursor.execute("LISTEN teamdesk_test_marker")
-        with autocommit(engine) as conn:
-            refused = service.try_submit_export(conn, world.team_id, world.customer_id, "TEAM", {})
-        assert refused is None
+        with pytest.raises(NotAllowed), autocommit(engine) as conn:
+            service.submit_export(conn, world.team_id, world.customer_id, "TEAM", {})
         assert _notifications_until_marker(dbapi, engine) == []
         with autocommit(engine) as conn:
-            accepted = service.try_submit_export(conn, world.team_id, world.staff_id, "TEAM", {})
-        assert accepted is not None
+            service.submit_export(conn, world.team_id, world.staff_id, "TEAM", {})
         assert _notifications_until_marker(dbapi, engine) == ["teamdesk_dispatch"]
     finally:
         dbapi.autocommit = False

@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
-import redis
 import sqlalchemy as sa
 from celery import Celery
 from sqlalchemy.engine import make_url
@@ -32,7 +31,6 @@ from tasks import reminder as reminder_module
 from teamdesk import hooks
 from tests.support.dispatching import running_cluster
 from tests.support.gates import Gate
-from tests.support.queues import marker_present
 from tests.support.scenario import event_records, side_effects
 from tests.support.workers import EventLog
 
@@ -78,9 +76,9 @@ def test_a_delivery_that_cannot_connect_never_strands_the_run(
 ) -> None:
     """The dispatcher stamps the run and stops before sending; PostgreSQL then refuses
     new connections and ends every session. The message goes out and its delivery cannot
-    even open a connection: it ends as a failed claim, taking its queued marker along, so
-    once PostgreSQL lets connections in again the dispatcher publishes the run again and
-    it completes - not FAILED, not waiting for the marker to expire."""
+    even open a connection: it ends as a failed claim and leaves the broker, so once
+    PostgreSQL lets connections in again the dispatcher finds the message missing,
+    publishes the run again and it completes - not FAILED."""
     monkeypatch.setattr(scan_module, "PUBLISH_GRACE_S", 0.0)
     app = make_app(scan_interval_s=0.3)
     with engine.begin() as conn:
@@ -109,56 +107,6 @@ def test_a_delivery_that_cannot_connect_never_strands_the_run(
     [failed_claim] = event_records(caplog, "task.attempt_failed", task_id)
     assert failed_claim.stage == "claim"  # type: ignore[attr-defined]
     assert event_records(caplog, "task.failed", task_id) == []
-
-
-def test_a_claim_that_fails_before_its_marker_is_set_never_strands_the_run(
-    engine: sa.Engine,
-    world: World,
-    database_url: str,
-    make_app: Callable[..., Celery],
-    monkeypatch: pytest.MonkeyPatch,
-    redis_client: redis.Redis,
-    queue_prefix: str,
-) -> None:
-    """The dispatcher sets a run's queued marker just after the send; a worker can be
-    quicker. Here the message's claim fails (PostgreSQL refuses new connections) while the
-    dispatcher is held between the send and the marker: the marker, set after the message
-    has ended, must not stand for it, or the run would wait for the marker to expire
-    (minutes). Once connections are let in, the run is published again and completes."""
-    monkeypatch.setattr(scan_module, "PUBLISH_GRACE_S", 0.0)
-    app = make_app(scan_interval_s=0.3)
-    with engine.begin() as conn:
-        add_tickets(conn, world.team_id, world.customer_id, 2)
-        task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
-    message = queueing.message_id(task_id, 0)
-    stamped = Gate("the run stamped, its message not sent")
-    sent = Gate("the message sent, its marker not set")
-    marker = queueing.marker_key(task_id, 0, queue_prefix)
-    with (
-        EventLog(app) as events,
-        hooks.installed("dispatcher.before_publish", stamped.hook()),
-        hooks.installed("dispatcher.before_markers", sent.hook()),
-        running_cluster(app),
-    ):
-        try:
-            stamped.wait_reached()
-            with connections_refused(database_url):
-                stamped.release()  # the message goes out only now: its claim cannot connect
-                sent.wait_reached()
-                wait_for(lambda: events.of_type("task-retried", message), what="the claim to fail")
-                assert str(redis_client.get(marker)).startswith("ended ")  # the message ended
-                sent.release()
-            engine.dispose()  # its pooled connections were ended too
-            wait_for(lambda: task_row(engine, task_id)["status"] == "COMPLETED", what="COMPLETED")
-        finally:
-            stamped.release()
-            sent.release()
-    row = task_row(engine, task_id)
-    assert (row["run"], row["attempts"], row["result_summary"]) == (0, 1, "2 rows")
-    assert audit_events(engine, task_id) == ["CLAIM", "COMPLETE"]
-    assert len(events.of_type("task-retried", message)) == 1
-    assert len(events.of_type("task-succeeded", message)) == 1
-    assert not marker_present(redis_client, queue_prefix, task_id, 0)
 
 
 def reminder(engine: sa.Engine, world: World) -> tuple[uuid.UUID, uuid.UUID]:

@@ -135,7 +135,7 @@ def test_every_dispatcher_statement_walks_a_partial_index_on_100k_rows(
         (
             dispatch.PUBLISHED_BEFORE,
             {"ix_background_tasks_dispatched"},
-            {"grace_s": 5, "batch": 2000},
+            {"grace_s": 5, "overdue_s": 600, "batch": 2000},
         ),
         (dispatch.PURGE_EXPIRED, {"ix_background_tasks_expiring"}, {"batch": 200}),
         (

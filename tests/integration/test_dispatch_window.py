@@ -2,17 +2,18 @@
 PostgreSQL and the real Redis broker, with no worker consuming: every message a scan
 publishes stays in its queue's Redis list, where the test reads it back by id.
 
-Each ready run is published once with a stamped marker; the window holds two runs per
-live worker process (or DISPATCH_WINDOW) and skips a queue nobody consumes; a refused
-publish makes the runs ready again; and a published run whose marker is gone or stale is
-published again, but not one published moments ago. Worker window comes from heartbeat
-members the test registers itself.
+Each ready run is published once, its message carrying its stamp; the window holds two
+runs per live worker process (or DISPATCH_WINDOW) and skips a queue nobody consumes; a
+refused publish makes the runs ready again; and a published run whose message is gone,
+or is another publish's, is published again, but not one published moments ago. Worker
+window comes from heartbeat members the test registers itself.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from datetime import UTC, timedelta
 from typing import Any
 
 import pytest
@@ -24,10 +25,19 @@ from dispatcher import scan as scan_module
 from dispatcher.scan import run_once
 from harness.factories import World, task_row
 from ledger import lease
+from tasks import broker_view
+from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
 from teamdesk.config import Settings
 from teamdesk.heartbeat import Heartbeat
-from tests.support.dispatch_scan import ids, long_up, messages, running_row, waiting_rows
-from tests.support.queues import closed_port, markers
+from tests.support.dispatch_scan import (
+    dispatcher,
+    ids,
+    long_up,
+    messages,
+    running_row,
+    waiting_rows,
+)
+from tests.support.queues import closed_port, resend_stamped
 
 
 def set_columns(engine: sa.Engine, task_id: uuid.UUID, **values: Any) -> None:
@@ -54,13 +64,19 @@ def shift(engine: sa.Engine, task_id: uuid.UUID, column: str, seconds: float) ->
 def stamp_of(engine: sa.Engine, task_id: uuid.UUID) -> str:
     stamp = task_row(engine, task_id)["dispatched_at"]
     assert stamp is not None
-    return str(stamp.isoformat())
+    return str(stamp.astimezone(UTC).isoformat())
+
+
+def held_stamps(app: Celery, client: redis.Redis, prefix: str) -> dict[str, str]:
+    """Each message the broker holds in the task queues: its id and the stamp it carries."""
+    views = broker_view.look(app, client, prefix, [EXPORTS_QUEUE, REMINDERS_QUEUE])
+    return {i: stamp for view in views.values() if view and view.listed for i, stamp in view.listed}
 
 
 # --- fill: publish ready runs into the window ----------------------------------------------
 
 
-def test_scan_publishes_each_ready_run_once_with_its_message_id_and_a_stamped_marker(
+def test_scan_publishes_each_ready_run_once_with_its_message_id_and_its_stamp(
     engine: sa.Engine,
     world: World,
     celery_app: Celery,
@@ -89,13 +105,12 @@ def test_scan_publishes_each_ready_run_once_with_its_message_id_and_a_stamped_ma
         "exports": sorted([*ids(exports), f"{retried}-1"]),
         "reminders": ids(reminders),
     }
+    held = held_stamps(celery_app, redis_client, queue_prefix)
     published = [*exports, *reminders, retried]
     for task_id in published:
         row = task_row(engine, task_id)
-        run = row["run"]
         assert row["status"] == "WAITING" and row["dispatched_at"] is not None
-        marker = redis_client.get(f"{queue_prefix}:queued:{task_id}-{run}")
-        assert marker is not None and marker == stamp_of(engine, task_id)
+        assert held[f"{task_id}-{row['run']}"] == stamp_of(engine, task_id)
     assert task_row(engine, later_one)["dispatched_at"] is None
     assert task_row(engine, done)["dispatched_at"] is None
 
@@ -202,7 +217,6 @@ def test_publish_refused_makes_the_runs_ready_again_and_the_next_scan_publishes(
     for task_id in rows:
         row = task_row(engine, task_id)
         assert (row["status"], row["dispatched_at"]) == ("WAITING", None)
-    assert markers(redis_client, queue_prefix) == set()
     assert messages(redis_client, queue_prefix) == {"exports": [], "reminders": []}
 
     up = make_app(broker_url=settings.redis_url)
@@ -239,7 +253,7 @@ def test_an_old_failure_of_the_same_message_does_not_keep_the_run_from_running(
 # --- re-publish lost messages ----------------------------------------------------------------
 
 
-def test_a_published_run_whose_marker_is_gone_or_stale_is_published_again(
+def test_a_published_run_whose_message_is_gone_or_another_publishs_is_published_again(
     engine: sa.Engine,
     world: World,
     celery_app: Celery,
@@ -248,31 +262,32 @@ def test_a_published_run_whose_marker_is_gone_or_stale_is_published_again(
     offer: Callable[..., Heartbeat],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The broker lost the window's messages (say Redis restarted without persistence);
+    ``backlog``'s is back (a redelivery of its publish) and ``stale`` has only a message
+    of an earlier publish, which its claim would refuse. Two looks a scan apart: ``lost``
+    and ``stale`` are published again with new stamps, ``backlog`` is left alone."""
     offer()
-    backlog, lost, stale_marker = waiting_rows(engine, world, 3)
-    assert run_once(celery_app, uptime=long_up).dispatched == 3
+    backlog, lost, stale = waiting_rows(engine, world, 3)
     monkeypatch.setattr(scan_module, "PUBLISH_GRACE_S", 0.0)
-    # The broker lost two messages (say Redis restarted without persistence): the marker
-    # of ``lost`` went with them; ``stale_marker`` carries the marker of an earlier
-    # publish. ``backlog`` waits behind a slow queue, its marker intact.
-    redis_client.delete(f"{queue_prefix}:exports")
-    redis_client.delete(f"{queue_prefix}:queued:{lost}-0")
-    redis_client.set(f"{queue_prefix}:queued:{stale_marker}-0", "2026-01-01T00:00:00+00:00")
-    before = {t: task_row(engine, t)["dispatched_at"] for t in (backlog, lost, stale_marker)}
+    with dispatcher(celery_app) as next_scan:
+        assert next_scan().dispatched == 3
+        before = {t: task_row(engine, t)["dispatched_at"] for t in (backlog, lost, stale)}
+        redis_client.delete(f"{queue_prefix}:{EXPORTS_QUEUE}")
+        resend_stamped(celery_app, backlog, 0, before[backlog])
+        resend_stamped(celery_app, stale, 0, before[stale] - timedelta(minutes=5))
 
-    counts = run_once(celery_app, uptime=long_up)
-
-    assert (counts.redispatched, counts.dispatched) == (2, 0)
-    assert messages(redis_client, queue_prefix) == {
-        "exports": ids(sorted([lost, stale_marker], key=str)),
-        "reminders": [],
-    }
-    for task_id in (lost, stale_marker):
-        assert task_row(engine, task_id)["dispatched_at"] > before[task_id]
-        marker = redis_client.get(f"{queue_prefix}:queued:{task_id}-0")
-        assert marker == stamp_of(engine, task_id)
-    assert task_row(engine, backlog)["dispatched_at"] == before[backlog]  # not published again
-    assert run_once(celery_app, uptime=long_up).redispatched == 0
+        first = next_scan()  # one look can miss a message in transit
+        assert (first.redispatched, first.missing_from_broker) == (0, 0)
+        counts = next_scan()
+        assert (counts.redispatched, counts.missing_from_broker, counts.dispatched) == (2, 2, 0)
+        for task_id in (lost, stale):
+            assert task_row(engine, task_id)["dispatched_at"] > before[task_id]
+        assert task_row(engine, backlog)["dispatched_at"] == before[backlog]
+        held = held_stamps(celery_app, redis_client, queue_prefix)
+        assert {t: held[f"{t}-0"] for t in (backlog, lost)} == {
+            t: stamp_of(engine, t) for t in (backlog, lost)
+        }
+        assert next_scan().redispatched == next_scan().redispatched == 0
 
 
 def test_a_run_published_moments_ago_is_not_judged_lost(
@@ -286,14 +301,16 @@ def test_a_run_published_moments_ago_is_not_judged_lost(
     """Its publish may still be under way (another dispatcher's, in an overlap)."""
     offer()
     recent = waiting_rows(engine, world, 1)[0]
-    assert run_once(celery_app, uptime=long_up).dispatched == 1
-    redis_client.delete(f"{queue_prefix}:queued:{recent}-0")
-    stamped = task_row(engine, recent)["dispatched_at"]
+    with dispatcher(celery_app) as next_scan:
+        assert next_scan().dispatched == 1
+        redis_client.delete(f"{queue_prefix}:{EXPORTS_QUEUE}")
+        stamped = task_row(engine, recent)["dispatched_at"]
 
-    assert run_once(celery_app, uptime=long_up).redispatched == 0
-    assert task_row(engine, recent)["dispatched_at"] == stamped
-    shift(engine, recent, "dispatched_at", scan_module.PUBLISH_GRACE_S + 1)
-    assert run_once(celery_app, uptime=long_up).redispatched == 1
+        assert next_scan().redispatched == next_scan().redispatched == 0
+        assert task_row(engine, recent)["dispatched_at"] == stamped
+        shift(engine, recent, "dispatched_at", scan_module.PUBLISH_GRACE_S + 1)
+        assert next_scan().redispatched == 0  # the first look
+        assert next_scan().redispatched == 1
 
 
 def test_lost_messages_of_a_queue_nobody_consumes_wait_for_a_consumer(
@@ -307,10 +324,13 @@ def test_lost_messages_of_a_queue_nobody_consumes_wait_for_a_consumer(
 ) -> None:
     app = make_app(dispatch_window=2)
     monkeypatch.setattr(scan_module, "PUBLISH_GRACE_S", 0.0)
-    task_id = waiting_rows(engine, world, 1, kind="REMINDER")[0]
-    assert run_once(app, uptime=long_up).dispatched == 1
-    redis_client.delete(f"{queue_prefix}:queued:{task_id}-0")
+    waiting_rows(engine, world, 1, kind="REMINDER")
+    with dispatcher(app) as next_scan:
+        assert next_scan().dispatched == 1
+        redis_client.delete(f"{queue_prefix}:{REMINDERS_QUEUE}")
 
-    assert run_once(app, uptime=long_up).redispatched == 0  # no consumer: it may be waiting
-    offer(concurrency=1, queues=("reminders",))
-    assert run_once(app, uptime=long_up).redispatched == 1
+        for _ in range(3):  # no consumer: its message may simply be waiting
+            assert next_scan().redispatched == 0
+        offer(concurrency=1, queues=("reminders",))
+        assert next_scan().redispatched == 0  # the first look
+        assert next_scan().redispatched == 1

@@ -233,7 +233,7 @@ def test_a_request_that_races_an_uncommitted_one_waits_and_answers_its_task(
     answer: list[Any] = []
     with engine.connect() as first:
         first.begin()
-        row = creation.insert_export(
+        created = creation.insert_export(
             first,
             world.team_id,
             world.staff_id,
@@ -244,7 +244,7 @@ def test_a_request_that_races_an_uncommitted_one_waits_and_answers_its_task(
             service.TASK_COLUMNS,
             first_key,
         )
-        assert row is not None
+        assert created.row is not None
         racer = threading.Thread(
             target=lambda: answer.append(post_export(client, world.team_id, tokens["staff"], key))
         )
@@ -258,7 +258,7 @@ def test_a_request_that_races_an_uncommitted_one_waits_and_answers_its_task(
             racer.join(timeout=30)
     assert len(answer) == 1 and answer[0].status_code == 201, answer
     assert answer[0].headers[REPLAYED] == "true"
-    assert answer[0].json()["id"] == str(row["id"])
+    assert answer[0].json()["id"] == str(created.row["id"])
     assert count_tasks(engine) == 1 and len(key_rows(engine)) == 1
 
 

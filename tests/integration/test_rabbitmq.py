@@ -1,5 +1,5 @@
-"""BROKER_URL may point at RabbitMQ; Redis stays for results, heartbeats and markers. The
-virtual host is the cluster's own, named like QUEUE_PREFIX (teamdesk/config.py)."""
+"""BROKER_URL may point at RabbitMQ; Redis stays for results and heartbeats. The virtual
+host is the cluster's own, named like QUEUE_PREFIX (teamdesk/config.py)."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from harness.waiting import wait_for
 from ledger import service
 from tasks import queueing
 from tasks.names import PROGRESS_EVENT
-from teamdesk import config, hooks
+from teamdesk import hooks
 from teamdesk.heartbeat import Heartbeat
+from tests.support.celery_tools import rabbit_queue_counts
 from tests.support.celery_tools import rabbit_vhost as throwaway_vhost
-from tests.support.dispatch_scan import long_up
+from tests.support.dispatch_scan import dispatcher, long_up
 from tests.support.dispatching import running_cluster
 from tests.support.gates import Gate
-from tests.support.queues import marker_present
 from tests.support.scenario import event_records
 from tests.support.workers import EventLog, running_worker
 
@@ -62,36 +62,42 @@ def test_worker_on_rabbitmq_completes_an_export(
     assert progress == ["40% (100/250 rows)", "80% (200/250 rows)"]
     assert AsyncResult(message, app=app).state == "PENDING"  # successes are not stored
     assert row["dispatched_at"] is not None  # the dispatcher published it
-    assert not marker_present(redis_client, config.get_settings().queue_prefix, task_id, 0)
+    counts = rabbit_queue_counts(rabbit_vhost, "exports")
+    assert (counts["ready"], counts["unacked"]) == (0, 0)
 
 
-def test_markers_lost_with_the_messages_kept_cost_one_republish_and_nothing_runs_twice(
+def test_a_run_past_lost_after_in_a_queue_that_holds_messages_is_published_again_once(
     engine: sa.Engine,
     world: World,
     make_app: Callable[..., Celery],
     rabbit_vhost: str,
-    redis_client: redis.Redis,
-    queue_prefix: str,
     offer: Callable[..., Heartbeat],
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """On RabbitMQ the queued markers live in Redis, another failure domain than the
-    messages. Redis loses them (a restart, an eviction) while RabbitMQ keeps the window's
-    message: the dispatcher publishes the run again, with a new stamp. Both messages are
-    then delivered at once, to two slots: the old one claims nothing, and the new one's
-    execution (parked at a gate meanwhile) is never interrupted: the task runs once."""
+    """RabbitMQ counts the messages ready, it cannot say which: while the queue holds one,
+    a published run is published again only once its stamp is past LOST_AFTER (here made
+    0 s), with a new stamp. Both messages are then delivered at once, to two slots: the
+    old one claims nothing, and the new one's execution (parked at a gate meanwhile) is
+    never interrupted: the task runs once."""
     app = make_app(broker_url=f"amqp://guest:guest@127.0.0.1:5672/{rabbit_vhost}")
     offer(concurrency=1)
     with engine.begin() as conn:
         add_tickets(conn, world.team_id, world.customer_id, 3)
         task_id = service.create_export(conn, world.team_id, world.staff_id, "TEAM", {})
     assert run_once(app, uptime=long_up).dispatched == 1
-    for key in redis_client.scan_iter(match=f"{queue_prefix}:queued:*"):
-        redis_client.delete(key)
     monkeypatch.setattr(scan_module, "PUBLISH_GRACE_S", 0.0)
-    again = run_once(app, uptime=long_up)
-    assert (again.redispatched, again.dispatched) == (1, 0)
+    first = task_row(engine, task_id)["dispatched_at"]
+    with dispatcher(app) as next_scan:
+        for _ in range(2):  # the queue holds a message: nothing is judged missing
+            counts = next_scan()
+            assert (counts.redispatched, counts.overdue) == (0, 0)
+        assert task_row(engine, task_id)["dispatched_at"] == first
+        monkeypatch.setattr(scan_module, "LOST_AFTER_MIN_S", 0.0)
+        monkeypatch.setattr(scan_module, "LOST_AFTER_FACTOR", 0)
+        again = next_scan()
+    assert (again.redispatched, again.overdue, again.missing_from_broker) == (1, 1, 0)
+    assert rabbit_queue_counts(rabbit_vhost, "exports")["ready"] == 2
     current = task_row(engine, task_id)["dispatched_at"]
     running = Gate("the claiming execution, after its read")
     claims: list[object] = []

@@ -29,7 +29,7 @@ from ledger import service
 from tasks import queueing
 from teamdesk import config, hooks
 from tests.support.gates import Gate
-from tests.support.queues import marker_present, send_message
+from tests.support.queues import broker_holds, send_message
 from tests.support.scenario import outcomes, side_effects
 from tests.support.workers import EventLog, running_worker
 
@@ -125,7 +125,7 @@ def test_stalled_execution_is_taken_over_and_its_late_error_writes_nothing(
             lambda: broker_state(redis_client, prefix, queue) == (0, 0), what="both acknowledged"
         )
         assert AsyncResult(message, app=app).state == "PENDING"  # successes are not stored
-        assert not marker_present(redis_client, prefix, task_id, 0)
+        assert not broker_holds(redis_client, prefix, task_id, 0)
         if ticket:
             after = side_effects(engine, ticket)
             assert before is not None

@@ -2,17 +2,15 @@
 that reads it (tasks/queueing.py, ``stamp_text``; docs/design.md, "Dispatch", step 2).
 
 The dispatcher reads ``dispatched_at`` back as a timestamp in its session's time zone.
-Before, the stamp a message and its marker carry was that value's ``isoformat()``, UTC
-offset included, and the scan compared it as text: a dispatcher whose session has another
-``TimeZone`` (a new leader, a database or role default changed, another server behind a
-pooler) took every marker and every message of the window for another publish's, and
-published every run again, once."""
+A stamp rendered with its UTC offset and compared as text would make a dispatcher whose
+session has another ``TimeZone`` (a new leader, a database or role default changed,
+another server behind a pooler) take every message of the window for another publish's,
+and publish every run again, once."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -20,13 +18,9 @@ import sqlalchemy as sa
 from celery import Celery
 
 from dispatcher import scan as scan_module
-from dispatcher.context import Cluster
-from dispatcher.scan import ScanCounts, scan
-from dispatcher.window import Window
 from harness.factories import World, task_row
-from teamdesk.config import get_settings
 from teamdesk.heartbeat import Heartbeat
-from tests.support.dispatch_scan import ids, long_up, messages, waiting_rows
+from tests.support.dispatch_scan import dispatcher, ids, messages, waiting_rows
 
 KOLKATA = "Asia/Kolkata"  # UTC+05:30
 
@@ -37,17 +31,6 @@ def set_time_zone(engine: sa.Engine, zone: str) -> None:
         name = conn.execute(sa.text("SELECT current_database()")).scalar_one()
         conn.execute(sa.text(f"ALTER DATABASE \"{name}\" SET TimeZone = '{zone}'"))
         conn.commit()
-
-
-@contextmanager
-def dispatcher(app: Celery) -> Iterator[Callable[[], ScanCounts]]:
-    """A dispatcher with an engine (database sessions) of its own, as a new leader has."""
-    cluster = Cluster(app, get_settings())
-    window = Window(cluster)
-    try:
-        yield lambda: scan(cluster, window, uptime=long_up)
-    finally:
-        cluster.close()
 
 
 def stamps(engine: sa.Engine, task_ids: list[uuid.UUID]) -> dict[uuid.UUID, object]:

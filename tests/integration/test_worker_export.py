@@ -18,7 +18,7 @@ from tasks import queueing
 from tasks.names import PROGRESS_EVENT
 from teamdesk import config
 from tests.support.dispatching import running_cluster
-from tests.support.queues import marker_present
+from tests.support.queues import broker_holds
 from tests.support.workers import EventLog
 
 
@@ -59,4 +59,4 @@ def test_export_completes_and_progress_reaches_flower(
     )
     assert AsyncResult(message, app=celery_app).state == "PENDING"  # nothing stored
     assert row["dispatched_at"] is not None  # the dispatcher published it
-    assert not marker_present(redis_client, config.get_settings().queue_prefix, task_id, 0)
+    assert not broker_holds(redis_client, config.get_settings().queue_prefix, task_id, 0)

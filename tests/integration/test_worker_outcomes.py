@@ -32,7 +32,7 @@ from tasks import queueing
 from teamdesk import config, db, hooks
 from tests.support.dispatching import running_cluster
 from tests.support.gates import Gate
-from tests.support.queues import marker_present, send_message
+from tests.support.queues import broker_holds, send_message
 from tests.support.scenario import event_records, field, outcomes, side_effects
 from tests.support.workers import EventLog
 
@@ -107,7 +107,7 @@ def test_transient_error_retries_once_after_backoff(
     assert "database connection reset" not in caplog.text
     assert len(event_records(caplog, "task.completed", task_id)) == 1
     settings = config.get_settings()
-    assert not marker_present(redis_client, settings.queue_prefix, task_id, 0)
+    assert not broker_holds(redis_client, settings.queue_prefix, task_id, 0)
 
 
 @pytest.mark.parametrize(
@@ -418,8 +418,8 @@ def test_a_claim_that_fails_never_strands_the_run(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The database drops while a message is being claimed: nothing is written, the message
-    ends (RETRY) and takes its queued marker with it, so the dispatcher's scan sees the
-    published run's message as lost and publishes it again."""
+    ends (RETRY) and leaves the broker, so the dispatcher's scan finds the published run's
+    message missing and publishes it again."""
     monkeypatch.setattr(scan_module, "PUBLISH_GRACE_S", 0.0)
     app = make_app(scan_interval_s=0.3)
     with engine.begin() as conn:
@@ -466,7 +466,7 @@ def test_a_claim_that_fails_never_strands_the_run(
         "ConnectionError",
     )
     settings = config.get_settings()
-    assert not marker_present(redis_client, settings.queue_prefix, task_id, 0)
+    assert not broker_holds(redis_client, settings.queue_prefix, task_id, 0)
 
 
 def test_a_claim_failing_for_a_lasting_cause_fails_its_attempt_and_the_run_recovers(

@@ -49,7 +49,7 @@ from tests.support.operator_commands import (
     not_json,
     records,
 )
-from tests.support.queues import markers, publish_stamped
+from tests.support.queues import held_ids, publish_stamped
 
 pytestmark = pytest.mark.slow
 
@@ -134,7 +134,7 @@ def test_a_message_without_a_stamp_is_refused_and_changes_nothing(
     assert task_row(engine, task_id) == before
     assert audit_events(engine, task_id) == []
     assert notifications(engine, task_id) == 0
-    assert markers(redis_client, settings.queue_prefix) == set()
+    assert held_ids(redis_client, settings.queue_prefix) == set()
     warned = loud(lines)
     assert [line["event"] for line in warned] == ["task.refused"]
     assert warned[0]["level"] == "warn" and warned[0]["reason"]
@@ -221,7 +221,7 @@ def test_malformed_args_are_refused_with_one_warning_each_and_nothing_written(
         assert_acknowledged(redis_client, settings.queue_prefix)
         assert audit_events(engine, task_id) == []
         assert notifications(engine, task_id) == 0
-        assert markers(redis_client, settings.queue_prefix) == set()
+        assert held_ids(redis_client, settings.queue_prefix) == set()
         assert worker.events("task.started") == []
         assert "Traceback" not in worker.output()
         assert not_json(worker) == []

@@ -1,10 +1,10 @@
 """``celery -A tasks purge`` is a loss the cluster recovers from in seconds (issue 22,
-finding 1): the dispatcher observes what the broker holds, not only its own queued markers.
+finding 1): the dispatcher observes what the broker holds.
 
-Real processes with the default timings (``STALE_AFTER_S`` 120: the markers live 600 s):
-a ``celery -A tasks worker`` and ``celery -A tasks beat``. The worker's consumer for
+Real processes with the default timings (``STALE_AFTER_S`` 120: LOST_AFTER is 600 s): a
+``celery -A tasks worker`` and ``celery -A tasks beat``. The worker's consumer for
 ``exports`` is cancelled with ``celery control cancel_consumer``; six exports are created
-and published; ``celery purge -f -Q exports`` empties the queue while their markers stand;
+and published; ``celery purge -f -Q exports`` empties the queue;
 ``celery control add_consumer`` resumes the worker. Every export must complete within the
 goal (SCAN_INTERVAL_S + a few seconds; the timeout here only detects a miss), each with one
 claim and one execution, and the queue ends empty.
@@ -14,7 +14,7 @@ consume (issue 22: a cancelled consumer leaves its queue's window), so with the 
 window nothing would be published while the consumer is cancelled, and the purge would
 find nothing to remove. A fixed window is published whoever consumes.
 
-On the code before issue 22 the runs stayed WAITING behind their markers (10 minutes).
+A recovery that waited for LOST_AFTER would take 10 minutes.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from ledger import service
 from teamdesk.config import Settings
 from tests.support.celery_tools import consumer, purge, rabbit_queue_counts, rabbit_vhost
 from tests.support.operator_commands import node_of
-from tests.support.queues import marker_present, queue_key, queued_ids
+from tests.support.queues import queue_key, queued_ids
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +111,6 @@ def purge_while_cancelled(
     engine: sa.Engine,
     world: World,
     s: Settings,
-    redis_client: redis.Redis,
     queue: BrokerQueue,
     tmp_path: Path,
 ) -> Outcome:
@@ -131,14 +130,10 @@ def purge_while_cancelled(
         ids = create_exports(engine, world, EXPORTS)
         messages = [f"{task_id}-0" for task_id in ids]
         wait_for(
-            lambda: (
-                None not in stamps(engine, ids).values()
-                and all(marker_present(redis_client, s.queue_prefix, i, 0) for i in ids)
-                and queue.holds(messages)
-            ),
+            lambda: None not in stamps(engine, ids).values() and queue.holds(messages),
             timeout=20,
             interval=0.1,
-            what="the six exports published, marked, and waiting in the broker's queue",
+            what="the six exports published and waiting in the broker's queue",
         )
         published = stamps(engine, ids)
         assert statuses(engine, ids) == {"WAITING"}
@@ -147,7 +142,6 @@ def purge_while_cancelled(
         assert f"Purged {EXPORTS} messages" in purge(s, QUEUE)
         assert queue.empty()  # the messages are gone; the ledger still says published
         assert stamps(engine, ids) == published
-        assert all(marker_present(redis_client, s.queue_prefix, i, 0) for i in ids)
 
         consumer(s, node, "add_consumer", QUEUE)
         resumed = time.monotonic()
@@ -178,8 +172,7 @@ def assert_each_ran_once(engine: sa.Engine, outcome: Outcome) -> None:
         assert len(started) == 1, started
     assert outcome.worker.events("task.lease_lost") == []
     scans = outcome.beat.events("dispatcher.scan")
-    # The dispatcher published each purged run once more, having looked at the broker
-    # (the markers still stood).
+    # The dispatcher published each purged run once more, having looked at the broker.
     assert sum(e.get("redispatched", 0) for e in scans) == EXPORTS
     assert sum(e.get("missing_from_broker", 0) for e in scans) == EXPORTS
     assert outcome.took_s < GOAL_S
@@ -193,7 +186,7 @@ def test_a_purge_on_redis_is_published_again_and_every_run_completes_once(
     tmp_path: Path,
 ) -> None:
     queue = redis_queue(redis_client, settings.queue_prefix)
-    outcome = purge_while_cancelled(engine, world, settings, redis_client, queue, tmp_path)
+    outcome = purge_while_cancelled(engine, world, settings, queue, tmp_path)
     assert_each_ran_once(engine, outcome)
     # The broker's list and unacked hash are read message by message: nothing that the
     # broker still held was published twice, so no delivery found its run taken.
@@ -205,15 +198,12 @@ def test_a_purge_on_rabbitmq_is_published_again_and_every_run_completes_once(
     engine: sa.Engine,
     world: World,
     settings: Settings,
-    redis_client: redis.Redis,
     queue_prefix: str,
     tmp_path: Path,
 ) -> None:
-    """The markers live in REDIS_URL, another server than the messages: the purge leaves
-    them all standing."""
+    """RabbitMQ only counts: the queue seen empty in two looks says every run lost its
+    message."""
     with rabbit_vhost(queue_prefix) as vhost:
         s = settings.with_overrides(broker_url=f"amqp://guest:guest@127.0.0.1:5672/{vhost}")
-        outcome = purge_while_cancelled(
-            engine, world, s, redis_client, rabbit_queue(vhost), tmp_path
-        )
+        outcome = purge_while_cancelled(engine, world, s, rabbit_queue(vhost), tmp_path)
     assert_each_ran_once(engine, outcome)

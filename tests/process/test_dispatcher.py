@@ -4,8 +4,8 @@ subprocesses, real signals (docs/design.md, "Dispatch").
 - workers split by queue (``-Q exports`` / ``-Q reminders``) plus beat run everything, and
   a queue nobody consumes is reported by the dispatcher, the CLI and the API;
 - a standby beat takes over from a SIGKILLed leader, and at once from a SIGTERMed one;
-- a beat SIGKILLed in the middle of a publish (between its stamp and its send, and
-  between its send and its markers) strands nothing;
+- a beat SIGKILLed in the middle of a publish (between its stamp and its send) strands
+  nothing;
 - a Redis restart (broker, results, heartbeats, the lock: all lost) costs seconds, and no
   process exits;
 - a dispatcher and a worker whose clocks are 150 s off never take a live lease, and
@@ -185,18 +185,16 @@ def test_a_standby_beat_takes_over_from_a_killed_leader_and_at_once_from_a_stopp
     assert events_of(engine, task_id) == events_of(engine, later) == ["CLAIM", "COMPLETE"]
 
 
-@pytest.mark.parametrize("point", ["dispatcher.before_publish", "dispatcher.before_markers"])
 def test_a_beat_killed_in_the_middle_of_a_publish_strands_nothing(
     engine: sa.Engine,
     seeded: World,
     settings: Settings,
     redis_client: redis.Redis,
     tmp_path: Path,
-    point: str,
 ) -> None:
-    """The first beat stamps the run and stops at ``point`` (before the send, or after the
-    send and before the marker); it is SIGKILLed there. A new beat completes the run,
-    which is claimed exactly once."""
+    """The first beat stamps the run and stops before the send; it is SIGKILLed there. A
+    new beat completes the run, which is claimed exactly once."""
+    point = "dispatcher.before_publish"
     s = fast(settings)
     gate = RemoteGate(redis_client, s.queue_prefix, point)
     gated = settings_env(s, TEAMDESK_TEST_HOOKS=GATES, TEAMDESK_TEST_GATES=point)
@@ -221,7 +219,7 @@ def test_a_beat_killed_in_the_middle_of_a_publish_strands_nothing(
 def test_a_redis_restart_costs_seconds_and_no_process_exits(
     engine: sa.Engine, seeded: World, settings: Settings, tmp_path: Path
 ) -> None:
-    """Broker, results, heartbeats, markers and the leader lock live in one Redis without
+    """Broker, results, heartbeats and the leader lock live in one Redis without
     persistence. With the worker frozen the window fills up; Redis restarts (down 2 s) and
     the window's messages are gone. The dispatcher publishes them again and every task
     completes, each exactly once, within seconds of Redis answering; no process exits."""

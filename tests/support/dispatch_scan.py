@@ -6,13 +6,20 @@ window those scans fill is the ``offer`` fixture (tests/integration/conftest.py)
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
 import sqlalchemy as sa
+from celery import Celery
 
+from dispatcher.context import Cluster
+from dispatcher.scan import ScanCounts, scan
+from dispatcher.window import Window
 from harness.factories import World, add_member, add_user, insert_task
 from ledger import lease
+from teamdesk.config import get_settings
 from tests.support.queues import all_task_messages, message_ids
 
 LONG_UP = 3600.0  # an injected heartbeat-record age well past HEARTBEAT_TTL_S
@@ -20,6 +27,20 @@ LONG_UP = 3600.0  # an injected heartbeat-record age well past HEARTBEAT_TTL_S
 
 def long_up(_client: redis.Redis) -> float:
     return LONG_UP
+
+
+@contextmanager
+def dispatcher(app: Celery, **overrides: Any) -> Iterator[Callable[[], ScanCounts]]:
+    """Scans of one dispatcher: one cluster and one window, remembered between scans (a
+    message is judged lost only when two looks a scan apart miss it). No team cap unless
+    ``team_max_running`` is given."""
+    overrides.setdefault("team_max_running", 0)
+    cluster = Cluster(app, get_settings().with_overrides(**overrides))
+    window = Window(cluster)
+    try:
+        yield lambda: scan(cluster, window, uptime=long_up)
+    finally:
+        cluster.close()
 
 
 def waiting_rows(

@@ -1,4 +1,4 @@
-"""Reading what the broker holds: the Redis lists of our queues and the queued markers."""
+"""Reading what the broker holds: the Redis lists of our queues and kombu's unacked hash."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import sqlalchemy as sa
 from celery import Celery
 
 from ledger.dispatch import RunRef
+from tasks.broker_view import UNACKED_KEY
 from tasks.names import EXPORTS_QUEUE, REMINDERS_QUEUE
-from tasks.queueing import marker_key, publish_batch
+from tasks.queueing import publish_batch
 from teamdesk import db
 
 
@@ -38,10 +39,15 @@ def all_task_messages(client: redis.Redis, prefix: str) -> dict[str, list[str]]:
     return {q: queued_ids(client, prefix, q) for q in (EXPORTS_QUEUE, REMINDERS_QUEUE)}
 
 
-def markers(client: redis.Redis, prefix: str) -> set[str]:
-    """Message ids whose queued marker is set."""
-    head = f"{prefix}:queued:"
-    return {str(k)[len(head) :] for k in client.scan_iter(match=f"{head}*", count=1000)}
+def held_ids(client: redis.Redis, prefix: str) -> set[str]:
+    """Message ids the broker holds: waiting in a task queue or delivered, unacknowledged."""
+    waiting = {i for ids in all_task_messages(client, prefix).values() for i in ids}
+    delivered = set()
+    for entry in client.hvals(f"{prefix}:{UNACKED_KEY}"):
+        message = json.loads(entry)[0]  # kombu's [message, exchange, routing key]
+        message = json.loads(message) if isinstance(message, (str, bytes)) else message
+        delivered.add(message["headers"]["id"])
+    return waiting | delivered
 
 
 def message_ids(rows: Iterable[tuple[uuid.UUID, int]]) -> list[str]:
@@ -97,9 +103,6 @@ def resend_stamped(
     publish_batch(app, [RunRef(task_id, run, kind, stamp=stamp)])
 
 
-def marker_present(client: redis.Redis, prefix: str, task_id: uuid.UUID, run: int) -> bool:
-    """A marker stands for a queued message (an ``ended <stamp>`` marker does not: its
-    message has ended, tasks/queueing.py)."""
-    value = client.get(marker_key(task_id, run, prefix))
-    text = value.decode() if isinstance(value, bytes) else value
-    return text is not None and not str(text).startswith("ended ")
+def broker_holds(client: redis.Redis, prefix: str, task_id: uuid.UUID, run: int) -> bool:
+    """The broker holds a message for this run (waiting, or delivered and unacknowledged)."""
+    return f"{task_id}-{run}" in held_ids(client, prefix)

@@ -3,7 +3,7 @@
 - deploy/redis/users.acl is the command's output for the default prefix, placeholders
   for the passwords;
 - the rules name the keys and channels the code uses (rate limits, the leader lock, the
-  markers, the heartbeats, kombu's keys, Celery's exchanges), each for the roles that
+  heartbeats, kombu's keys, Celery's exchanges), each for the roles that
   use it, read-only where a role only reads;
 - no role may SELECT another database than the cluster's (none at all on database 0), and
   each may run only the script commands its code runs (the table below);
@@ -30,7 +30,6 @@ from dispatcher.leader import leader_key
 from tasks.broker_view import UNACKED_KEY
 from tasks.celery_app import celery_config
 from tasks.names import TASK_QUEUES
-from tasks.queueing import marker_key
 from teamdesk import config, logs
 from teamdesk.config import Settings
 from teamdesk.heartbeat import active_key, holders_key, info_key, tombstone_key
@@ -76,7 +75,6 @@ def test_the_rules_name_the_keys_the_code_uses_for_the_roles_that_use_them() -> 
     keys = {
         "rate limit": RateLimiter(lambda: None, PREFIX).key(Rule("token", 1, 1), "t"),  # type: ignore[arg-type, return-value]
         "leader": leader_key(PREFIX),
-        "marker": marker_key("1f0c", 0, PREFIX),
         "active": active_key(PREFIX),
         "scope": active_key(PREFIX, "host"),
         "holders": holders_key(PREFIX),
@@ -96,7 +94,6 @@ def test_the_rules_name_the_keys_the_code_uses_for_the_roles_that_use_them() -> 
     assert table == {
         "rate limit": ("rw", "", "", ""),
         "leader": ("r", "", "rw", ""),
-        "marker": ("", "rw", "rw", ""),
         "active": ("r", "rw", "r", ""),
         "scope": ("", "rw", "r", ""),
         "holders": ("", "rw", "r", ""),
@@ -155,8 +152,8 @@ def test_each_role_may_run_only_the_script_commands_its_code_runs() -> None:
     only of the commands each role's scripts need (teamdesk/redis_acl.py, SCRIPTS)."""
     assert {role: scripting(role) for role in ROLES} == {
         "api": ["evalsha", "evalsha_ro", "script|load"],
-        "worker": ["eval", "evalsha", "evalsha_ro", "script|load", "script|exists"],
-        "beat": ["eval", "evalsha", "evalsha_ro", "script|load"],
+        "worker": ["evalsha", "evalsha_ro", "script|load", "script|exists"],
+        "beat": ["evalsha", "evalsha_ro", "script|load"],
         "flower": ["evalsha", "script|load", "script|exists"],
     }
 
