@@ -17,9 +17,9 @@ from tasks.names import EXPORTS_QUEUE, QUEUE_OF, REMINDERS_QUEUE
 from teamdesk.config import Settings, get_settings, is_redis_url, is_sentinel_url
 from teamdesk.logs import setup_logging
 from worker import lifecycle
+from worker.life import LifeStep
 from worker.lost import PoolWatch
 from worker.revokes import RevokeWatch
-from worker.steps import LivenessStep
 
 RESULT_EXPIRES = timedelta(days=1)
 # No part of recovery (docs/design.md, "Dispatch", one clock): kombu compares it with each
@@ -102,7 +102,7 @@ def create_app(settings: Settings | None = None) -> Celery:
     app.conf.update(celery_config(settings))
     app.conf.update(beat_config(settings))
     register(app)
-    app.steps["worker"].add(LivenessStep)
+    app.steps["worker"].add(LifeStep)
     app.steps["worker"].add(PoolWatch)
     app.steps["worker"].add(RevokeWatch)
     lifecycle.connect()

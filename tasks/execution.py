@@ -31,7 +31,7 @@ from teamdesk.config import Settings, get_settings
 from teamdesk.db import DATABASE_ERRORS, get_engine, get_execution_engine
 from teamdesk.failures import database_failure
 from teamdesk.logs import log_event
-from worker.steps import lease_holder
+from worker.life import lease_holder
 
 log = logging.getLogger("teamdesk.task")
 

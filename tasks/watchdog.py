@@ -84,12 +84,10 @@ def _cancel(expired: Watch) -> None:
             expired.conn.cancel()
 
 
-def _forget_in_child() -> None:
+def forget_in_child() -> None:
+    """A forked child starts with no watches and no thread (worker/forking.py calls this)."""
     global _cond, _watches, _thread_pid, _wake_at
     _cond, _watches, _thread_pid, _wake_at = threading.Condition(), set(), None, 0.0
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _ensure_thread() -> None:

@@ -1,18 +1,10 @@
-"""A worker's start and stop: the warm drain bounded by ``SHUTDOWN_TIMEOUT_S``, and the exit
-code (docs/design.md, "Shutdown").
-
-Celery leaves a warm shutdown unbounded, and ``worker_soft_shutdown_timeout`` only adds a
-sleep before the cold path cancels work (so it stays 0): past the budget this sends
-SIGQUIT (Celery's cold path), and ``HARD_EXIT_AFTER_S`` later ends the process.
-"""
+"""A worker's start and stop as Celery signals them, handed to its life (worker/life.py),
+and the exit code (docs/design.md, "Shutdown")."""
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import sys
-import threading
 from typing import Any
 
 import celery.apps.worker as celery_worker_program
@@ -27,90 +19,13 @@ from teamdesk import db, hooks, s3_store, tracing_setup
 from teamdesk.config import get_settings
 from teamdesk.logs import log_event
 from teamdesk.version import version
-from worker import lost, revokes
+from worker import forking, lost, revokes
 from worker import metrics as worker_metrics
-from worker.liveness import renew_interval_s
-from worker.steps import current_liveness
+from worker.life import LIFE
 
 log = logging.getLogger("teamdesk.worker")
 
-HARD_EXIT_AFTER_S = 10.0  # after the cold shutdown was requested, if the process still lives
 LOST_REPORTS_WAIT_S = 5.0  # at the stop, for lost pool processes' reports under way
-
-
-class Drain:
-    """This process's stop: when it began, whether it ended cleanly (else exit 1: the
-    budget passed, an operator's cold stop during the drain, or Celery's own failure).
-    During it a thread renews the holder and the running messages' visibility: the
-    worker's own timer stops with the consumer, and each renewal re-registers the holder
-    (so it survives a Redis restart and redoes a removal Redis refused at SIGTERM)."""
-
-    def __init__(self) -> None:
-        self.started = threading.Event()
-        self.finished = threading.Event()
-        self.escalated = threading.Event()
-        self.cold_during_drain = False
-        self.crashed = False  # Celery logged an unrecoverable error
-        self._timers: list[threading.Timer] = []
-
-    def begin(self, signal_name: str | None) -> None:
-
-        self.started.set()
-        settings = get_settings()
-        log_event(log, "worker.stopping", signal=signal_name, budget_s=settings.shutdown_timeout_s)
-        liveness = current_liveness()
-        if liveness is not None:
-            liveness.stop(draining=True)
-            threading.Thread(
-                target=self._keep_alive,
-                args=(liveness,),
-                name="teamdesk-drain-liveness",
-                daemon=True,
-            ).start()
-        self._arm(settings.shutdown_timeout_s, self._escalate)
-
-    def _keep_alive(self, liveness: Any) -> None:
-        interval = renew_interval_s(liveness.settings)
-        while not self.finished.wait(interval):
-            liveness.drain_tick()  # logs its failures itself and keeps trying
-
-    def _arm(self, delay: float, action: Any) -> None:
-        timer = threading.Timer(delay, action)
-        timer.daemon = True
-        timer.start()
-        self._timers.append(timer)
-
-    def _escalate(self) -> None:
-        if self.finished.is_set():
-            return
-        self.escalated.set()
-        log_event(
-            log,
-            "worker.shutdown_timeout",
-            logging.ERROR,
-            budget_s=get_settings().shutdown_timeout_s,
-        )
-        self._arm(HARD_EXIT_AFTER_S, self._hard_exit)
-        os.kill(os.getpid(), signal.SIGQUIT)
-
-    def _hard_exit(self) -> None:
-        if not self.finished.is_set():
-            log_event(log, "worker.stopped", logging.CRITICAL, exit_code=1, forced=True)
-            logging.shutdown()
-            os._exit(1)
-
-    def end(self) -> None:
-
-        self.finished.set()
-        for timer in self._timers:
-            timer.cancel()
-        liveness = current_liveness()
-        if liveness is not None and self.started.is_set():
-            liveness.finish()
-
-    @property
-    def clean(self) -> bool:
-        return not (self.escalated.is_set() or self.cold_during_drain or self.crashed)
 
 
 class _CrashWatch(logging.Filter):
@@ -123,7 +38,7 @@ class _CrashWatch(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= self.level:
-            _drain.crashed = True
+            LIFE.crashed = True
         return True
 
 
@@ -133,7 +48,6 @@ def _say(message: str, *_: Any, **__: Any) -> None:
 
 
 QUEUES = (EXPORTS_QUEUE, REMINDERS_QUEUE)
-_drain = Drain()
 _connected = False
 
 
@@ -185,7 +99,7 @@ def _on_ready(sender: Any = None, **_: Any) -> None:
     except AttributeError:
         queues = []
 
-    liveness = current_liveness()
+    liveness = LIFE.liveness
     log_event(
         log,
         "worker.started",
@@ -199,10 +113,10 @@ def _on_ready(sender: Any = None, **_: Any) -> None:
 
 
 def _on_shutting_down(sig: str | None = None, how: str | None = None, **_: Any) -> None:
-    if how == "Warm" and not _drain.started.is_set():
-        _drain.begin(sig)
-    elif how == "Cold" and _drain.started.is_set() and not _drain.escalated.is_set():
-        _drain.cold_during_drain = True
+    if how == "Warm" and not LIFE.drain_started.is_set():
+        LIFE.drain(sig)
+    elif how == "Cold" and LIFE.drain_started.is_set() and not LIFE.escalated.is_set():
+        LIFE.cold_during_drain = True
         log_event(log, "worker.stopping", logging.WARNING, signal=sig, cold=True)
 
 
@@ -220,21 +134,16 @@ def _remote_shutdown(state: Any, msg: str = "Got shutdown from remote", **kwargs
 
 def _on_shutdown(sender: Any = None, **_: Any) -> None:
     lost.settle(LOST_REPORTS_WAIT_S)
-    _drain.end()
-    if sender is not None and _drain.started.is_set():
+    LIFE.end()
+    if sender is not None and LIFE.drain_started.is_set():
         # Celery gives a first SIGINT exit code 1 even when the drain ends cleanly; a
         # deploy or Ctrl-C that finished its work exits 0, anything else exits 1.
-        sender.exitcode = 0 if _drain.clean else 1
-    elif sender is not None and _drain.crashed:
+        sender.exitcode = 0 if LIFE.clean else 1
+    elif sender is not None and LIFE.crashed:
         sender.exitcode = 1
     code = getattr(sender, "exitcode", 0) or 0
     db.reset_engine(dispose=True)
     log_event(log, "worker.stopped", logging.ERROR if code else logging.INFO, exit_code=code)
-
-
-def _on_child_init(**_: Any) -> None:
-    # A pool child must not reuse the parent's pooled connections (shared sockets).
-    db.reset_engine(dispose=True)
 
 
 def _on_child_exit(**_: Any) -> None:
@@ -277,7 +186,7 @@ def connect() -> None:
     signals.worker_ready.connect(_on_ready, weak=False)
     signals.worker_shutting_down.connect(_on_shutting_down, weak=False)
     signals.worker_shutdown.connect(_on_shutdown, weak=False)
-    signals.worker_process_init.connect(_on_child_init, weak=False)
+    forking.connect()
     signals.worker_process_shutdown.connect(_on_child_exit, weak=False)
     signals.task_failure.connect(_on_task_failure, weak=False)
     worker_metrics.connect()

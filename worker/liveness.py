@@ -1,5 +1,5 @@
-"""A worker process's liveness: its heartbeat member, its messages' visibility, and the
-database check that gates intake (docs/design.md, "Heartbeats"; why a thread of the main
+"""A worker process's liveness: its heartbeat member and the database check that gates
+intake (docs/design.md, "Heartbeats"; why a thread of the main
 process and not beat or Celery's timer: docs/decisions.md, "Workers").
 
 The check never runs on the renewal's thread, because nothing bounds it as a whole:
@@ -11,24 +11,21 @@ pool is full. A renewal that waited for it let the member expire (issue 34).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
-
-from celery.worker import state
+from collections.abc import Callable
+from typing import TypeVar
 
 from teamdesk import metrics
-from teamdesk.config import Settings, is_redis_url
+from teamdesk.config import Settings
 from teamdesk.db import select_one
 from teamdesk.heartbeat import Heartbeat, WorkerSlots
 from teamdesk.logs import log_event
 from teamdesk.redis_client import redis_client
+from worker.forking import fork_guard
 
 log = logging.getLogger("teamdesk.worker")
 
-UNACKED_INDEX = "unacked_index"  # kombu's default transport option unacked_index_key
 PING_TIMEOUT_S = 2
 RENEW_TIMEOUT_S = 1.0  # fail fast: a slow renewal delays the next one and a stop
 # What a database check takes at most when libpq keeps its own bounds (one host: the
@@ -36,41 +33,6 @@ RENEW_TIMEOUT_S = 1.0  # fail fast: a slow renewal delays the next one and a sto
 CHECK_S = 2 * PING_TIMEOUT_S
 
 T = TypeVar("T")
-
-
-class ForkGuard:
-    """Held around the metric and log calls of this process's own threads, and across a
-    fork: billiard forks replacement pool processes from the main thread at any time, and
-    a child that inherited a lock held at that moment (prometheus_client's multiprocess
-    values share one) hangs on its first task's metrics. The child gets a new one.
-
-    Re-entrant: the SIGTERM handler (worker/lifecycle.py) logs under it on the main
-    thread, and may interrupt that thread while it holds the guard (in
-    ``Intake.follow(at_once=True)``, or the fork's ``before`` hook)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        os.register_at_fork(
-            before=self._acquire, after_in_parent=self._release, after_in_child=self._reset
-        )
-
-    def _acquire(self) -> None:
-        self._lock.acquire()
-
-    def _release(self) -> None:
-        self._lock.release()
-
-    def _reset(self) -> None:
-        self._lock = threading.RLock()
-
-    def __enter__(self) -> None:
-        self._lock.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-
-
-fork_guard = ForkGuard()
 
 
 def renew_interval_s(settings: Settings) -> float:
@@ -99,8 +61,6 @@ class Liveness:
     def __init__(
         self,
         settings: Settings,
-        delivery_tags: Callable[[], Iterable[str]],
-        renew_visibility: bool = True,
         consumes: WorkerSlots | None = None,
         offer: Callable[[], WorkerSlots] | None = None,
     ) -> None:
@@ -114,13 +74,6 @@ class Liveness:
             settings.heartbeat_ttl_s,
             consumes,
         )
-        self.delivery_tags = delivery_tags
-        self.broker = (
-            redis_client(settings, settings.broker_url, RENEW_TIMEOUT_S)
-            if is_redis_url(settings.broker_url)
-            else None
-        )
-        self.renew_visibility = renew_visibility and self.broker is not None
         self.registered = False  # the last heartbeat renewal succeeded
         self.clock: Callable[[], float] = time.monotonic  # for the database check's bound
         self.database_bound_s = database_bound_s(settings)
@@ -157,9 +110,8 @@ class Liveness:
         return self.registered and self.database_ok
 
     def tick(self) -> None:
-        """One renewal of each kind (Redis alone: nothing here waits on the database);
-        errors are logged and never raised."""
-        self._attempt("visibility", self.keep_messages)
+        """One renewal (Redis alone: nothing here waits on the database); errors are
+        logged and never raised."""
         if self.heartbeat.stopping:
             return
         self.registered = self._attempt("renew", self._renew) is True
@@ -240,18 +192,6 @@ class Liveness:
                 log_event(log, "heartbeat.failed", logging.WARNING, error=error, stage=stage)
             self._failing.add(stage)
 
-    def keep_messages(self) -> None:
-        """Move this process's unacknowledged messages' score (their delivery time) in
-        kombu's ``unacked_index`` to now, so one running past ``visibility_timeout`` is not
-        handed to another consumer."""
-        if not self.renew_visibility or self.broker is None:
-            return
-        tags = list(self.delivery_tags())
-        if tags:
-            key = f"{self.settings.queue_prefix}:{UNACKED_INDEX}"
-            now = time.time()
-            self.broker.zadd(key, dict.fromkeys(tags, now), xx=True)
-
     def stop(self, draining: bool = False) -> None:
         """Remove this process's member from the active sets, once (``draining``: it stays
         a lease holder). Once a drain began, a plain stop (the bootstep's) leaves it
@@ -265,23 +205,9 @@ class Liveness:
             self._removed = removed is not None
 
     def drain_tick(self) -> None:
-        """While draining: renew the messages' visibility and the holder (each on its own;
-        never raises)."""
-        self._attempt("visibility", self.keep_messages)
+        """While draining: renew the holder (never raises)."""
         self._attempt("drain", self.heartbeat.renew_draining)
 
     def finish(self) -> None:
         """The drain is over: nothing of this process is alive any more."""
         self._attempt("finish", self.heartbeat.finish)
-
-
-def held_delivery_tags() -> list[str]:
-    """Delivery tags of the messages this worker has received and not yet acknowledged."""
-
-    tags: list[str] = []
-    for request in list(state.active_requests) + list(state.reserved_requests):
-        message: Any = getattr(request, "message", None)
-        tag = getattr(message, "delivery_tag", None)
-        if tag:
-            tags.append(str(tag))
-    return tags

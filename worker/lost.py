@@ -33,7 +33,7 @@ from tasks import delivery
 from teamdesk.config import Settings, get_settings
 from teamdesk.db import KEEPALIVES, libpq_url
 from teamdesk.logs import log_event
-from worker.liveness import fork_guard
+from worker.forking import fork_guard
 
 log = logging.getLogger("teamdesk.worker")
 

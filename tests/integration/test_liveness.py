@@ -1,8 +1,7 @@
 """One worker process's renewals (worker/liveness.py) against the real Redis and
-PostgreSQL: the heartbeat and the visibility of its messages fail independently, a
-heartbeat that could not be renewed says so, and the database check runs where it cannot
-delay a renewal: a check that never returns pauses intake once its bound has passed, and
-the heartbeat goes on (docs/design.md, "Heartbeats"; issue 34)."""
+PostgreSQL: a heartbeat that could not be renewed says so, and the database check runs
+where it cannot delay a renewal: a check that never returns pauses intake once its bound
+has passed, and the heartbeat goes on (docs/design.md, "Heartbeats"; issue 34)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from teamdesk.config import Settings
 from teamdesk.heartbeat import lease_holders_alive, live_members
 from tests.support.queues import closed_port
 from tests.support.workers import running_worker
-from worker import steps
+from worker import life
 from worker.liveness import Liveness, renew_interval_s
 
 GATE_TIMEOUT_S = 10.0
@@ -65,38 +64,20 @@ class FakeClock:
         return self.now
 
 
-def test_a_broker_error_does_not_stop_the_heartbeat(
-    settings: Settings, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
-) -> None:
-    broken = settings.with_overrides(broker_url=f"redis://127.0.0.1:{closed_port()}/0")
-    liveness = Liveness(broken, lambda: ["delivery-tag-1"])
-    try:
-        with caplog.at_level(logging.WARNING):
-            liveness.tick()
-            liveness.tick()
-
-        assert live_members(redis_client, settings.queue_prefix) == {liveness.member}
-        assert liveness.registered is True
-        assert failures(caplog) == ["visibility"]  # once per outage, not once per tick
-    finally:
-        liveness.stop()
-    assert live_members(redis_client, settings.queue_prefix) == set()
-
-
 def test_a_database_that_refuses_new_connections_pauses_intake_not_the_heartbeat(
     settings: Settings, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     refused = settings.with_overrides(
         database_url=f"postgresql://postgres@127.0.0.1:{closed_port()}/nowhere"
     )
-    liveness = Liveness(refused, lambda: [])
+    liveness = Liveness(refused)
     try:
         with caplog.at_level(logging.WARNING):
             for _ in range(2):
                 liveness.check_database()  # on the check's own thread in a worker
                 liveness.tick()
 
-        # Alive, and its leases with it: only new messages wait (worker/steps.py, Intake).
+        # Alive, and its leases with it: only new messages wait (worker/life.py, Intake).
         assert live_members(redis_client, settings.queue_prefix) == {liveness.member}
         assert (liveness.registered, liveness.database_ok) == (True, False)
         assert liveness.may_take_work is False
@@ -110,7 +91,7 @@ def test_a_renewal_never_waits_on_the_database_check(
 ) -> None:
     """Before, the tick ran the check itself after the renewal: one that hung in a
     pooler's queue held the next renewal until the member had expired."""
-    liveness = Liveness(settings.with_overrides(heartbeat_ttl_s=2.0), lambda: [])
+    liveness = Liveness(settings.with_overrides(heartbeat_ttl_s=2.0))
     hung = HungCheck()
     monkeypatch.setattr(liveness, "_check_database", hung)
     try:
@@ -134,7 +115,7 @@ def test_a_check_that_never_returns_pauses_intake_once_its_bound_has_passed(
     PING_TIMEOUT_S, and the test moves time across it while the check hangs on a thread
     of its own and the renewals go on."""
     s = settings.with_overrides(heartbeat_ttl_s=2.0)
-    liveness = Liveness(s, lambda: [])
+    liveness = Liveness(s)
     clock = FakeClock()
     liveness.clock = clock
     hung = HungCheck(answered=1)
@@ -187,7 +168,7 @@ def test_a_check_that_never_returns_pauses_intake_once_its_bound_has_passed(
 
 
 def checking_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == steps.CHECKS and t.is_alive()]
+    return [t for t in threading.enumerate() if t.name == life.CHECKS and t.is_alive()]
 
 
 def test_the_database_check_has_its_own_thread_that_ends_with_the_worker(
@@ -198,7 +179,7 @@ def test_the_database_check_has_its_own_thread_that_ends_with_the_worker(
     end): nothing checks a database the test is about to drop."""
     assert checking_threads() == [], "a check thread left over from an earlier test"
     with running_worker(celery_app):
-        liveness = steps.current_liveness()
+        liveness = life.current_liveness()
         assert liveness is not None
         assert liveness.checked.is_set() and liveness.may_take_work
         assert len(checking_threads()) == 1
@@ -211,7 +192,7 @@ def test_a_check_that_ends_after_the_stop_changes_and_logs_nothing(
     """The step does not wait for a hung check to remove the member, nor for longer than
     a check's own bounds; when one ends later (the test's database dropped meanwhile),
     it logs nothing into later output and leaves the gate closed."""
-    liveness = Liveness(settings, lambda: [])
+    liveness = Liveness(settings)
     hung = HungCheck()
     liveness._check_database = hung  # type: ignore[method-assign]
     checker = threading.Thread(target=liveness.check_database, name="test-check")

@@ -16,7 +16,7 @@ from harness.factories import World, insert_task
 from ledger import lease
 from teamdesk.config import Settings
 from tests.support.mute_proxy import mute_proxy
-from worker.liveness import fork_guard
+from worker.forking import fork_guard
 from worker.lost import LostExecution, LostReports
 
 GUARD_WAIT_S = 2.0  # far less than the report's own bounds (connect 2 s + statement 60 s)

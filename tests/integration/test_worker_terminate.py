@@ -17,7 +17,7 @@ from celery import Celery
 from teamdesk.config import Settings
 from teamdesk.heartbeat import live_members, read_lease_holders, tombstone_key
 from tests.support.workers import running_worker
-from worker import steps
+from worker import life
 
 THREAD = "teamdesk-liveness"
 
@@ -31,12 +31,12 @@ def test_a_terminated_worker_stops_renewing_and_stays_a_holder_until_it_expires(
 ) -> None:
     assert renewal_threads() == [], "a renewal thread left over from an earlier test"
     with running_worker(celery_app):
-        member = steps.lease_holder()
+        member = life.lease_holder()
         assert member is not None
         assert len(renewal_threads()) == 1
         assert live_members(redis_client, settings.queue_prefix) == {member}
     assert renewal_threads() == []  # joined before the worker's thread ended
-    assert steps.lease_holder() is None
+    assert life.lease_holder() is None
     assert live_members(redis_client, settings.queue_prefix) == set()
     holders = read_lease_holders(redis_client, settings.queue_prefix).members
     assert member in holders  # expires one TTL on, renewed by nothing

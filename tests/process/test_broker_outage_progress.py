@@ -141,5 +141,5 @@ def test_the_heartbeat_goes_on_while_the_consumer_reconnects_to_the_broker(
 
     assert_completed_in_its_first_attempt(engine, task_id)
     # The broker's outage is the only failure: the heartbeat itself never failed.
-    assert {event["stage"] for event in w1.events("heartbeat.failed")} <= {"visibility"}
+    assert w1.events("heartbeat.failed") == []
     assert w1.events("worker.consuming_paused") == []

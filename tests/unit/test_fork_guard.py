@@ -19,7 +19,7 @@ from types import FrameType
 
 import pytest
 
-from worker.liveness import ForkGuard, fork_guard
+from worker.forking import ForkGuard, fork_guard
 
 GATE_TIMEOUT_S = 5.0
 

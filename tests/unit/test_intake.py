@@ -1,4 +1,4 @@
-"""The worker's intake (worker/steps.py, ``Intake``) follows the renewals from the renewal
+"""The worker's intake (worker/life.py, ``Intake``) follows the renewals from the renewal
 thread and is carried out on the consumer's thread. While Celery reconnects to the broker
 that thread stands still, so several decisions can pile up before any runs, and they run
 in no set order (kombu's hub keeps them in a set). However they pile up, the consumer ends
@@ -18,7 +18,7 @@ import pytest
 from celery import Celery, bootsteps
 from kombu import Queue
 
-from worker.steps import Intake
+from worker.life import Intake
 
 QUEUES = ("exports", "reminders")
 

@@ -1,4 +1,4 @@
-"""The worker's renewal thread (worker/steps.py, ``Renewals``): its ticks run on a thread of
+"""The worker's renewal thread (worker/life.py, ``Loop``): its ticks run on a thread of
 their own, and a stop waits for the tick under way, so nothing of a stopped worker
 (a heartbeat renewal) runs after it. The database check has a thread of its own, of the
 same kind, so it never delays a renewal."""
@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from harness.waiting import wait_for
-from worker.steps import CHECKS, RENEWALS, Renewals
+from worker.life import CHECKS, RENEWALS, Loop
 
 GATE_TIMEOUT_S = 10.0
 
@@ -24,7 +24,7 @@ def test_ticks_run_on_their_own_thread_until_stopped() -> None:
         if len(seen) == 2:
             two.set()
 
-    renewals = Renewals(tick, 0.01)
+    renewals = Loop(tick, 0.01)
     renewals.start()
     try:
         assert two.wait(GATE_TIMEOUT_S)
@@ -45,7 +45,7 @@ def test_a_stop_waits_for_the_tick_under_way() -> None:
         release.wait(GATE_TIMEOUT_S)
         order.append("tick ended")
 
-    renewals = Renewals(tick, 0.01)
+    renewals = Loop(tick, 0.01)
     renewals.start()
 
     def stop() -> None:
@@ -73,7 +73,7 @@ def test_a_tick_that_raises_does_not_end_the_renewals(caplog: pytest.LogCaptureF
             raise RuntimeError("boom")
         again.set()
 
-    renewals = Renewals(tick, 0.01)
+    renewals = Loop(tick, 0.01)
     renewals.start()
     try:
         assert again.wait(GATE_TIMEOUT_S)
@@ -96,7 +96,7 @@ def test_the_database_checks_start_at_once_on_a_thread_of_their_own() -> None:
         seen.append(threading.current_thread().name)
         first.set()
 
-    checks = Renewals(check, 3600.0, CHECKS, at_once=True)  # the next one an hour on
+    checks = Loop(check, 3600.0, CHECKS, at_once=True)  # the next one an hour on
     checks.start()
     try:
         assert first.wait(GATE_TIMEOUT_S)
