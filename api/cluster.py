@@ -1,7 +1,7 @@
 """What the cluster lacks, in words: ``/api/workers/health``'s problems, ``health --cluster``
 and a waiting task's ``waiting_reason`` (docs/design.md, "Dispatch").
 
-Roles come from Redis only (dispatcher/roles.py); no database or broker is touched.
+Process roles come from Redis only (dispatcher/process_roles.py); no database or broker is touched.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import redis
 
-from dispatcher.roles import Roles, read_roles
+from dispatcher.process_roles import ProcessRoles, read_process_roles
 from tasks.names import QUEUE_OF_KIND, TASK_QUEUES
 
 MSG_NO_DISPATCHER = "no dispatcher is running (start one: celery -A tasks beat)"
@@ -30,7 +30,7 @@ def _tasks(count: int, cap: int | None) -> str:
 
 
 def problems(
-    roles: Roles, waiting: Mapping[str, int] | None = None, cap: int | None = None
+    roles: ProcessRoles, waiting: Mapping[str, int] | None = None, cap: int | None = None
 ) -> list[str]:
     """One sentence per missing role: the dispatcher first, then each task queue without a
     live worker, with how many ready tasks wait for it when ``waiting`` (per queue) says."""
@@ -42,7 +42,7 @@ def problems(
     return found
 
 
-def waiting_reason(kind: str, roles: Roles | None) -> str | None:
+def waiting_reason(kind: str, roles: ProcessRoles | None) -> str | None:
     """What holds a ready WAITING task of ``kind`` back, or None when nothing is missing
     (it is in line). ``roles`` None: Redis could not be read."""
     if roles is None:
@@ -60,11 +60,11 @@ def is_late(view: Mapping[str, Any]) -> bool:
     return waiting_s is not None and waiting_s >= EXPLAIN_AFTER_S
 
 
-def explain_waiting(views: list[dict[str, Any]], read: Callable[[], Roles | None]) -> None:
+def explain_waiting(views: list[dict[str, Any]], read: Callable[[], ProcessRoles | None]) -> None:
     """Set each view's ``waiting_reason``: why a late task (see :func:`is_late`) has not
     started, else None. ``read`` (the roles, None when Redis cannot be read) is called at
     most once, and only when some task is late."""
-    roles: list[Roles | None] = []
+    roles: list[ProcessRoles | None] = []
     for view in views:
         reason = None
         if is_late(view):
@@ -74,9 +74,9 @@ def explain_waiting(views: list[dict[str, Any]], read: Callable[[], Roles | None
         view["waiting_reason"] = reason
 
 
-def roles_or_none(client: redis.Redis, prefix: str) -> Roles | None:
+def process_roles_or_none(client: redis.Redis, prefix: str) -> ProcessRoles | None:
     try:
-        return read_roles(client, prefix)
+        return read_process_roles(client, prefix)
     except redis.RedisError:
         return None
 

@@ -16,7 +16,7 @@ from api.cluster import problems
 from api.deps import ResourcesDep
 from api.resources import Resources
 from api.schemas import HealthOut, WorkersOut
-from dispatcher.roles import read_roles
+from dispatcher.process_roles import read_process_roles
 from teamdesk.heartbeat import live_count
 from teamdesk.version import version
 
@@ -34,7 +34,7 @@ def select_one(res: Resources) -> None:
 
 
 def cluster_roles(res: Resources) -> dict[str, Any]:
-    roles = read_roles(res.redis, res.settings.queue_prefix)
+    roles = read_process_roles(res.redis, res.settings.queue_prefix)
     return {
         "workers": live_count(res.redis, res.settings.queue_prefix) > 0,
         **roles.as_dict(),

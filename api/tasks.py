@@ -26,7 +26,7 @@ from fastapi.responses import RedirectResponse, StreamingResponse
 from sqlalchemy.engine import Connection
 
 from api import downloads
-from api.cluster import explain_waiting, roles_or_none
+from api.cluster import explain_waiting, process_roles_or_none
 from api.deps import LimitsDep, ResourcesDep, TokenDep, authenticate
 from api.resources import Resources
 from api.schemas import (
@@ -104,7 +104,7 @@ router = APIRouter(prefix="/api", tags=["tasks"])
 def _explained(views: list[dict[str, Any]], res: Resources) -> list[dict[str, Any]]:
     """The views with ``waiting_reason`` (api/cluster.py): Redis is read, once, only when
     a task has waited too long, after the transaction ended."""
-    explain_waiting(views, lambda: roles_or_none(res.redis, res.settings.queue_prefix))
+    explain_waiting(views, lambda: process_roles_or_none(res.redis, res.settings.queue_prefix))
     return views
 
 

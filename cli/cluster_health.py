@@ -16,7 +16,7 @@ import redis
 import sqlalchemy as sa
 
 from api.cluster import MSG_NO_REDIS, problems
-from dispatcher.roles import Roles, read_roles
+from dispatcher.process_roles import ProcessRoles, read_process_roles
 from ledger.waiting import READY_COUNT_CAP, ready_by_kind, top_ready_teams
 from tasks.names import QUEUE_OF_KIND
 from teamdesk.config import Settings
@@ -29,10 +29,10 @@ DB_CONNECT_TIMEOUT_S = 2  # libpq takes whole seconds
 DB_STATEMENT_TIMEOUT_MS = 2000
 
 
-def read_cluster_roles(settings: Settings) -> Roles | None:
+def read_cluster_roles(settings: Settings) -> ProcessRoles | None:
     client = redis_client(settings, settings.redis_url, REDIS_TIMEOUT_S)
     try:
-        return read_roles(client, settings.queue_prefix)
+        return read_process_roles(client, settings.queue_prefix)
     except redis.RedisError:
         return None
     finally:
@@ -80,7 +80,7 @@ def read_waiting(database_url: str) -> Waiting:
     return Waiting({QUEUE_OF_KIND[kind]: count for kind, count in by_kind.items()}, busiest)
 
 
-def cluster_report(roles: Roles | None, waiting: Waiting) -> dict[str, Any]:
+def cluster_report(roles: ProcessRoles | None, waiting: Waiting) -> dict[str, Any]:
     found = ([] if roles is not None else [MSG_NO_REDIS]) + (
         [waiting.problem] if waiting.problem else []
     )

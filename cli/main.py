@@ -85,8 +85,8 @@ def _create_database(database_url: str) -> bool:
 
 
 def _set_up_roles(database_url: str, roles: list[tuple[str, str, str | None]]) -> int:
+    from ledger.database_roles import AppRoleRefused
     from ledger.migrate import set_up_roles
-    from ledger.roles import AppRoleRefused
 
     try:
         reports = set_up_roles(database_url, roles)
@@ -128,7 +128,7 @@ def _migrate_failed(exc: Exception) -> int:
 
 
 def _role_name(value: str) -> str:
-    from ledger.roles import valid_role_name
+    from ledger.database_roles import valid_role_name
 
     if not valid_role_name(value):
         raise argparse.ArgumentTypeError(
@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_role_name,
         help="after migrating, create or update this LOGIN role (e.g. teamdesk_api) for the "
         "API: reads tasks, writes tasks and their audit rows, reads tokens and CSVs only "
-        f"through the owner's functions (ledger/api_role.py); password from {API_PASSWORD_VAR}",
+        "through the owner's functions (ledger/api_database_role.py); password from "
+        f"{API_PASSWORD_VAR}",
     )
     migrate.add_argument(
         "--previous-api-grants",

@@ -24,7 +24,7 @@ from dispatcher.context import Cluster, error_class, transaction
 from dispatcher.errors import ScanUnavailable
 from dispatcher.objects import purge_objects_quietly
 from dispatcher.window import Published, Window, fill, publish
-from ledger import dispatch, idempotency
+from ledger import dispatch, idempotency, lease
 from ledger.dispatch import RunRef
 from ledger.retention import Retention, purge_retired
 from ledger.states import KINDS
@@ -187,7 +187,7 @@ def _recover(cluster: Cluster, counts: ScanCounts, uptime: Uptime | None) -> Non
         view = read_heartbeats(
             cluster.results, settings.queue_prefix, settings.heartbeat_ttl_s, uptime
         )
-        refs = dispatch.recover_stale(
+        refs = lease.recover_stale(
             conn,
             stale_after_s=settings.stale_after_s,
             live_members=view.live,

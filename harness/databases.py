@@ -2,7 +2,7 @@
 :class:`Databases` hands a test's database to the next test when it can be made what a
 fresh clone is again (cheaper than a clone; the comment above it says when).
 
-The template also grants the API's database role (ledger/api_role.py) to :data:`API_ROLE`,
+The template also grants the API's database role (ledger/api_database_role.py) to :data:`API_ROLE`,
 a role of this test run (roles are cluster-wide; :func:`drop_api_role` removes it once
 the template is gone), so every clone carries its grants and the in-process API of the
 tests connects as it (their ``api_client``, in the tests' support package).

@@ -22,8 +22,6 @@ from ledger import artifacts
 from ledger.states import KINDS
 from teamdesk.db import PREPARED_KEY, may_prepare
 
-MSG_TOO_MANY_RECOVERIES = "The task stopped responding too many times."
-
 
 @dataclass(frozen=True)
 class RunRef:
@@ -37,40 +35,6 @@ class RunRef:
     trace_parent: str | None = None  # the run's trace (teamdesk/tracing.py), if traced
     recovered: bool = False  # taken back from a silent execution at least once
 
-
-# Guard: still RUNNING, and silent for stale_after_s or held by a member not among the
-# live ones. The heartbeat rule covers only rows last written before ``holders_seen_at``
-# (when the caller read the members): a process that registered and claimed after that
-# read is missing from it, not dead. Attempts start afresh; past max_recoveries, FAILED.
-RECOVER_STALE = text("""
-    WITH silent AS (
-        SELECT id, execution_id FROM background_tasks
-         WHERE status = 'RUNNING'
-           AND (updated_at < now() - make_interval(secs => :stale_after_s)
-                OR (:use_heartbeats AND lease_holder IS NOT NULL
-                    AND lease_holder <> ALL(:live_members)
-                    AND updated_at < :holders_seen_at))
-         ORDER BY updated_at
-         LIMIT :batch
-           FOR UPDATE SKIP LOCKED
-    ), recovered AS (
-        UPDATE background_tasks t
-           SET status = CASE WHEN t.recoveries >= :max_recoveries THEN 'FAILED' ELSE 'WAITING' END,
-               recoveries = CASE WHEN t.recoveries >= :max_recoveries THEN t.recoveries
-                                 ELSE t.recoveries + 1 END,
-               last_error = CASE WHEN t.recoveries >= :max_recoveries THEN :too_many
-                                 ELSE t.last_error END,
-               attempts = CASE WHEN t.recoveries >= :max_recoveries THEN t.attempts ELSE 0 END,
-               execution_id = NULL, lease_holder = NULL, dispatched_at = NULL, updated_at = now()
-          FROM silent
-         WHERE t.id = silent.id
-        RETURNING t.id, t.run, t.kind, t.status, silent.execution_id AS revoked
-    ), audit AS (
-        INSERT INTO task_audit (task_id, run, event, execution_id)
-        SELECT id, run, 'RECOVER', revoked FROM recovered
-    )
-    SELECT id, run, kind, status FROM recovered
-""").bindparams(bindparam("live_members", type_=ARRAY(TEXT)))
 
 # Promote the scheduled runs now due (oldest first; rows a cancel or retry holds wait for
 # the next fill), in the fill's transaction so its stamp sees them. Then per kind: runs
@@ -296,7 +260,7 @@ STATISTICS_DRIFT = text("""
 """)
 
 # ANALYZE through the owner's function (migration 0006): the processes run as the
-# application role, which may not ANALYZE before PostgreSQL 17 (ledger/roles.py).
+# application role, which may not ANALYZE before PostgreSQL 17 (ledger/database_roles.py).
 ANALYZE = text("SELECT teamdesk_analyze_ledger()")
 
 DRIFT_CAP = 100_000  # rows counted at most
@@ -343,36 +307,6 @@ def _refs(rows: Iterable[object]) -> list[RunRef]:
         )
         for row in rows
     ]
-
-
-def recover_stale(
-    conn: Connection,
-    *,
-    stale_after_s: float,
-    live_members: Collection[str],
-    use_heartbeats: bool,
-    holders_seen_at: datetime,
-    max_recoveries: int,
-    batch: int,
-) -> list[RunRef]:
-    """Take silent RUNNING rows back to WAITING (or FAILED past ``max_recoveries``).
-
-    ``holders_seen_at``: the database's clock just before ``live_members`` was read
-    (:func:`database_now`).
-    """
-    rows = conn.execute(
-        RECOVER_STALE,
-        {
-            "stale_after_s": stale_after_s,
-            "use_heartbeats": use_heartbeats,
-            "live_members": list(live_members),
-            "max_recoveries": max_recoveries,
-            "batch": batch,
-            "too_many": MSG_TOO_MANY_RECOVERIES,
-            "holders_seen_at": holders_seen_at,
-        },
-    )
-    return _refs(rows)
 
 
 def window_state(conn: Connection, *, promote_batch: int = PROMOTE_BATCH) -> WindowState:

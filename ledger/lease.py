@@ -8,10 +8,13 @@ each prepared once per database session (ledger/prepared.py).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
+from sqlalchemy import bindparam, text
+from sqlalchemy.dialects.postgresql import ARRAY, TEXT
 from sqlalchemy.engine import Connection
 
 from ledger import artifacts, prepared
@@ -221,6 +224,54 @@ CLAIM_REFUSED = (
     )
     SELECT status, attempts, greatest(extract(epoch FROM run_at - now()), 0) FROM changed"""
 )
+
+
+MSG_TOO_MANY_RECOVERIES = "The task stopped responding too many times."
+
+
+class Recovered(NamedTuple):
+    """A run the dispatcher took back (:func:`recover_stale`): WAITING, or FAILED past
+    ``max_recoveries``."""
+
+    task_id: uuid.UUID
+    run: int
+    kind: str
+    status: str
+
+
+# Guard: still RUNNING, and silent for stale_after_s or held by a member not among the
+# live ones. The heartbeat rule covers only rows last written before ``holders_seen_at``
+# (when the caller read the members): a process that registered and claimed after that
+# read is missing from it, not dead. Attempts start afresh; past max_recoveries, FAILED.
+RECOVER_STALE = text("""
+    WITH silent AS (
+        SELECT id, execution_id FROM background_tasks
+         WHERE status = 'RUNNING'
+           AND (updated_at < now() - make_interval(secs => :stale_after_s)
+                OR (:use_heartbeats AND lease_holder IS NOT NULL
+                    AND lease_holder <> ALL(:live_members)
+                    AND updated_at < :holders_seen_at))
+         ORDER BY updated_at
+         LIMIT :batch
+           FOR UPDATE SKIP LOCKED
+    ), recovered AS (
+        UPDATE background_tasks t
+           SET status = CASE WHEN t.recoveries >= :max_recoveries THEN 'FAILED' ELSE 'WAITING' END,
+               recoveries = CASE WHEN t.recoveries >= :max_recoveries THEN t.recoveries
+                                 ELSE t.recoveries + 1 END,
+               last_error = CASE WHEN t.recoveries >= :max_recoveries THEN :too_many
+                                 ELSE t.last_error END,
+               attempts = CASE WHEN t.recoveries >= :max_recoveries THEN t.attempts ELSE 0 END,
+               execution_id = NULL, lease_holder = NULL, dispatched_at = NULL, updated_at = now()
+          FROM silent
+         WHERE t.id = silent.id
+        RETURNING t.id, t.run, t.kind, t.status, silent.execution_id AS revoked
+    ), audit AS (
+        INSERT INTO task_audit (task_id, run, event, execution_id)
+        SELECT id, run, 'RECOVER', revoked FROM recovered
+    )
+    SELECT id, run, kind, status FROM recovered
+""").bindparams(bindparam("live_members", type_=ARRAY(TEXT)))
 
 
 @dataclass(frozen=True)
@@ -483,3 +534,33 @@ def skip_reason(conn: Connection, task_id: uuid.UUID, run: int, stamp: datetime 
     if status == "RUNNING":
         return Skip("the run is held by a live execution")
     return Skip("the run is not due yet" if early else "the run is not claimable")
+
+
+def recover_stale(
+    conn: Connection,
+    *,
+    stale_after_s: float,
+    live_members: Collection[str],
+    use_heartbeats: bool,
+    holders_seen_at: datetime,
+    max_recoveries: int,
+    batch: int,
+) -> list[Recovered]:
+    """Take silent RUNNING rows back to WAITING (or FAILED past ``max_recoveries``).
+
+    ``holders_seen_at``: the database's clock just before ``live_members`` was read
+    (:func:`database_now`).
+    """
+    rows = conn.execute(
+        RECOVER_STALE,
+        {
+            "stale_after_s": stale_after_s,
+            "use_heartbeats": use_heartbeats,
+            "live_members": list(live_members),
+            "max_recoveries": max_recoveries,
+            "batch": batch,
+            "too_many": MSG_TOO_MANY_RECOVERIES,
+            "holders_seen_at": holders_seen_at,
+        },
+    )
+    return [Recovered(row.id, row.run, row.kind, row.status) for row in rows]

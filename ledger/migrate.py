@@ -12,8 +12,8 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 
-from ledger.api_role import grant_api_role, grant_api_role_with_previous
-from ledger.roles import AppRoleReport, grant_app_role
+from ledger.api_database_role import grant_api_role, grant_api_role_with_previous
+from ledger.database_roles import AppRoleReport, grant_app_role
 from teamdesk.db import sqlalchemy_url
 
 MIGRATIONS = Path(__file__).with_name("migrations")
@@ -45,7 +45,7 @@ def current_revision(database_url: str) -> str | None:
 
 
 def set_up_app_role(database_url: str, role: str, password: str | None) -> AppRoleReport:
-    """Create or update the application role and re-apply its grants (ledger/roles.py),
+    """Create or update the application role and re-apply its grants (ledger/database_roles.py),
     in one transaction, as the role of ``database_url`` (the schema's owner)."""
     engine = sa.create_engine(sqlalchemy_url(database_url), poolclass=sa.pool.NullPool)
     try:
@@ -65,8 +65,8 @@ ROLE_KINDS = {
 def set_up_roles(
     database_url: str, roles: Sequence[tuple[str, str, str | None]]
 ) -> list[AppRoleReport]:
-    """Create or update each ``(kind, role, password)`` (kind ``app``: ledger/roles.py,
-    ``api``: ledger/api_role.py) and re-apply its grants, all in one transaction, as the
+    """Create or update each ``(kind, role, password)`` (kind ``app``: ledger/database_roles.py,
+    ``api``: ledger/api_database_role.py) and re-apply its grants, all in one transaction, as the
     role of ``database_url`` (the schema's owner): both or neither."""
     engine = sa.create_engine(sqlalchemy_url(database_url), poolclass=sa.pool.NullPool)
     try:

@@ -13,7 +13,7 @@ from ledger.states import KINDS, SCOPES, STATUSES
 
 TICKET_STATUSES = ("OPEN", "PENDING", "RESOLVED", "CLOSED")
 TICKET_PRIORITIES = ("LOW", "NORMAL", "HIGH", "URGENT")
-ROLES = ("STAFF", "CUSTOMER")
+MEMBERSHIP_ROLES = ("STAFF", "CUSTOMER")
 
 metadata = sa.MetaData(
     naming_convention={
@@ -70,7 +70,7 @@ memberships = sa.Table(
     sa.Column("user_id", UUID(as_uuid=True), sa.ForeignKey("users.id"), primary_key=True),
     sa.Column("role", sa.Text, nullable=False),
     _created_at(),
-    sa.CheckConstraint(_in("role", ROLES), name="role"),
+    sa.CheckConstraint(_in("role", MEMBERSHIP_ROLES), name="role"),
 )
 sa.Index("ix_memberships_user_id", memberships.c.user_id)
 

@@ -62,7 +62,7 @@ ROLE = text("SELECT role FROM memberships WHERE team_id = :team_id AND user_id =
 
 
 # A completed export's CSV is kept (its 24 hours, by the database's clock, have not ended).
-# Never a test of result_csv: the API's role may not read that column (ledger/api_role.py).
+# Never a test of result_csv: the API's role may not read that column (ledger/api_database_role.py).
 KEPT_CSV_SQL = "(kind = 'EXPORT' AND status = 'COMPLETED' AND coalesce(expires_at > now(), false))"
 
 # A reminder that completes without side effects says why in its summary, after this.

@@ -52,7 +52,7 @@ import sqlalchemy as sa
 
 from harness.csv_reference import expected_csv
 from ledger import audit
-from ledger.dispatch import MSG_TOO_MANY_RECOVERIES
+from ledger.lease import MSG_TOO_MANY_RECOVERIES
 from soak import leases
 from soak.chaos import PoolKill, Purge, Revoke
 from soak.cluster import Incarnation

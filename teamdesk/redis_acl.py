@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-ROLES = ("api", "worker", "beat", "flower")
+COMPONENTS = ("api", "worker", "beat", "flower")
 ADMIN = "default"
 PASSWORD_VARS = {
     ADMIN: "REDIS_PASSWORD",
@@ -242,7 +242,7 @@ def _select(layout: Layout) -> list[str]:
     return [f"+select|{layout.db}"] if layout.db else []
 
 
-def role_rules(role: str, layout: Layout) -> list[str]:
+def component_rules(role: str, layout: Layout) -> list[str]:
     """What ``role`` may run, touch and publish (no ``reset``, no password)."""
     if role == ADMIN:
         return ["~*", "&*", "+@all"]
@@ -252,7 +252,7 @@ def role_rules(role: str, layout: Layout) -> list[str]:
 def acl_rules(role: str, layout: Layout, hashed: str) -> list[str]:
     """The full rule list of ``role``'s user, password ``hashed`` (see
     :func:`password_hash`): starts from ``reset``, so applying it again replaces it."""
-    return ["reset", "on", f"#{hashed}", *role_rules(role, layout)]
+    return ["reset", "on", f"#{hashed}", *component_rules(role, layout)]
 
 
 def acl_file_line(role: str, layout: Layout, hashed: str) -> str:
@@ -270,4 +270,6 @@ def acl_file(layout: Layout, hashes: Mapping[str, str]) -> str:
     """An ACL file (``aclfile``) with the administrator and every role, in that order:
     an ACL file replaces every user, so it must define ``default`` too (left out, Redis
     makes it password-less with every right, ``requirepass`` notwithstanding)."""
-    return "".join(acl_file_line(role, layout, hashes[role]) + "\n" for role in (ADMIN, *ROLES))
+    return "".join(
+        acl_file_line(role, layout, hashes[role]) + "\n" for role in (ADMIN, *COMPONENTS)
+    )

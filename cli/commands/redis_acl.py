@@ -13,8 +13,8 @@ from typing import Any
 from teamdesk.config import settings_or_exit
 from teamdesk.redis_acl import (
     ADMIN,
+    COMPONENTS,
     PASSWORD_VARS,
-    ROLES,
     Layout,
     acl_file_line,
     password_hash,
@@ -34,7 +34,7 @@ def cmd_redis_acl(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"teamdesk-tasks redis-acl: {exc}", file=sys.stderr)
         return 2
-    every = (ADMIN, *ROLES) if args.format == "acl-file" else ROLES
+    every = (ADMIN, *COMPONENTS) if args.format == "acl-file" else COMPONENTS
     roles = args.role or every
     hashes = {}
     for role in roles:
@@ -75,7 +75,7 @@ def register(sub: Any) -> None:
     acl.add_argument(
         "--role",
         action="append",
-        choices=(ADMIN, *ROLES),
+        choices=(ADMIN, *COMPONENTS),
         help="only this role's user (repeatable; default: every role, and 'default' in an "
         "ACL file)",
     )

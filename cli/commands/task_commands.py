@@ -159,14 +159,14 @@ def read_view(conn: Any, task_id: uuid.UUID, email: str | None) -> dict[str, Any
 
 def read_roles_once() -> Any:
     """The cluster's roles from Redis (None when it does not answer within 1 s)."""
-    from api.cluster import roles_or_none
+    from api.cluster import process_roles_or_none
     from teamdesk.config import get_settings
     from teamdesk.redis_client import redis_client
 
     settings = get_settings()
     client = redis_client(settings, settings.redis_url, ROLES_TIMEOUT_S)
     try:
-        return roles_or_none(client, settings.queue_prefix)
+        return process_roles_or_none(client, settings.queue_prefix)
     finally:
         client.close()
 

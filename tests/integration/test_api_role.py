@@ -1,4 +1,4 @@
-"""The API's own database role (ledger/api_role.py; docs/design.md, "Processes").
+"""The API's own database role (ledger/api_database_role.py; docs/design.md, "Processes").
 
 ``teamdesk-tasks migrate --app-role A --api-role B`` on a fresh database creates both
 roles in one transaction; the API role holds exactly what the API runs (table and column
@@ -11,8 +11,8 @@ reviving tokens, reading tickets' content, deleting tasks or audit rows, the dis
 functions, DDL.
 
 Every test_api_*.py runs its in-process API as this role too (harness/databases.py
-grants it in the template database). Roles are cluster-wide: this module's are its own
-and dropped at the end.
+grants it in the template database). Database roles are cluster-wide: this module's are
+its own and dropped at the end.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from fastapi.testclient import TestClient
 from api.app import create_api
 from harness import databases
 from harness.factories import add_member, add_ticket, add_tickets, insert_task, make_world, set_role
-from ledger import api_role, artifacts, lease
+from ledger import api_database_role, artifacts, lease
 from ledger.permissions import may_see
 from ledger.tokens import create_token, hash_token, revoke_token
 from teamdesk import db
@@ -55,7 +55,7 @@ from tests.support.db_roles import (
 
 PREFIX = f"tdt{os.getpid()}_{uuid.uuid4().hex[:6]}"
 
-# What the API runs, and nothing else (ledger/api_role.py).
+# What the API runs, and nothing else (ledger/api_database_role.py).
 API_TABLE_GRANTS = {
     "idempotency_keys": "DELETE,INSERT,SELECT",
     "memberships": "SELECT",
@@ -68,13 +68,17 @@ API_COLUMN_GRANTS = {
         f"background_tasks.{c}": ",".join(
             p
             for p, columns in (
-                ("INSERT", api_role.CREATED_COLUMNS),
-                ("SELECT", api_role.READ_COLUMNS),
-                ("UPDATE", api_role.REOPENED_COLUMNS),
+                ("INSERT", api_database_role.CREATED_COLUMNS),
+                ("SELECT", api_database_role.READ_COLUMNS),
+                ("UPDATE", api_database_role.REOPENED_COLUMNS),
             )
             if c in columns
         )
-        for c in {*api_role.CREATED_COLUMNS, *api_role.READ_COLUMNS, *api_role.REOPENED_COLUMNS}
+        for c in {
+            *api_database_role.CREATED_COLUMNS,
+            *api_database_role.READ_COLUMNS,
+            *api_database_role.REOPENED_COLUMNS,
+        }
     },
 }
 API_FUNCTIONS = [

@@ -1,4 +1,4 @@
-"""The least-privilege application role (ledger/roles.py; docs/design.md, "Processes").
+"""The least-privilege application role (ledger/database_roles.py; docs/design.md, "Processes").
 
 ``teamdesk-tasks migrate --app-role`` on a fresh database creates the role; then an export
 and a reminder run end to end (in-process worker and dispatcher), the API creates, reads
@@ -9,7 +9,7 @@ back; it refuses a role that would be more than a table user. Flower starts with
 database URL at all.
 
 The local server trusts every connection, so the role's password is not checked here
-(its SCRAM verifier is); its privileges are. Roles are cluster-wide: each run uses a role
+(its SCRAM verifier is); its privileges are. Database roles are cluster-wide: each run uses a role
 name of its own and drops it at the end.
 """
 
@@ -42,8 +42,8 @@ from harness.factories import add_ticket, add_tickets, make_world
 from harness.processes import Proc, celery_argv, cluster, free_port
 from harness.waiting import wait_for
 from ledger import dispatch, retention, service
+from ledger.database_roles import AppRoleRefused, table_privileges
 from ledger.migrate import set_up_app_role
-from ledger.roles import AppRoleRefused, table_privileges
 from ledger.wake import WAKE_CHANNEL
 from tasks.celery_app import create_app
 from teamdesk import config, db

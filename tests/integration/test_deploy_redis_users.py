@@ -23,7 +23,7 @@ import redis
 import yaml
 
 from harness.waiting import wait_for
-from teamdesk.redis_acl import ADMIN, PASSWORD_VARS, ROLES, user_name
+from teamdesk.redis_acl import ADMIN, COMPONENTS, PASSWORD_VARS, user_name
 from tests.support.deploy_files import COMPOSE_FILE, DEPLOY
 from tests.support.redis_server import free_port
 
@@ -97,11 +97,11 @@ def answers(port: int, password: str) -> bool:
 
 
 def test_composes_redis_loads_one_user_per_service(tmp_path: Path) -> None:
-    passwords = {role: uuid.uuid4().hex for role in (ADMIN, *ROLES)}
+    passwords = {role: uuid.uuid4().hex for role in (ADMIN, *COMPONENTS)}
     with compose_redis("teamdesk", passwords, tmp_path) as (process, port):
         wait_for(lambda: answers(port, passwords[ADMIN]) or process.poll() is not None)
         assert process.poll() is None, process.communicate()
-        names = {role: user_name(role, "teamdesk") for role in (ADMIN, *ROLES)}
+        names = {role: user_name(role, "teamdesk") for role in (ADMIN, *COMPONENTS)}
         own = {role: logs_in(port, names[role], passwords[role]) for role in names}
         other = logs_in(port, names["worker"], passwords["api"])
         api = redis.Redis(port=port, username=names["api"], password=passwords["api"])
@@ -113,7 +113,7 @@ def test_composes_redis_loads_one_user_per_service(tmp_path: Path) -> None:
 
 
 def test_composes_redis_does_not_start_with_a_file_for_another_prefix(tmp_path: Path) -> None:
-    passwords = {role: uuid.uuid4().hex for role in (ADMIN, *ROLES)}
+    passwords = {role: uuid.uuid4().hex for role in (ADMIN, *COMPONENTS)}
     with compose_redis("other", passwords, tmp_path) as (process, _):
         code = process.wait(timeout=10)
         err = process.stderr.read() if process.stderr else ""
@@ -129,7 +129,7 @@ def refusal(tmp_path: Path, passwords: dict[str, str]) -> tuple[int, str]:
 
 
 def test_composes_redis_does_not_start_with_an_empty_password(tmp_path: Path) -> None:
-    passwords = {role: uuid.uuid4().hex for role in (ADMIN, *ROLES)}
+    passwords = {role: uuid.uuid4().hex for role in (ADMIN, *COMPONENTS)}
     code, err = refusal(tmp_path, {**passwords, "worker": ""})
     assert code == 1
     assert err == (
@@ -144,7 +144,7 @@ def test_composes_redis_does_not_start_on_data_of_another_user(tmp_path: Path) -
     now its image's user, could not write them. The script says how to hand them over."""
     (tmp_path / "data" / "appendonlydir").mkdir(parents=True)
     os.chown(tmp_path / "data" / "appendonlydir", 12345, 12345)
-    code, err = refusal(tmp_path, {role: uuid.uuid4().hex for role in (ADMIN, *ROLES)})
+    code, err = refusal(tmp_path, {role: uuid.uuid4().hex for role in (ADMIN, *COMPONENTS)})
     assert code == 1
     assert "holds files of another user" in err
     assert "--entrypoint chown redis -R redis:redis /data" in err

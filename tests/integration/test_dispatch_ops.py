@@ -25,7 +25,7 @@ from dispatcher.loop import DispatchLoop
 from dispatcher.monitor import FailureLog
 from dispatcher.scan import ScanCounts
 from harness.factories import World, insert_task, task_row
-from ledger import dispatch
+from ledger import dispatch, lease
 from teamdesk.config import Settings
 from teamdesk.heartbeat import Heartbeat, WorkerSlots
 from tests.support.queues import all_task_messages, closed_port
@@ -109,7 +109,7 @@ def test_every_dispatcher_statement_walks_a_partial_index_on_100k_rows(
         now = dispatch.database_now(conn)
     cases: list[tuple[sa.TextClause, set[str], dict[str, Any]]] = [
         (
-            dispatch.RECOVER_STALE,
+            lease.RECOVER_STALE,
             {"ix_background_tasks_running"},
             {
                 "stale_after_s": 120,

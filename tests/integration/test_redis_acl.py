@@ -37,7 +37,7 @@ from tasks.celery_app import create_app
 from tasks.names import EXPORTS_QUEUE, TASK_QUEUES
 from teamdesk.config import Settings
 from teamdesk.heartbeat import Heartbeat, WorkerSlots, read_lease_holders, slots_by_queue
-from teamdesk.redis_acl import ADMIN, ROLES
+from teamdesk.redis_acl import ADMIN, COMPONENTS
 from tests.support.api_helpers import BAD_TOKEN, api_client, bearer, exports_url, make_tokens
 from tests.support.queues import send_message
 from tests.support.redis_server import dedicated_redis
@@ -198,14 +198,16 @@ def test_the_dispatcher_reads_heartbeats_and_the_broker_as_beat(
 
 def test_a_cluster_on_another_database_selects_it_and_no_other() -> None:
     with redis_with_users(f"tdt-{uuid.uuid4().hex[:8]}", db=3) as acl_redis:
-        clients = {role: acl_redis.client(role) for role in ROLES}
+        clients = {role: acl_redis.client(role) for role in COMPONENTS}
         connected = {role: client.ping() for role, client in clients.items()}  # SELECT 3 first
         for client in clients.values():
             with pytest.raises(redis.exceptions.NoPermissionError):
                 client.execute_command("SELECT", "0")
         denials = [(e["username"], e["object"]) for e in acl_redis.denials()]
-    assert connected == {role: True for role in ROLES}
-    assert sorted(denials) == sorted((f"{acl_redis.prefix}-{role}", "select") for role in ROLES)
+    assert connected == {role: True for role in COMPONENTS}
+    assert sorted(denials) == sorted(
+        (f"{acl_redis.prefix}-{role}", "select") for role in COMPONENTS
+    )
 
 
 def users(acl_list: Sequence[str]) -> dict[str, set[str]]:
@@ -222,13 +224,13 @@ def users(acl_list: Sequence[str]) -> dict[str, set[str]]:
 def test_the_setuser_commands_load_the_same_users_as_the_acl_file(acl_redis: AclRedis) -> None:
     commands = redis_acl(acl_redis.prefix, acl_redis.passwords, "--format", "setuser")
     assert [line.split()[2] for line in commands.splitlines()] == [
-        f"{acl_redis.prefix}-{role}" for role in ROLES
+        f"{acl_redis.prefix}-{role}" for role in COMPONENTS
     ]
     with dedicated_redis() as fresh:
         client = fresh.client()
         for line in commands.splitlines():
             assert client.execute_command(*shlex.split(line)) == "OK"
         loaded = users([str(entry) for entry in client.acl_list()])
-    assert loaded == users(acl_redis.acl_list()) and len(loaded) == len(ROLES)
+    assert loaded == users(acl_redis.acl_list()) and len(loaded) == len(COMPONENTS)
     for line in commands.splitlines():  # passwords only as their hashes
         assert not any(password in line for password in acl_redis.passwords.values())

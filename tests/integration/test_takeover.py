@@ -19,7 +19,7 @@ from celery import Celery
 
 from harness.factories import World, add_ticket, add_tickets, age_task, audit_events, task_row
 from harness.waiting import wait_for
-from ledger import dispatch, service
+from ledger import dispatch, lease, service
 from ledger.errors import PermissionLost
 from tasks import queueing
 from tasks.names import EXPORT_TASK, PROGRESS_EVENT, QUEUE_OF
@@ -246,7 +246,7 @@ def test_reminder_lease_cleared_by_dispatcher_rolls_old_transaction_back(
             gate_a.wait_reached()
             age_task(engine, task_id, 3600)
             with engine.begin() as conn:
-                recovered = dispatch.recover_stale(
+                recovered = lease.recover_stale(
                     conn,
                     stale_after_s=120,
                     live_members=[],
@@ -335,7 +335,7 @@ def test_an_old_message_of_a_recovered_run_cannot_take_over_its_replacement(
             gate_a.wait_reached()
             age_task(engine, task_id, 3600)
             with engine.begin() as conn:
-                recovered = dispatch.recover_stale(
+                recovered = lease.recover_stale(
                     conn,
                     stale_after_s=120,
                     live_members=[],

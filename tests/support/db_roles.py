@@ -1,7 +1,7 @@
-"""The database roles migrate sets up (ledger/roles.py, ledger/api_role.py), as tests
-look at them: ``teamdesk-tasks migrate`` as a process of its own, what a role was
-granted (tables, columns, functions), its stored verifier, and dropping it again (roles
-are cluster-wide)."""
+"""The database roles migrate sets up (ledger/database_roles.py,
+ledger/api_database_role.py), as tests look at them: ``teamdesk-tasks migrate`` as a
+process of its own, what a role was granted (tables, columns, functions), its stored
+verifier, and dropping it again (roles are cluster-wide)."""
 
 from __future__ import annotations
 

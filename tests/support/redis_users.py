@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from teamdesk.redis_acl import ADMIN, PASSWORD_VARS, ROLES, user_name
+from teamdesk.redis_acl import ADMIN, COMPONENTS, PASSWORD_VARS, user_name
 from tests.support.redis_server import RedisServer, dedicated_redis
 
 
@@ -64,7 +64,7 @@ class AclRedis:
 def redis_with_users(prefix: str, db: int = 0) -> Iterator[AclRedis]:
     """A dedicated Redis started with ``--aclfile``: the administrator and one user per
     role, random passwords, for a cluster on database ``db``."""
-    passwords = {role: uuid.uuid4().hex for role in (ADMIN, *ROLES)}
+    passwords = {role: uuid.uuid4().hex for role in (ADMIN, *COMPONENTS)}
     with tempfile.TemporaryDirectory(prefix="tdt-acl-") as workdir:
         path = Path(workdir) / "users.acl"
         path.write_text(redis_acl(prefix, passwords, "--db", str(db)))

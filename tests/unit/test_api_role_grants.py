@@ -1,10 +1,10 @@
-"""The API's database role names every project table (ledger/api_role.py): a table added
+"""The API's database role names every project table (ledger/api_database_role.py): a table added
 to ``ledger.models`` must be given the API's privileges on it, or explicitly none, before
 the role is set up again; and every column a privilege names exists."""
 
 from __future__ import annotations
 
-from ledger.api_role import API_TABLES, CREATED_COLUMNS, READ_COLUMNS, REOPENED_COLUMNS
+from ledger.api_database_role import API_TABLES, CREATED_COLUMNS, READ_COLUMNS, REOPENED_COLUMNS
 from ledger.models import metadata
 
 

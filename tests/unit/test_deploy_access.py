@@ -32,7 +32,8 @@ from typing import Any
 
 import pytest
 
-from teamdesk.redis_acl import ADMIN, PASSWORD_VARS, ROLES
+from teamdesk.redis_acl import ADMIN, PASSWORD_VARS
+from teamdesk.redis_acl import COMPONENTS as REDIS_COMPONENTS
 from tests.support.deploy_files import (
     API_ROLE,
     APP_ROLE,
@@ -149,7 +150,9 @@ def compose_access_problems(doc: dict[str, Any]) -> list[str]:
 
 USERS_FILE = re.compile(r"\./redis/users\.acl:(\S+?)(:ro)?")
 # The Redis passwords: one Compose secret each, named like its variable.
-REDIS_SECRETS = {PASSWORD_VARS[role]: PASSWORD_VARS[role].lower() for role in (ADMIN, *ROLES)}
+REDIS_SECRETS = {
+    PASSWORD_VARS[role]: PASSWORD_VARS[role].lower() for role in (ADMIN, *REDIS_COMPONENTS)
+}
 ADMIN_FILE = f"/run/secrets/{REDIS_SECRETS[PASSWORD_VARS[ADMIN]]}"
 
 
@@ -165,7 +168,7 @@ def _compose_redis_problems(redis: dict[str, Any], secrets: dict[str, Any]) -> l
         problems.append("redis: ./redis/users.acl is not mounted")
     elif mounts[0].group(1) not in text or "--aclfile" not in text:
         problems.append("redis: not started with --aclfile from ./redis/users.acl")
-    for role in (ADMIN, *ROLES):
+    for role in (ADMIN, *REDIS_COMPONENTS):
         problems.extend(_password_file_problems(role, redis, secrets, text))
     problems.extend(_environment_passwords(redis))
     test = " ".join(map(str, (redis.get("healthcheck") or {}).get("test") or []))

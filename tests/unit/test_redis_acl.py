@@ -35,13 +35,13 @@ from teamdesk.config import Settings
 from teamdesk.heartbeat import active_key, holders_key, info_key, tombstone_key
 from teamdesk.redis_acl import (
     ADMIN,
+    COMPONENTS,
     PASSWORD_VARS,
-    ROLES,
     Layout,
     acl_file,
+    component_rules,
     password_hash,
     placeholder,
-    role_rules,
 )
 from tests.support.deploy_files import DEPLOY
 
@@ -50,14 +50,14 @@ LAYOUT = Layout(PREFIX, tuple(TASK_QUEUES))
 
 
 def test_the_shipped_acl_file_is_the_generators_output_for_the_default_prefix() -> None:
-    expected = acl_file(LAYOUT, {role: placeholder(role) for role in (ADMIN, *ROLES)})
+    expected = acl_file(LAYOUT, {role: placeholder(role) for role in (ADMIN, *COMPONENTS)})
     assert (DEPLOY / "redis" / "users.acl").read_text() == expected
 
 
 def access(role: str, key: str) -> str:
     """What ``role`` may do to ``key``: "rw", "r", "w" or ""."""
     found: set[str] = set()
-    for rule in role_rules(role, LAYOUT):
+    for rule in component_rules(role, LAYOUT):
         for lead, grants in (("~", "rw"), ("%R~", "r"), ("%W~", "w"), ("%RW~", "rw")):
             if rule.startswith(lead) and fnmatch.fnmatchcase(key, rule[len(lead) :]):
                 found.update(grants)
@@ -65,7 +65,7 @@ def access(role: str, key: str) -> str:
 
 
 def channels(role: str) -> list[str]:
-    return [rule[1:] for rule in role_rules(role, LAYOUT) if rule.startswith("&")]
+    return [rule[1:] for rule in component_rules(role, LAYOUT) if rule.startswith("&")]
 
 
 def test_the_rules_name_the_keys_the_code_uses_for_the_roles_that_use_them() -> None:
@@ -89,7 +89,7 @@ def test_the_rules_name_the_keys_the_code_uses_for_the_roles_that_use_them() -> 
         "reply queue": reply,
         "result": f"{PREFIX}:celery-task-meta-1f0c-0",
     }
-    table = {name: tuple(access(role, key) for role in ROLES) for name, key in keys.items()}
+    table = {name: tuple(access(role, key) for role in COMPONENTS) for name, key in keys.items()}
     #                      api    worker  beat  flower
     assert table == {
         "rate limit": ("rw", "", "", ""),
@@ -123,26 +123,30 @@ def test_the_channels_are_celerys_exchanges_on_the_brokers_database() -> None:
     ]
     assert channels("flower") == [f"{events}/*", pidbox]
     assert f"{PREFIX}:/3.{PREFIX}.control.pidbox" in [
-        rule[1:] for rule in role_rules("worker", Layout(PREFIX, LAYOUT.queues, 3))
+        rule[1:] for rule in component_rules("worker", Layout(PREFIX, LAYOUT.queues, 3))
     ]
 
 
 def selects(role: str, layout: Layout) -> list[str]:
-    return [rule for rule in role_rules(role, layout) if "select" in rule]
+    return [rule for rule in component_rules(role, layout) if "select" in rule]
 
 
 def test_no_role_may_select_another_database() -> None:
     """ACL key patterns hold in every database: SELECT would reach another database's keys
     of the same prefix. A client on database 0 sends no SELECT; on 3 it may select 3 only."""
     on_three = Layout(PREFIX, LAYOUT.queues, 3)
-    assert {role: selects(role, LAYOUT) for role in ROLES} == {role: ["-select"] for role in ROLES}
-    assert {role: selects(role, on_three) for role in ROLES} == {
-        role: ["-select", "+select|3"] for role in ROLES
+    assert {role: selects(role, LAYOUT) for role in COMPONENTS} == {
+        role: ["-select"] for role in COMPONENTS
+    }
+    assert {role: selects(role, on_three) for role in COMPONENTS} == {
+        role: ["-select", "+select|3"] for role in COMPONENTS
     }
 
 
 def scripting(role: str) -> list[str]:
-    found = [r for r in role_rules(role, LAYOUT) if r.startswith(("+eval", "+script", "+fcall"))]
+    found = [
+        r for r in component_rules(role, LAYOUT) if r.startswith(("+eval", "+script", "+fcall"))
+    ]
     return [rule[1:] for rule in found]
 
 
@@ -150,7 +154,7 @@ def test_each_role_may_run_only_the_script_commands_its_code_runs() -> None:
     """EVALSHA (with SCRIPT LOAD, redis-py's answer to NOSCRIPT) runs any script, as EVAL
     does: Redis 7 cannot allow a script by its SHA. So the list is no allow-list of scripts,
     only of the commands each role's scripts need (teamdesk/redis_acl.py, SCRIPTS)."""
-    assert {role: scripting(role) for role in ROLES} == {
+    assert {role: scripting(role) for role in COMPONENTS} == {
         "api": ["evalsha", "evalsha_ro", "script|load"],
         "worker": ["evalsha", "evalsha_ro", "script|load", "script|exists"],
         "beat": ["evalsha", "evalsha_ro", "script|load"],
@@ -183,7 +187,7 @@ def run_cli(capsys: pytest.CaptureFixture[str]) -> Iterator[object]:
 def test_the_command_prints_hashes_never_passwords(
     run_cli: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    passwords = {role: f"pw-{role}-0123456789" for role in (ADMIN, *ROLES)}
+    passwords = {role: f"pw-{role}-0123456789" for role in (ADMIN, *COMPONENTS)}
     for role, password in passwords.items():
         monkeypatch.setenv(PASSWORD_VARS[role], password)
     monkeypatch.setenv("QUEUE_PREFIX", "cluster-b")
@@ -194,7 +198,7 @@ def test_the_command_prints_hashes_never_passwords(
     assert out == acl_file(Layout("cluster-b", LAYOUT.queues), hashes)
     assert [line.split()[:2] for line in out.splitlines()] == [
         ["user", "default"],
-        *(["user", f"cluster-b-{role}"] for role in ROLES),
+        *(["user", f"cluster-b-{role}"] for role in COMPONENTS),
     ]
     assert not any(password in out + setuser[1] for password in passwords.values())
     assert setuser[0] == 0 and setuser[1].startswith(

@@ -1,7 +1,7 @@
 """The dispatcher refreshes the ledger's statistics through a function of the owner.
 
 ``ANALYZE`` needs the table's ownership before PostgreSQL 17, and every process but
-``migrate`` runs as the application role (ledger/roles.py): as that role the server
+``migrate`` runs as the application role (ledger/database_roles.py): as that role the server
 skipped the dispatcher's ``ANALYZE background_tasks`` with a warning nobody saw, and a
 burst of tasks waited for autovacuum's statistics. ``teamdesk_analyze_ledger()`` runs
 that one statement with its owner's rights (``SECURITY DEFINER``, a fixed

@@ -6,7 +6,7 @@
 - ``notifications.task_id`` may be NULL and is set to NULL when its task is removed: a
   notification is the user's, and outlives the task that sent it.
 - ``teamdesk_purge_ledger(task_retention_s, audit_retention_s, batch)``: the application
-  role may not delete audit rows (the trail is append-only for it, ledger/roles.py), so the
+  role may not delete audit rows (the trail is append-only for it, ledger/database_roles.py), so the
   dispatcher removes them through this function of the owner (``SECURITY DEFINER``, a
   fixed ``search_path``), which removes only what is past its retention - never less
   than a day old - and at most ``batch`` rows of each kind per call (ledger/retention.py).

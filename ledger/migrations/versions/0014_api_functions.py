@@ -16,7 +16,7 @@
 
 Both are ``SECURITY DEFINER`` with a fixed ``search_path`` and the schema written in, and
 ``EXECUTE`` is revoked from ``PUBLIC``; ``migrate --app-role``/``--api-role`` grant them
-(ledger/roles.py). Versioned names: a later change of either is a new function beside this
+(ledger/database_roles.py). Versioned names: a later change of either is a new function beside this
 one (expand and contract), so a process of the previous release keeps calling its own.
 
 Additive only: the previous release neither calls nor needs them.

@@ -1,5 +1,5 @@
 """The application's database role and the machinery that grants it and the API's
-(ledger/api_role.py): the one place their grants are written (docs/design.md, "Processes";
+(ledger/api_database_role.py): the one place their grants are written (docs/design.md, "Processes";
 deploy/security.md, "The database roles").
 
 Grants are re-applied at every run, not left to ``ALTER DEFAULT PRIVILEGES``, which would

@@ -15,7 +15,7 @@ from teamdesk.heartbeat import slots_by_queue
 
 
 @dataclass(frozen=True)
-class Roles:
+class ProcessRoles:
     """``dispatcher``: a dispatcher holds the leader lock. ``consumers``: live worker
     processes (pool slots) per task queue."""
 
@@ -32,7 +32,7 @@ class Roles:
         return {"dispatcher": self.dispatcher, "consumers": consumers, "missing": self.missing}
 
 
-def read_roles(client: redis.Redis, prefix: str) -> Roles:
+def read_process_roles(client: redis.Redis, prefix: str) -> ProcessRoles:
     """Raises ``redis.RedisError`` when Redis cannot be read."""
     leading = bool(client.exists(leader_key(prefix)))
-    return Roles(leading, slots_by_queue(client, prefix))
+    return ProcessRoles(leading, slots_by_queue(client, prefix))

@@ -1,5 +1,5 @@
 """The API's database role: exactly the statements the API runs, narrower than the
-application role whose machinery sets it up (ledger/roles.py; docs/design.md, "Processes").
+application role whose machinery sets it up (ledger/database_roles.py; docs/design.md, "Processes").
 
 Beyond the design's list: ``idempotency_keys`` ``SELECT, INSERT, DELETE``, no ``UPDATE``;
 foreign keys are checked with the owner's rights, so inserting a task needs nothing on
@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from sqlalchemy.engine import Connection
 
 from ledger.artifacts import CHUNK_FUNCTION, OBJECT_FUNCTION
+from ledger.database_roles import AppRoleReport, Privilege, RoleSpec, grant_role
 from ledger.models import background_tasks
-from ledger.roles import AppRoleReport, Privilege, RoleSpec, grant_role
 from ledger.tokens import RESOLVE_FUNCTION
 
 API_PASSWORD_VAR = "API_DB_PASSWORD"
@@ -93,7 +93,7 @@ PREVIOUS_API_ROLE = RoleSpec(
 
 def grant_api_role(conn: Connection, role: str, password: str | None) -> AppRoleReport:
     """Create ``role`` (or set its password) and give it exactly the API's grants, in the
-    caller's transaction; refused like ledger.roles.grant_app_role."""
+    caller's transaction; refused like ledger.database_roles.grant_app_role."""
     return grant_role(conn, role, password, API_ROLE)
 
 
