@@ -45,6 +45,10 @@ API_PROCESSES = 2  # deploy/k8s/api.yaml: replicas: 2 (one uvicorn process each)
 WARMUP_S = 1.0
 MEASURE_S = 5.0
 UNLIMITED = 1_000_000_000  # a per-token rate no client reaches (the limiter still runs)
+# CSV bytes a team's exports of the day may hold: each unfinished export holds its
+# reservation (EXPORT_MAX_BYTES, 32 MiB), so a billion bytes refused the 30th creation of
+# a client's team and every one after it (429); a petabyte holds millions of them.
+UNLIMITED_BYTES = 1 << 50
 
 
 @dataclass
@@ -120,7 +124,7 @@ def start_api(env: BenchEnv, part: Part, index: int) -> tuple[Proc, int]:
         "API_RATE_PER_MIN": UNLIMITED,
         "API_RATE_BURST": UNLIMITED,
         "TEAM_EXPORTS_PER_DAY": UNLIMITED,
-        "TEAM_EXPORT_BYTES_PER_DAY": UNLIMITED,
+        "TEAM_EXPORT_BYTES_PER_DAY": UNLIMITED_BYTES,
         "LOG_LEVEL": "warn",
     }
     proc = Proc(f"p7-api-{index}", argv, settings_env(part.settings, **extra), env.workdir)
@@ -177,6 +181,8 @@ def measure(
     after = cpu_at(env, part, [proc for proc, _ in apis])
     for thread in threads:
         thread.join()
+    if tally.errors:  # a figure of refusals would measure the refusal, not the creation
+        raise RuntimeError(f"P7: creations refused while counting: {tally.errors}")
     return {
         "processes": len(ports),
         "creates_per_s": round(tally.ok / MEASURE_S, 1),
