@@ -1,12 +1,13 @@
 """The API's database role: exactly the statements the API runs, narrower than the
-application role whose machinery sets it up (ledger/database_roles.py; docs/design.md, "Processes").
+application role whose machinery sets it up (ledger/database_roles.py; docs/design.md,
+"Processes"; its grants: deploy/security.md, "The database roles").
 
-Beyond the design's list: ``idempotency_keys`` ``SELECT, INSERT, DELETE``, no ``UPDATE``;
-foreign keys are checked with the owner's rights, so inserting a task needs nothing on
-``teams`` or ``users``; ``task_audit.id`` is an identity column, so no sequence. The API's
-store credentials need ``GetObject`` only, never a listing (object keys end in 128 random
-bits; deploy/security.md, "Object store"). A table missing from :data:`API_TABLES` gets
-nothing (tests/unit/test_api_role.py makes a new table of ``ledger.models`` choose).
+No ``UPDATE`` on ``idempotency_keys``; foreign keys are checked with the owner's rights,
+so inserting a task needs nothing on ``teams`` or ``users``; ``task_audit.id`` is an
+identity column, so no sequence. The API's store credentials need ``GetObject`` only,
+never a listing (object keys end in 128 random bits; deploy/security.md, "Object store").
+A table missing from :data:`API_TABLES` gets nothing (tests/unit/test_api_role_grants.py makes
+a new table of ``ledger.models`` choose).
 """
 
 from __future__ import annotations
