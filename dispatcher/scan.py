@@ -258,8 +258,10 @@ def _missing_from_broker(
     cluster: Cluster, window: Window, published: list[tuple[RunRef, bool]]
 ) -> tuple[list[RunRef], list[RunRef]]:
     """The runs among ``published`` whose message the broker held in neither of the last
-    two looks, a scan apart; and, where the broker can only count (or cannot tell) and
-    holds messages, those overdue (stamped past LOST_AFTER)."""
+    two looks, a scan apart; and those overdue (stamped past LOST_AFTER) where the broker
+    cannot say the message is still to come: it can only count (or cannot tell) and holds
+    messages, or it holds the message only as taken by a consumer, which never claimed the
+    run (it may have died with it: kombu gives the message back after an hour)."""
     if not published:
         window.unseen = {}
         return [], []
@@ -274,8 +276,12 @@ def _missing_from_broker(
         if view is None or (view.listed is None and view.ready > 0):
             if old:  # cannot say which message is missing: the stamp's age decides
                 overdue.append(ref)
-        elif not view.holds(queueing.message_id(ref.task_id, ref.run), queueing.stamp_text(ref)):
+            continue
+        message, stamp = queueing.message_id(ref.task_id, ref.run), queueing.stamp_text(ref)
+        if not view.holds(message, stamp):
             unseen[(ref.task_id, ref.run)] = ref.stamp
+        elif old and view.only_delivered(message, stamp):
+            overdue.append(ref)
     earlier, window.unseen = window.unseen, unseen
     missing = [
         ref

@@ -49,16 +49,24 @@ def broker_redis() -> redis.Redis:
 @dataclass(frozen=True)
 class QueueView:
     """One look at a queue: the messages it holds as ``(message id, stamp)`` where the
-    broker can list them, else only how many are ready (``listed`` None)."""
+    broker can list them, else only how many are ready (``listed`` None); ``delivered``:
+    those of them a consumer took and has not acknowledged."""
 
     ready: int
     listed: frozenset[tuple[str, str]] | None
+    delivered: frozenset[tuple[str, str]] = frozenset()
 
     def holds(self, message_id: str, stamp: str) -> bool:
         """Does the broker hold this publish's message (or may it: a count cannot tell)?"""
         if self.listed is None:
             return self.ready > 0
         return (message_id, stamp) in self.listed
+
+    def only_delivered(self, message_id: str, stamp: str) -> bool:
+        """Is this publish's message held only as taken by a consumer? Whether that
+        consumer lives, the broker cannot say: kombu keeps the message until its
+        visibility timeout (an hour)."""
+        return (message_id, stamp) in self.delivered
 
 
 def look(
@@ -91,8 +99,10 @@ def _look_redis(client: redis.Redis, prefix: str, queues: list[str]) -> dict[str
         if length > LIST_LIMIT:
             views[queue] = None
             continue
-        listed = held[queue] | {_identity(raw) for raw in waiting}
-        views[queue] = QueueView(length, frozenset(h for h in listed if h is not None))
+        in_list = {_identity(raw) for raw in waiting}
+        taken = frozenset(h for h in held[queue] - in_list if h is not None)
+        listed = frozenset(h for h in held[queue] | in_list if h is not None)
+        views[queue] = QueueView(length, listed, taken)
     return views
 
 

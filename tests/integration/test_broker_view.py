@@ -190,3 +190,42 @@ def raw_message(client: redis.Redis, prefix: str, task_id: uuid.UUID) -> str:
         if json.loads(raw)["headers"]["id"] == f"{task_id}-0":
             return str(raw)
     raise AssertionError(f"no message of {task_id}")
+
+
+def test_a_message_taken_by_a_consumer_that_never_claims_it_is_published_again_after_lost_after(
+    engine: sa.Engine,
+    world: World,
+    celery_app: Celery,
+    redis_client: redis.Redis,
+    queue_prefix: str,
+    offer: Callable[..., Heartbeat],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker takes a message (it moves to kombu's unacked hash) and dies before its
+    claim: the broker still holds the message, and gives it back only after its visibility
+    timeout, an hour. The run is published again once its stamp is past LOST_AFTER (here
+    made 0 s), not before; the run still waiting in the list is left alone."""
+    offer(concurrency=1, queues=("exports",))
+    runs = waiting_rows(engine, world, 2)
+    monkeypatch.setattr(scan_module, "PUBLISH_GRACE_S", 0.0)
+    with dispatcher(celery_app) as next_scan, celery_app.connection_for_read() as conn:
+        assert next_scan().dispatched == 2
+        taken = Queue(EXPORTS_QUEUE).bind(conn.default_channel).get(no_ack=False)
+        assert taken is not None  # never acknowledged: its consumer is gone
+        stuck = uuid.UUID(taken.headers["id"][:36])
+        before = stamps(engine, runs)
+        for _ in range(3):
+            counts = next_scan()
+            assert (counts.redispatched, counts.missing_from_broker, counts.overdue) == (0, 0, 0)
+        assert stamps(engine, runs) == before
+        monkeypatch.setattr(scan_module, "LOST_AFTER_MIN_S", 0.0)  # LOST_AFTER passes
+        monkeypatch.setattr(scan_module, "LOST_AFTER_FACTOR", 0)
+        counts = next_scan()
+        assert (counts.redispatched, counts.missing_from_broker, counts.overdue) == (1, 0, 1)
+        after = stamps(engine, runs)
+        waiting = next(t for t in runs if t != stuck)
+        assert after[waiting] == before[waiting]
+        assert after[stuck] is not None and after[stuck] != before[stuck]
+        assert sorted(messages(redis_client, queue_prefix)["exports"]) == sorted(ids(runs))
+        settled = next_scan()
+        assert (settled.redispatched, settled.overdue) == (0, 0)

@@ -87,7 +87,7 @@ def test_a_tick_that_raises_does_not_end_the_renewals(caplog: pytest.LogCaptureF
 
 
 def test_the_database_checks_start_at_once_on_a_thread_of_their_own() -> None:
-    """The step's second ``Renewals``: the database check, first right away (the worker's
+    """The life's second ``Loop``: the database check, first right away (the worker's
     start waits for it), on its own thread, so a check that hangs holds no renewal."""
     seen: list[str] = []
     first = threading.Event()
