@@ -512,14 +512,11 @@ def was_cancelled(conn: Connection, held: Lease) -> bool:
 
 
 class Skip(NamedTuple):
-    """Why a claim took nothing: in words, whether the message's own run was cancelled
-    (the message then ends as REVOKED, not as a success), and whether a live execution
-    holds the run (a redelivery: kombu gave the message back after its visibility
-    timeout, an hour, or a clock is that far off)."""
+    """Why a claim took nothing: in words, and whether the message's own run was
+    cancelled (the message then ends as REVOKED, not as a success)."""
 
     reason: str
     cancelled: bool = False
-    running: bool = False
 
 
 def skip_reason(conn: Connection, task_id: uuid.UUID, run: int, stamp: datetime | None) -> Skip:
@@ -535,7 +532,7 @@ def skip_reason(conn: Connection, task_id: uuid.UUID, run: int, stamp: datetime 
     if stamp is not None and dispatched_at != stamp:
         return Skip("the message is not the run's current publish")
     if status == "RUNNING":
-        return Skip("the run is held by a live execution", running=True)
+        return Skip("the run is held by a live execution")
     return Skip("the run is not due yet" if early else "the run is not claimable")
 
 

@@ -209,8 +209,7 @@ def _skipped(task: Task, conn: Connection, message: delivery.Delivery) -> dict[s
     except Exception as exc:
         skip = lease.Skip(f"not claimable (the reason could not be read: {type(exc).__name__})")
     fields = _fields(message.task_id, message.run, None, reason=skip.reason)
-    # A redelivery to a live execution is rare and worth a look; other skips are routine.
-    log_event(log, "task.skipped", logging.WARNING if skip.running else logging.INFO, **fields)
+    log_event(log, "task.skipped", **fields)
     if skip.cancelled:
         _end_revoked(task)
     return _outcome(message.task_id, message.run, "skipped", reason=skip.reason)

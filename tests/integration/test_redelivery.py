@@ -7,7 +7,6 @@ once. Real Redis, kombu's own restore, an in-process worker with two slots."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import pytest
@@ -74,7 +73,6 @@ def test_a_message_restored_while_its_execution_runs_is_skipped_and_the_run_comp
     assert audit_events(engine, task_id) == ["CLAIM", "COMPLETE"]
     assert len(event_records(caplog, "task.started", task_id)) == 1
     (skipped,) = event_records(caplog, "task.skipped", task_id)
-    assert skipped.levelno == logging.WARNING  # rare, worth a look: not a routine skip
     assert skipped.reason == "the run is held by a live execution"  # type: ignore[attr-defined]
     assert event_records(caplog, "task.lease_lost", task_id) == []
     assert held_ids(redis_client, queue_prefix) == set()
