@@ -147,7 +147,12 @@ def test_a_killed_listener_reconnects_and_notifications_work_again(
     with engine.begin() as conn:
         add_tickets(conn, world.team_id, world.customer_id, 2)
     with running_cluster(app):
-        wait_for(lambda: listener_backends(engine) == 1, what="the listener to connect")
+        # Listening, not only connected: a session cut between its connect and its LISTEN
+        # logs no first "listening" (a loaded run killed it there).
+        wait_for(
+            lambda: listen_states(caplog) == ["listening"] and listener_backends(engine) == 1,
+            what="the listener to listen",
+        )
         killed = listener_backends(engine, terminate=True)
         assert killed == 1
         again = ["listening", "polling", "listening"]
