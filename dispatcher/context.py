@@ -13,7 +13,7 @@ import redis
 from celery import Celery
 from sqlalchemy.engine import Connection, Engine
 
-from teamdesk.config import Settings
+from teamdesk.config import Settings, is_redis_url
 from teamdesk.db import bound_transactions, make_engine
 from teamdesk.redis_client import redis_client
 
@@ -41,6 +41,14 @@ def results_redis(settings: Settings) -> redis.Redis:
     return redis_client(settings, settings.redis_url, REDIS_TIMEOUT_S, retries=1)
 
 
+def broker_redis(settings: Settings) -> redis.Redis | None:
+    """The broker's Redis, as :func:`results_redis` (None when the broker is not Redis:
+    the broker look then asks the broker through the Celery app)."""
+    if not is_redis_url(settings.broker_url):
+        return None
+    return redis_client(settings, settings.broker_url, REDIS_TIMEOUT_S, retries=1)
+
+
 @dataclass
 class Cluster:
     """The dispatcher's handles on the cluster; :meth:`close` releases them."""
@@ -49,6 +57,7 @@ class Cluster:
     settings: Settings
     engine: Engine = field(default=None)  # type: ignore[assignment]
     results: redis.Redis = field(default=None)  # type: ignore[assignment]
+    broker: redis.Redis | None = field(init=False, default=None)  # the broker look's
     # The object store's sweep: where it goes on from, and its thread (dispatcher/objects.py).
     object_sweep_after: str = ""
     object_purges: OnePassAtATime = field(
@@ -60,11 +69,14 @@ class Cluster:
             self.engine = dispatcher_engine(self.settings)
         if self.results is None:
             self.results = results_redis(self.settings)
+        self.broker = broker_redis(self.settings)
 
     def close(self) -> None:
         self.object_purges.close(PASS_JOIN_S)  # a scan command ends with its purge done
         self.engine.dispose()
         self.results.close()
+        if self.broker is not None:
+            self.broker.close()
 
 
 PASS_JOIN_S = 60.0  # how long closing waits for a pass under way (its calls are bounded)

@@ -266,9 +266,7 @@ def _missing_from_broker(
         window.unseen = {}
         return [], []
     queues = {QUEUE_OF_KIND[ref.kind] for ref, _ in published}
-    views = broker_view.look(
-        cluster.app, broker_view.broker_redis(), cluster.settings.queue_prefix, queues
-    )
+    views = broker_view.look(cluster.app, cluster.broker, cluster.settings.queue_prefix, queues)
     unseen: dict[tuple[uuid.UUID, int], datetime | None] = {}
     overdue: list[RunRef] = []
     for ref, old in published:

@@ -355,7 +355,8 @@ def _answer(
     for rule, ok in created.passed.items():
         if not ok:
             raise refusals[rule]()
-    raise KeyInUse()  # nothing refused and nothing was inserted: a key's row came and went
+    # Every rule passed and no key was held, so the statement inserted: never reached.
+    raise AssertionError("the creation inserted nothing and no rule refused it")
 
 
 def _ticket(ticket_id: Any) -> uuid.UUID:

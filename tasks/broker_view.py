@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import threading
 from collections.abc import Iterable
 from contextlib import suppress
 from dataclasses import dataclass
@@ -21,29 +20,10 @@ from celery import Celery
 from kombu.exceptions import KombuError
 
 from tasks.queueing import canonical_stamp
-from teamdesk.config import get_settings, is_redis_url
-from teamdesk.redis_client import redis_client
+from teamdesk.config import is_redis_url
 
 LIST_LIMIT = 10_000  # a queue longer than this is not listed: nothing is judged missing
 UNACKED_KEY = "unacked"  # kombu's default transport option unacked_key
-TIMEOUT_S = 5
-
-_client: redis.Redis | None = None
-_client_url: str | None = None
-_client_lock = threading.Lock()
-
-
-def broker_redis() -> redis.Redis:
-    """A client of the broker's Redis when the broker is Redis, else of REDIS_URL (then
-    :func:`look` does not use it)."""
-    global _client, _client_url
-    settings = get_settings()
-    url = settings.broker_url if is_redis_url(settings.broker_url) else settings.redis_url
-    with _client_lock:
-        if _client is None or _client_url != url:
-            _client = redis_client(settings, url, TIMEOUT_S, retries=1)
-            _client_url = url
-        return _client
 
 
 @dataclass(frozen=True)
@@ -70,12 +50,12 @@ class QueueView:
 
 
 def look(
-    app: Celery, client: redis.Redis, prefix: str, queues: Iterable[str]
+    app: Celery, client: redis.Redis | None, prefix: str, queues: Iterable[str]
 ) -> dict[str, QueueView | None]:
     """What each of ``queues`` holds now; None for a queue the broker cannot say about (an
-    error, a list too long to read). ``client`` is the broker's Redis (used only when the
-    broker is Redis). Raises redis.RedisError."""
-    if is_redis_url(app.conf.broker_url or ""):
+    error, a list too long to read). ``client``: the broker's Redis, when the broker is
+    Redis. Raises redis.RedisError."""
+    if client is not None and is_redis_url(app.conf.broker_url or ""):
         return _look_redis(client, prefix, list(queues))
     return _look_amqp(app, queues)
 

@@ -196,15 +196,13 @@ class WorkerLife:
     worker/lifecycle.py turns it into the exit code."""
 
     def __init__(self) -> None:
-        self.state = State.STOPPED
+        self._phase = State.STOPPED  # STARTING, CONSUMING, DRAINING or STOPPED (see state)
         self.liveness: Liveness | None = None
         self.intake: Intake | None = None
         self.holder: str | None = None  # the member the pool's children record in claims
         self._renewals: Loop | None = None
         self._checks: Loop | None = None
         self._wake: Any = None
-        # Re-entrant: the SIGTERM handler (drain) may interrupt the main thread inside it.
-        self._lock = threading.RLock()
         self._new_stop()
         self.crashed = False  # Celery logged an unrecoverable error (worker/lifecycle.py)
 
@@ -223,8 +221,14 @@ class WorkerLife:
         self.liveness = Liveness(get_settings(), consumes=consumes, offer=lambda: _consumes(worker))
         self.intake = Intake(worker, self.liveness, consumes.queues)
         self.holder = self.liveness.member  # chosen before the pool forks: children inherit it
-        self.state = State.STARTING
+        self._phase = State.STARTING
         self._new_stop()
+
+    @property
+    def state(self) -> State:
+        """The phase, PAUSED instead of CONSUMING while the intake is paused."""
+        paused = self.intake is not None and self.intake.paused
+        return State.PAUSED if self._phase is State.CONSUMING and paused else self._phase
 
     def start(self, worker: Any) -> None:
         """Before the consumer starts: the first check and renewal, so a worker whose first
@@ -237,7 +241,7 @@ class WorkerLife:
         liveness.tick()
         liveness.checked.wait(CHECK_WAIT_S)
         intake.follow(at_once=True)
-        self._note_intake()
+        self._phase = State.CONSUMING
         self._renewals = Loop(self._tick, interval_s)
         self._renewals.start()
         # The event loop sleeps until its next timer (up to 1 s) and a signal does not cut
@@ -252,17 +256,11 @@ class WorkerLife:
         """One renewal, on the renewal thread: the holder while draining, else the heartbeat
         and then the intake's decision."""
         liveness, intake = self._attached()
-        if self.state is State.DRAINING:
+        if self._phase is State.DRAINING:
             liveness.drain_tick()  # logs its failures itself and keeps trying
             return
         liveness.tick()
         intake.follow()
-        self._note_intake()
-
-    def _note_intake(self) -> None:
-        with self._lock:
-            if self.state in (State.STARTING, State.CONSUMING, State.PAUSED) and self.intake:
-                self.state = State.PAUSED if self.intake.paused else State.CONSUMING
 
     # -- stop ----------------------------------------------------------------------------
 
@@ -273,8 +271,7 @@ class WorkerLife:
         settings = get_settings()
         log_event(log, "worker.stopping", signal=signal_name, budget_s=settings.shutdown_timeout_s)
         if self.liveness is not None:
-            with self._lock:
-                self.state = State.DRAINING
+            self._phase = State.DRAINING
             self.liveness.stop(draining=True)
         self._arm(settings.shutdown_timeout_s, self._escalate)
 
@@ -282,9 +279,8 @@ class WorkerLife:
         """Celery stops the bootstep: during a drain the renewals go on (the pool still runs
         tasks); otherwise both threads stop and the member is removed (``draining``: a cold
         stop, it stays a lease holder until it expires, one TTL on)."""
-        with self._lock:
-            if self.state is State.DRAINING:
-                return
+        if self._phase is State.DRAINING:
+            return
         self._stop_threads(lambda: self._remove(draining))
 
     def end(self) -> None:
@@ -292,7 +288,7 @@ class WorkerLife:
         self.finished.set()
         for timer in self._timers:
             timer.cancel()
-        drained = self.state is State.DRAINING
+        drained = self._phase is State.DRAINING
         self._stop_threads(lambda: None)
         if drained and self.liveness is not None:
             self.liveness.finish()
@@ -315,8 +311,7 @@ class WorkerLife:
             self._wake = None
         remove()
         self.holder = None
-        with self._lock:
-            self.state = State.STOPPED
+        self._phase = State.STOPPED
         if checks is not None:
             checks.stop(CHECK_WAIT_S)
 

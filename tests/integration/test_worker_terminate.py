@@ -35,8 +35,10 @@ def test_a_terminated_worker_stops_renewing_and_stays_a_holder_until_it_expires(
         assert member is not None
         assert len(renewal_threads()) == 1
         assert live_members(redis_client, settings.queue_prefix) == {member}
+        assert life.LIFE.state is life.State.CONSUMING
     assert renewal_threads() == []  # joined before the worker's thread ended
     assert life.lease_holder() is None
+    assert life.LIFE.state is life.State.STOPPED
     assert live_members(redis_client, settings.queue_prefix) == set()
     holders = read_lease_holders(redis_client, settings.queue_prefix).members
     assert member in holders  # expires one TTL on, renewed by nothing
